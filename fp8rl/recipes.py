@@ -1,0 +1,103 @@
+"""The four precision recipes of the FP8 RL study, as typed configs every process reads.
+
+| recipe        | rollout weights | KV cache | trainer linears | IS correction |
+| ------------- | --------------- | -------- | --------------- | ------------- |
+| `bf16`        | bf16            | bf16     | bf16            | none          |
+| `fp8-rollout` | FP8 block 128   | bf16     | bf16            | tis, cap 2    |
+| `fp8`         | FP8 block 128   | bf16     | FP8 block 128   | tis, cap 2    |
+| `fp8-kv`      | FP8 block 128   | FP8      | FP8 block 128   | tis, cap 2    |
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from fp8rl.weights import WeightFormat
+
+RecipeName = Literal["bf16", "fp8-rollout", "fp8", "fp8-kv"]
+RECIPE_NAMES: tuple[RecipeName, ...] = ("bf16", "fp8-rollout", "fp8", "fp8-kv")
+ISMode = Literal["none", "tis", "icepop", "seq-mask-tis"]
+
+
+class ImportanceSampling(BaseModel):
+    """Correction of the rollout/trainer mismatch with w = exp(prev_logprob - gen_logprob)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mode: ISMode = "none"
+    """`tis` clamps w to [0, cap]; `icepop` zeroes tokens with w outside [low, high]; `seq-mask-tis`
+    drops sequences whose geometric-mean w lies outside [low, high]; `none` uses w = 1."""
+    cap: float = Field(2.0, gt=0)
+    """Upper clamp of `tis`."""
+    low: float = Field(0.5, ge=0)
+    """Lower bound of `icepop` and `seq-mask-tis`."""
+    high: float = Field(2.0, gt=0)
+    """Upper bound of `icepop` and `seq-mask-tis`."""
+
+    @model_validator(mode="after")
+    def _bounds_ordered(self) -> ImportanceSampling:
+        if self.low >= self.high:
+            raise ValueError(f"importance sampling low ({self.low}) must be below high ({self.high})")
+        return self
+
+
+class Recipe(BaseModel):
+    """What each engine runs under one recipe."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: RecipeName
+    rollout_weights: WeightFormat
+    """Format of the WeightSet the trainer publishes and the rollout serves."""
+    kv_cache_dtype: Literal["auto", "fp8"]
+    """vLLM `kv_cache_dtype`: `auto` follows the model dtype."""
+    train_linears: Literal["bf16", "fp8"]
+    """Precision of the linear layers inside the trainer's transformer blocks."""
+    importance_sampling: ImportanceSampling
+
+    @property
+    def fp8_rollout(self) -> bool:
+        return self.rollout_weights == "fp8-block128"
+
+
+_TIS = ImportanceSampling(mode="tis", cap=2.0)
+
+RECIPES: dict[RecipeName, Recipe] = {
+    "bf16": Recipe(
+        name="bf16",
+        rollout_weights="bf16",
+        kv_cache_dtype="auto",
+        train_linears="bf16",
+        importance_sampling=ImportanceSampling(mode="none"),
+    ),
+    "fp8-rollout": Recipe(
+        name="fp8-rollout",
+        rollout_weights="fp8-block128",
+        kv_cache_dtype="auto",
+        train_linears="bf16",
+        importance_sampling=_TIS,
+    ),
+    "fp8": Recipe(
+        name="fp8",
+        rollout_weights="fp8-block128",
+        kv_cache_dtype="auto",
+        train_linears="fp8",
+        importance_sampling=_TIS,
+    ),
+    "fp8-kv": Recipe(
+        name="fp8-kv",
+        rollout_weights="fp8-block128",
+        kv_cache_dtype="fp8",
+        train_linears="fp8",
+        importance_sampling=_TIS,
+    ),
+}
+
+
+def get_recipe(name: str) -> Recipe:
+    try:
+        return RECIPES[name]  # type: ignore[index]
+    except KeyError:
+        raise ValueError(f"unknown recipe {name!r}; choose one of {', '.join(RECIPE_NAMES)}") from None

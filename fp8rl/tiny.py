@@ -1,0 +1,120 @@
+"""A tiny Qwen2-architecture causal LM with a byte-level tokenizer (one token per
+ASCII character), for tests and the demo.
+
+Every linear layer has whole 128x128 FP8 blocks: hidden 256, intermediate 512, 4 query heads and 2
+key/value heads of dimension 64 (q shard 256 rows, k and v shards 128 rows each). Random initialisation,
+deterministic for a seed. The directory is in HF format (config.json, model.safetensors, tokenizer.json),
+loadable by transformers and vLLM alike.
+
+    python -m fp8rl.tiny --out DIR [--seed 0] [--dtype bfloat16|float32]
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
+PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(4)
+VOCAB_SIZE = 320  # 4 special tokens + 256 bytes, padded to a multiple of 64
+
+ARCHITECTURE: dict[str, Any] = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def byte_symbols() -> list[str]:
+    """The byte-level BPE alphabet: byte b is shown as one printable unicode character.
+
+    Printable Latin-1 bytes stand for themselves; the others are shifted past 255, so every byte has a
+    visible, whitespace-free symbol (the convention of GPT-2 and Qwen2 tokenizers).
+    """
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    shifted = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(shifted)) for b in range(256)]
+
+
+def build_tokenizer():  # -> transformers.PreTrainedTokenizerFast
+    """One token per byte (one per character for ASCII text): byte b has id ``4 + b``.
+
+    A byte-level BPE without merges, so that transformers (which loads any Qwen2 checkpoint's
+    tokenizer as its byte-level ``Qwen2Tokenizer``) and vLLM tokenize exactly as built here.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate([*SPECIAL_TOKENS, *byte_symbols()])}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.add_special_tokens(SPECIAL_TOKENS)
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        model_max_length=ARCHITECTURE["max_position_embeddings"],
+    )
+
+
+def build_config(dtype: str = "bfloat16"):  # -> transformers.Qwen2Config
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=VOCAB_SIZE,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+        dtype=dtype,
+        **ARCHITECTURE,
+    )
+
+
+def build_model(seed: int = 0, dtype: str = "bfloat16"):  # -> transformers.Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(build_config(dtype))
+    # transformers wraps Module.to in a decorator that type checkers misread
+    return model.to(DTYPES[dtype]).eval()  # type: ignore[arg-type]
+
+
+def write_tiny_model(out: str | Path, seed: int = 0, dtype: str = "bfloat16") -> Path:
+    """Write the random tiny model and its tokenizer to ``out`` (created if missing)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    build_model(seed, dtype).save_pretrained(out)
+    build_tokenizer().save_pretrained(out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m fp8rl.tiny", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True, type=Path, help="directory to write the model to")
+    parser.add_argument("--seed", type=int, default=0, help="initialisation seed")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    args = parser.parse_args(argv)
+    print(write_tiny_model(args.out, args.seed, args.dtype))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class WeightHeader(_message.Message):
+    __slots__ = ("version", "base_version", "encoding", "total_bytes", "digest", "format", "recipe")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    RECIPE_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    base_version: int
+    encoding: str
+    total_bytes: int
+    digest: str
+    format: str
+    recipe: str
+    def __init__(self, version: _Optional[int] = ..., base_version: _Optional[int] = ..., encoding: _Optional[str] = ..., total_bytes: _Optional[int] = ..., digest: _Optional[str] = ..., format: _Optional[str] = ..., recipe: _Optional[str] = ...) -> None: ...
+
+class WeightChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: WeightHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[WeightHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class UpdateWeightsResponse(_message.Message):
+    __slots__ = ("version", "encoding", "bytes_received", "tensors_updated", "apply_s")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_UPDATED_FIELD_NUMBER: _ClassVar[int]
+    APPLY_S_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    encoding: str
+    bytes_received: int
+    tensors_updated: int
+    apply_s: float
+    def __init__(self, version: _Optional[int] = ..., encoding: _Optional[str] = ..., bytes_received: _Optional[int] = ..., tensors_updated: _Optional[int] = ..., apply_s: _Optional[float] = ...) -> None: ...

@@ -1,0 +1,51 @@
+"""FP8 numerics on FP8 hardware: our codes on CUDA equal those on CPU, and a real FP8 GEMM over them
+(torch._scaled_mm, one 128-wide K slice at a time) equals the float64 product of the dequantized
+operands. Run on a CUDA host with scripts/gpu_checks.sh."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp8rl import quant
+
+pytestmark = pytest.mark.gpu
+
+
+def test_cuda_codes_equal_cpu_codes(gen: torch.Generator) -> None:
+    w = torch.randn(384, 640, generator=gen)
+    q_cpu, s_cpu = quant.quantize_blockwise(w)
+    q_gpu, s_gpu = quant.quantize_blockwise(w.cuda())
+    assert torch.equal(s_gpu.cpu(), s_cpu)
+    assert torch.equal(q_gpu.cpu().view(torch.uint8), q_cpu.view(torch.uint8))
+    x = torch.randn(7, 640, generator=gen)
+    qa, sa = quant.quantize_activation(x.cuda())
+    qa_cpu, sa_cpu = quant.quantize_activation(x)
+    assert torch.equal(sa.cpu(), sa_cpu)
+    assert torch.equal(qa.cpu().view(torch.uint8), qa_cpu.view(torch.uint8))
+
+
+def test_scaled_mm_over_our_codes_matches_float64(gen: torch.Generator) -> None:
+    m, n, k = 64, 256, 512
+    x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen) * 0.02
+    qx, sx = (t.cuda() for t in quant.quantize_activation(x))  # [m, k], [m, k/128]
+    qw, sw = (t.cuda() for t in quant.quantize_blockwise(w))  # [n, k], [n/128, k/128]
+    one = torch.ones((), device="cuda")
+    out = torch.zeros(m, n, device="cuda", dtype=torch.float64)
+    for j in range(k // 128):
+        cols = slice(j * 128, (j + 1) * 128)
+        partial = torch._scaled_mm(
+            qx[:, cols].contiguous(),
+            qw[:, cols].contiguous().t(),
+            scale_a=one,
+            scale_b=one,
+            out_dtype=torch.float32,
+        )
+        row_scale = sx[:, j : j + 1].double()
+        col_scale = sw[:, j].double().repeat_interleave(128)[None, :n]
+        out += partial.double() * row_scale * col_scale
+    reference = quant.dequantize_activation(qx.cpu(), sx.cpu()).double() @ (
+        quant.dequantize_blockwise(qw.cpu(), sw.cpu()).double().t()
+    )
+    # Each 128-term FP8 partial product is exact in float32 up to its accumulation order.
+    torch.testing.assert_close(out.cpu(), reference, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,238 @@
+"""The WeightSet codec: bit-exact round trips, tiny deltas, and every corruption rejected."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fp8rl import quant
+from fp8rl.weights import (
+    BaseMismatchError,
+    CorruptUpdateError,
+    Reassembler,
+    WeightCodecError,
+    WeightSet,
+    build_weight_set,
+    bytes_digest,
+    decode_update,
+    encode_delta,
+    encode_keyframe,
+    raw_bytes,
+    split_chunks,
+)
+
+
+def model_like_state_dict(
+    gen: torch.Generator, layers: int = 2, hidden: int = 256
+) -> dict[str, torch.Tensor]:
+    """Qwen2-shaped tensors (q/k/v with bias, gate/up/down, norms, embeddings, lm_head), float32."""
+    sd = {
+        "model.embed_tokens.weight": torch.randn(320, hidden, generator=gen),
+        "model.norm.weight": torch.ones(hidden),
+    }
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes = {
+            "self_attn.q_proj": (hidden, hidden),
+            "self_attn.k_proj": (128, hidden),
+            "self_attn.v_proj": (128, hidden),
+            "self_attn.o_proj": (hidden, hidden),
+            "mlp.gate_proj": (2 * hidden, hidden),
+            "mlp.up_proj": (2 * hidden, hidden),
+            "mlp.down_proj": (hidden, 2 * hidden),
+        }
+        for name, shape in shapes.items():
+            sd[p + name + ".weight"] = torch.randn(shape, generator=gen) * 0.02
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            sd[p + f"self_attn.{proj}.bias"] = torch.randn(
+                sd[p + f"self_attn.{proj}.weight"].shape[0], generator=gen
+            )
+        sd[p + "input_layernorm.weight"] = torch.ones(hidden)
+        sd[p + "post_attention_layernorm.weight"] = torch.ones(hidden)
+    sd["lm_head.weight"] = torch.randn(320, hidden, generator=gen) * 0.02
+    return sd
+
+
+def adam_like_step(
+    sd: dict[str, torch.Tensor], gen: torch.Generator, relative: float
+) -> dict[str, torch.Tensor]:
+    return {k: v + relative * v.abs() * torch.randn(v.shape, generator=gen) for k, v in sd.items()}
+
+
+def assert_sets_identical(a: WeightSet, b: WeightSet) -> None:
+    assert a.format == b.format
+    assert set(a.tensors) == set(b.tensors)
+    for name, t in a.tensors.items():
+        u = b.tensors[name]
+        assert t.dtype == u.dtype and t.shape == u.shape, name
+        assert (raw_bytes(t) == raw_bytes(u)).all(), name
+
+
+def test_fp8_weight_set_layout(gen: torch.Generator) -> None:
+    sd = model_like_state_dict(gen)
+    ws = build_weight_set(sd, "fp8-block128")
+    q_name = "model.layers.1.self_attn.k_proj.weight"
+    assert ws.tensors[q_name].dtype == torch.float8_e4m3fn
+    assert ws.tensors["model.layers.1.self_attn.k_proj.weight_scale_inv"].shape == (1, 2)
+    codes, scales = quant.quantize_blockwise(sd[q_name])
+    assert torch.equal(ws.tensors[q_name].view(torch.uint8), codes.view(torch.uint8))
+    assert torch.equal(ws.tensors["model.layers.1.self_attn.k_proj.weight_scale_inv"], scales)
+    for name in (
+        "model.embed_tokens.weight",
+        "lm_head.weight",
+        "model.norm.weight",
+        "model.layers.0.self_attn.q_proj.bias",
+        "model.layers.0.input_layernorm.weight",
+    ):
+        assert ws.tensors[name].dtype == torch.bfloat16, name
+    linears = [n for n in sd if ".layers." in n and n.endswith("_proj.weight")]
+    assert len(ws.tensors) == len(sd) + len(linears)
+    assert all(t.dtype == torch.bfloat16 for t in build_weight_set(sd, "bf16").tensors.values())
+    assert build_weight_set(sd, "bf16", hp_dtype=torch.float32).tensors[q_name].dtype == torch.float32
+
+
+@pytest.mark.parametrize("fmt", ["fp8-block128", "bf16"])
+def test_keyframe_then_deltas_round_trip_bit_exact(fmt: str, gen: torch.Generator) -> None:
+    master = model_like_state_dict(gen)
+    sent = build_weight_set(master, fmt)  # type: ignore[arg-type]
+    update = encode_keyframe(sent, version=0, recipe="fp8")
+    held = decode_update(update.blob)
+    assert held.version == 0 and held.encoding == "keyframe"
+    assert_sets_identical(sent, held.weights)
+    for version in range(1, 4):
+        master = adam_like_step(master, gen, 1e-3)
+        new = build_weight_set(master, fmt)  # type: ignore[arg-type]
+        delta = encode_delta(new, sent, version=version, base_version=version - 1)
+        assert 0 < delta.density < 1
+        assert delta.wire_bytes < update.wire_bytes
+        held = decode_update(delta.blob, held.weights, held_version=version - 1)
+        assert held.version == version and held.encoding == "delta"
+        assert_sets_identical(new, held.weights)
+        assert held.weights.digest == new.digest
+        sent = new
+
+
+def test_identical_sets_give_a_tiny_delta(gen: torch.Generator) -> None:
+    ws = build_weight_set(model_like_state_dict(gen), "fp8-block128")
+    delta = encode_delta(ws, ws, version=1, base_version=0)
+    assert delta.density == 0.0 and delta.tensors_changed == 0
+    assert delta.wire_bytes < 1024, delta.wire_bytes
+    out = decode_update(delta.blob, ws, held_version=0)
+    assert out.tensors_updated == 0
+    assert_sets_identical(ws, out.weights)
+
+
+def test_delta_handles_added_removed_and_reshaped_tensors(gen: torch.Generator) -> None:
+    base = WeightSet(
+        "bf16",
+        {
+            "a": torch.randn(8, generator=gen).bfloat16(),
+            "b": torch.zeros(3).bfloat16(),
+            "c": torch.ones(2, 2).bfloat16(),
+        },
+    )
+    new = WeightSet(
+        "bf16", {"a": base.tensors["a"], "c": torch.ones(4).bfloat16(), "d": torch.arange(5.0).bfloat16()}
+    )
+    delta = encode_delta(new, base, version=5, base_version=4)
+    out = decode_update(delta.blob, base, held_version=4)
+    assert_sets_identical(new, out.weights)
+    assert out.tensors_updated == 3  # b removed, c reshaped, d added
+
+
+def test_wrong_base_is_a_distinct_error(gen: torch.Generator) -> None:
+    sd = model_like_state_dict(gen)
+    v0 = build_weight_set(sd, "fp8-block128")
+    v1 = build_weight_set(adam_like_step(sd, gen, 1e-2), "fp8-block128")
+    delta = encode_delta(v1, v0, version=1, base_version=0)
+    with pytest.raises(BaseMismatchError, match="version 0"):
+        decode_update(delta.blob, v0, held_version=3)
+    with pytest.raises(BaseMismatchError):
+        decode_update(delta.blob, None, held_version=None)
+    with pytest.raises(BaseMismatchError, match="digest"):  # right version number, other bytes
+        decode_update(delta.blob, v1, held_version=0)
+
+
+def test_every_flipped_byte_is_rejected_and_held_set_untouched(gen: torch.Generator) -> None:
+    sd = model_like_state_dict(gen, layers=1)
+    v0 = build_weight_set(sd, "fp8-block128")
+    v1 = build_weight_set(adam_like_step(sd, gen, 1e-2), "fp8-block128")
+    before = v0.digest
+    for blob, held in ((encode_keyframe(v1, 1).blob, None), (encode_delta(v1, v0, 1, 0).blob, v0)):
+        positions = [*torch.randint(0, len(blob), (40,), generator=gen).tolist(), 0, 8, len(blob) - 1]
+        for pos in positions:
+            corrupted = bytearray(blob)
+            corrupted[pos] ^= 1 << int(torch.randint(0, 8, (1,), generator=gen))
+            with pytest.raises(WeightCodecError):
+                decode_update(bytes(corrupted), held, held_version=0)
+        with pytest.raises(CorruptUpdateError):
+            decode_update(blob[: len(blob) // 2], held, held_version=0)
+    assert WeightSet(v0.format, dict(v0.tensors)).digest == before
+
+
+def test_chunks_reassemble_and_reject_truncation_and_reordering(gen: torch.Generator) -> None:
+    blob = torch.randint(0, 256, (10_000,), generator=gen, dtype=torch.uint8).numpy().tobytes()
+    chunks = list(split_chunks(blob, chunk_bytes=3000))
+    assert [len(c) for c in chunks] == [3000, 3000, 3000, 1000]
+    r = Reassembler(len(blob), bytes_digest(blob))
+    for c in chunks:
+        r.add(c)
+    assert r.finish() == blob
+    r = Reassembler(len(blob), bytes_digest(blob))
+    for c in chunks[:-1]:
+        r.add(c)
+    with pytest.raises(CorruptUpdateError, match="truncated"):
+        r.finish()
+    r = Reassembler(len(blob), bytes_digest(blob))
+    for c in [chunks[1], chunks[0], *chunks[2:]]:
+        r.add(c)
+    with pytest.raises(CorruptUpdateError, match="digest"):
+        r.finish()
+    r = Reassembler(len(blob), bytes_digest(blob))
+    with pytest.raises(CorruptUpdateError, match="more than"):
+        for c in [*chunks, b"x"]:
+            r.add(c)
+    with pytest.raises(CorruptUpdateError):
+        Reassembler(100, "sha256:00", max_bytes=10)
+
+
+_DTYPES = [torch.bfloat16, torch.float32, torch.float8_e4m3fn]
+
+
+@st.composite
+def weight_set_pairs(draw: st.DrawFn) -> tuple[WeightSet, WeightSet]:
+    """A base set and a new one that changes, adds, removes or keeps tensors."""
+    seed = draw(st.integers(0, 2**31 - 1))
+    g = torch.Generator().manual_seed(seed)
+    names = draw(st.lists(st.text("abcdefgh.", min_size=1, max_size=6), min_size=1, max_size=6, unique=True))
+    base, new = {}, {}
+    for name in names:
+        shape = draw(st.lists(st.integers(1, 7), min_size=1, max_size=3))
+        dtype = draw(st.sampled_from(_DTYPES))
+        t = (torch.randn(shape, generator=g) * 10).clamp(-400, 400).to(dtype)
+        base[name] = t
+        action = draw(st.sampled_from(["keep", "change", "remove", "reshape"]))
+        if action == "keep":
+            new[name] = t
+        elif action == "change":
+            u = t.clone().view(torch.uint8).reshape(-1)
+            u[draw(st.integers(0, u.numel() - 1))] ^= draw(st.integers(1, 127))
+            new[name] = u.view(dtype).reshape(t.shape)
+        elif action == "reshape":
+            new[name] = t.reshape(-1).to(torch.float32)
+    if draw(st.booleans()):
+        new["new.tensor"] = torch.randn(3, generator=g).bfloat16()
+    return WeightSet("bf16", base), WeightSet("bf16", new)
+
+
+@settings(max_examples=60, deadline=None)
+@given(weight_set_pairs())
+def test_property_delta_round_trip(pair: tuple[WeightSet, WeightSet]) -> None:
+    base, new = pair
+    key = decode_update(encode_keyframe(base, 7).blob)
+    assert_sets_identical(base, key.weights)
+    out = decode_update(encode_delta(new, base, 8, 7).blob, key.weights, held_version=7)
+    assert out.version == 8
+    assert_sets_identical(new, out.weights)

@@ -1,0 +1,118 @@
+"""The wire contract: committed stubs match the .proto files, weight streams fit gRPC's limits, and
+every server carries health and reflection."""
+
+from __future__ import annotations
+
+import filecmp
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from fp8rl.serving import start_server
+from fp8rl.v1 import rollout_pb2, rollout_pb2_grpc, trainer_pb2_grpc, weights_pb2
+from fp8rl.weight_stream import receive_update, update_to_chunks
+from fp8rl.weights import CorruptUpdateError, WeightSet, decode_update, encode_keyframe
+
+ROOT = Path(__file__).resolve().parent.parent
+GRPC_DEFAULT_LIMIT = 4 * 1024 * 1024
+
+
+def test_committed_stubs_match_protos(tmp_path: Path) -> None:
+    subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gen_protos.py"), "--out", str(tmp_path)], check=True
+    )
+    fresh, committed = tmp_path / "fp8rl" / "v1", ROOT / "fp8rl" / "v1"
+    generated = sorted(p.name for p in fresh.iterdir())
+    assert generated == sorted(p.name for p in committed.glob("*_pb2*")), "stub files added or removed"
+    _, mismatch, errors = filecmp.cmpfiles(fresh, committed, generated, shallow=False)
+    assert not mismatch and not errors, f"stale stubs {mismatch + errors}: run `make protos` and commit"
+
+
+def test_services_have_the_contracted_methods() -> None:
+    rollout = rollout_pb2.DESCRIPTOR.services_by_name["Rollout"]
+    methods = {m.name: (m.client_streaming, m.server_streaming) for m in rollout.methods}
+    assert methods == {
+        "Generate": (False, False),
+        "GenerateStream": (False, True),
+        "UpdateWeights": (True, False),
+        "GetStatus": (False, False),
+    }
+    from fp8rl.v1 import trainer_pb2
+
+    trainer = trainer_pb2.DESCRIPTOR.services_by_name["Trainer"]
+    assert {m.name for m in trainer.methods} == {
+        "TrainStep",
+        "ComputeLogprobs",
+        "PublishWeights",
+        "SaveCheckpoint",
+        "GetStatus",
+    }
+    prompt = rollout_pb2.Prompt(id="p", token_ids=rollout_pb2.TokenIds(ids=[1, 2]))
+    assert prompt.WhichOneof("input") == "token_ids"
+
+
+def big_weight_set(gen: torch.Generator) -> WeightSet:
+    return WeightSet("bf16", {f"w{i}": torch.randn(1024, 1024, generator=gen).bfloat16() for i in range(5)})
+
+
+def test_weight_stream_round_trip_within_message_limit(gen: torch.Generator) -> None:
+    ws = big_weight_set(gen)
+    update = encode_keyframe(ws, version=3, recipe="bf16")
+    chunks = list(update_to_chunks(update))
+    assert chunks[0].WhichOneof("part") == "header" and len(chunks) > 2
+    assert all(c.ByteSize() <= GRPC_DEFAULT_LIMIT for c in chunks)
+    header, blob = receive_update(chunks)
+    assert (header.version, header.base_version, header.encoding) == (3, -1, "keyframe")
+    assert header.total_bytes == len(blob) == update.wire_bytes
+    assert decode_update(blob).weights.digest == ws.digest
+
+
+def test_weight_stream_rejects_malformed_streams(gen: torch.Generator) -> None:
+    chunks = list(update_to_chunks(encode_keyframe(big_weight_set(gen), version=1)))
+    header, data = chunks[0], chunks[1:]
+    cases = {
+        "no header": data,
+        "empty": [],
+        "two headers": [header, header, *data],
+        "truncated": [header, *data[:-1]],
+        "reordered": [header, data[1], data[0], *data[2:]],
+        "corrupted": [header, weights_pb2.WeightChunk(data=b"\0" + data[0].data[1:]), *data[1:]],
+    }
+    for name, stream in cases.items():
+        with pytest.raises(CorruptUpdateError):
+            receive_update(stream)
+        print("rejected:", name)
+
+
+def test_servers_expose_health_and_reflection() -> None:
+    running = start_server(
+        lambda s: (
+            rollout_pb2_grpc.add_RolloutServicer_to_server(rollout_pb2_grpc.RolloutServicer(), s),
+            trainer_pb2_grpc.add_TrainerServicer_to_server(trainer_pb2_grpc.TrainerServicer(), s),
+        ),
+        ["fp8rl.v1.Rollout", "fp8rl.v1.Trainer"],
+    )
+    try:
+        assert running.port > 0
+        with grpc.insecure_channel(running.address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            check = lambda name: health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5).status  # noqa: E731
+            assert check("fp8rl.v1.Rollout") == health_pb2.HealthCheckResponse.NOT_SERVING
+            running.set_serving()
+            assert check("") == check("fp8rl.v1.Rollout") == health_pb2.HealthCheckResponse.SERVING
+            reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
+            [reply] = list(
+                reflect.ServerReflectionInfo(
+                    iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5
+                )
+            )
+            names = {s.name for s in reply.list_services_response.service}
+            assert {"fp8rl.v1.Rollout", "fp8rl.v1.Trainer", "grpc.health.v1.Health"} <= names
+    finally:
+        running.stop(0)
