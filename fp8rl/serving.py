@@ -6,13 +6,69 @@ returned, so tests never race for fixed ports.
 
 from __future__ import annotations
 
+import functools
+import inspect
+import logging
 from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from fp8rl.errors import Cancelled, InvalidRequest, NotReady, PreconditionFailed
+from fp8rl.weights import BaseMismatchError, CorruptUpdateError
+
+log = logging.getLogger(__name__)
+
+# Domain error -> gRPC status, most specific first. Anything else is INTERNAL (and logged).
+STATUS_OF: list[tuple[type[BaseException], grpc.StatusCode]] = [
+    (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
+    (CorruptUpdateError, grpc.StatusCode.INVALID_ARGUMENT),
+    (BaseMismatchError, grpc.StatusCode.FAILED_PRECONDITION),
+    (PreconditionFailed, grpc.StatusCode.FAILED_PRECONDITION),
+    (NotReady, grpc.StatusCode.UNAVAILABLE),
+    (Cancelled, grpc.StatusCode.CANCELLED),
+]
+
+Method = TypeVar("Method", bound=Callable[..., Any])
+
+
+def status_of(exc: BaseException) -> grpc.StatusCode:
+    return next((code for kind, code in STATUS_OF if isinstance(exc, kind)), grpc.StatusCode.INTERNAL)
+
+
+def _abort(context: grpc.ServicerContext, exc: Exception) -> None:
+    code = status_of(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        log.exception("internal error")
+    context.abort(code, str(exc) or type(exc).__name__)
+
+
+def map_errors(method: Method) -> Method:
+    """Servicer-method decorator: domain exceptions become their gRPC status; works for unary and
+    server-streaming methods alike."""
+    if inspect.isgeneratorfunction(method):
+
+        @functools.wraps(method)
+        def stream(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+            try:
+                yield from method(self, request, context)
+            except Exception as exc:
+                _abort(context, exc)
+
+        return stream  # type: ignore[return-value]
+
+    @functools.wraps(method)
+    def unary(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return method(self, request, context)
+        except Exception as exc:
+            _abort(context, exc)
+
+    return unary  # type: ignore[return-value]
 
 
 @dataclass
@@ -45,13 +101,16 @@ def start_server(
     host: str = "127.0.0.1",
     port: int = 0,
     max_workers: int = 16,
+    max_receive_bytes: int = 4 * 1024 * 1024,
 ) -> RunningServer:
     """Start a server with ``register(server)``'s servicers plus health and reflection.
 
-    Health starts as NOT_SERVING: the caller flips it once its engine is ready.
+    Health starts as NOT_SERVING: the caller flips it once its engine is ready. A server that wants to
+    answer oversized messages itself (INVALID_ARGUMENT naming the field, instead of gRPC's
+    RESOURCE_EXHAUSTED) raises ``max_receive_bytes`` and checks sizes in its handlers.
     """
-    # Default 4 MiB message limit: weight streams are chunked to fit it (fp8rl.weights.CHUNK_BYTES).
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers))
+    options = [("grpc.max_receive_message_length", max_receive_bytes)]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=options)
     register(server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

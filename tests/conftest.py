@@ -1,8 +1,12 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import grpc
 import pytest
 import torch
 
@@ -36,3 +40,47 @@ def tiny_model_dir_f32(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from fp8rl.tiny import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny32") / "model", seed=0, dtype="float32")
+
+
+@dataclass
+class InProcessRollout:
+    """A real rollout service (vLLM on CPU, float32 tiny model) behind a real gRPC server on port 0."""
+
+    service: Any
+    server: Any
+    channel: grpc.Channel
+    stub: Any
+    model_dir: Path
+
+
+@pytest.fixture(scope="session")
+def rollout_fp8(tiny_model_dir_f32: Path) -> Iterator[InProcessRollout]:
+    """One vLLM engine for the whole session (engines are slow to start); tests that change its weights
+    push their own keyframe first."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from fp8rl.serving import start_server
+    from fp8rl.v1 import rollout_pb2_grpc
+    from rollout_service.config import RolloutConfig
+    from rollout_service.engine import VllmEngine
+    from rollout_service.service import RolloutService
+    from rollout_service.servicer import SERVICE_NAME, RolloutServicer
+
+    config = RolloutConfig(model=tiny_model_dir_f32, recipe="fp8", dtype="float32", port=0, max_model_len=256)
+    service = RolloutService(config, VllmEngine(config))
+    servicer = RolloutServicer(service)
+    running = start_server(
+        lambda s: rollout_pb2_grpc.add_RolloutServicer_to_server(servicer, s),
+        [SERVICE_NAME],
+        port=0,
+        max_receive_bytes=64 * 1024 * 1024,
+    )
+    running.set_serving()
+    channel = grpc.insecure_channel(running.address)
+    try:
+        yield InProcessRollout(
+            service, running, channel, rollout_pb2_grpc.RolloutStub(channel), tiny_model_dir_f32
+        )
+    finally:
+        channel.close()
+        running.stop(0)
+        service.loop.stop()

@@ -1,0 +1,25 @@
+"""Domain errors shared by the services. Each maps to exactly one gRPC status code, in one table
+(:data:`fp8rl.serving.STATUS_OF`), so handlers raise plain exceptions and never touch gRPC."""
+
+from __future__ import annotations
+
+
+class InvalidRequest(ValueError):
+    """Bad input; the message starts with the offending field's name."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field}: {problem}")
+        self.field = field
+
+
+class PreconditionFailed(RuntimeError):
+    """The request is well formed but the server's state does not allow it (wrong version, wrong step,
+    a replica that needs a keyframe). The message says what the server holds or expects."""
+
+
+class NotReady(RuntimeError):
+    """The server cannot take the request yet (engine loading, shutting down); retrying is safe."""
+
+
+class Cancelled(RuntimeError):
+    """The caller went away; the work it asked for was abandoned."""

@@ -1,0 +1,51 @@
+"""The rollout service's one typed config (YAML + CLI overrides, validated before vLLM starts)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from fp8rl.recipes import RecipeName
+
+
+class RolloutConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: Path
+    """HF checkpoint directory (config.json, safetensors, tokenizer)."""
+    recipe: RecipeName = "fp8"
+    """Precision recipe: decides the weight format and the KV-cache dtype."""
+    host: str = "127.0.0.1"
+    """Interface to bind; loopback unless the replica must be reachable from other machines."""
+    port: int = Field(50051, ge=0, le=65535)
+    """Port to bind; 0 picks a free one (printed at start-up)."""
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    """Compute dtype of the engine; `auto` follows the checkpoint."""
+    max_model_len: int | None = Field(None, ge=16)
+    """Context length (prompt + completion); default: the model's."""
+    max_n: int = Field(64, ge=1)
+    """Largest accepted number of samples per prompt."""
+    max_request_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    """Largest accepted Generate request, in serialized bytes."""
+    kv_cache_gib: float = Field(1.0, gt=0)
+    """KV-cache space on CPU (VLLM_CPU_KVCACHE_SPACE), GiB."""
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
+    """Fraction of GPU memory vLLM may take (CUDA only)."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """GPUs per replica; above 1 the engine runs in worker processes (CUDA only)."""
+    seed: int = 0
+    """Engine seed; requests with their own seed are reproducible regardless of it."""
+    redis_url: str | None = None
+    """When set, the replica registers itself in Redis with an expiring heartbeat key."""
+    advertise: str | None = None
+    """host:port under which other processes reach this replica (required with redis_url)."""
+    heartbeat_s: float = Field(2.0, gt=0)
+    """Seconds between registration refreshes; the key expires after three missed beats."""
+
+    @model_validator(mode="after")
+    def _advertise_with_redis(self) -> RolloutConfig:
+        if self.redis_url and not self.advertise:
+            raise ValueError("advertise (host:port) is required when redis_url is set")
+        return self

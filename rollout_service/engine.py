@@ -1,0 +1,197 @@
+"""The one place that touches vLLM: build the engine for a recipe, step it, refit it.
+
+On CPU the engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so a refit reaches the worker
+through ``collective_rpc`` without copying weights between processes. FP8 recipes load as block-FP8
+checkpoints: on CUDA through vLLM's own ``fp8`` method (the bf16 checkpoint is converted once with
+:mod:`fp8rl.quant` into a cached FP8 checkpoint), on CPU through :mod:`rollout_service.vllm_fp8`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+
+from fp8rl.recipes import get_recipe
+from rollout_service.config import RolloutConfig
+
+BLOCK_FP8_QUANT_CONFIG = {
+    "quant_method": "fp8",
+    "activation_scheme": "dynamic",
+    "weight_block_size": [128, 128],
+}
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Validated sampling settings for one completion."""
+
+    temperature: float
+    top_p: float
+    top_k: int  # 0 = off
+    max_tokens: int
+    stop: tuple[str, ...]
+    seed: int | None
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: Sampling
+
+
+@dataclass(frozen=True)
+class FinishedSample:
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float]  # of each sampled token under the distribution it was sampled from
+    text: str
+    finish_reason: str
+
+
+def _reload(worker: Any, items: list[tuple[str, torch.Tensor]]) -> None:
+    worker.reload_weights(weights_iterator=iter(items), is_checkpoint_format=True)
+
+
+def _named_parameters(worker: Any) -> dict[str, torch.Tensor]:
+    return {n: p.detach().cpu().clone() for n, p in worker.model_runner.model.named_parameters()}
+
+
+class VllmEngine:
+    def __init__(self, config: RolloutConfig) -> None:
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        recipe = get_recipe(config.recipe)
+        os.environ.setdefault(
+            "VLLM_ENABLE_V1_MULTIPROCESSING", "0" if config.tensor_parallel_size == 1 else "1"
+        )
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(config.kv_cache_gib))))
+        from rollout_service.vllm_fp8 import NAME, register
+
+        register()
+        import vllm
+
+        model_dir, quantization = str(config.model), cast(Any, None)
+        if recipe.fp8_rollout:
+            if self.device == "cuda":
+                model_dir = str(fp8_checkpoint(config.model))
+            else:
+                quantization = NAME
+        self.llm = vllm.LLM(
+            model=model_dir,
+            tokenizer=str(config.model),
+            dtype=config.dtype,
+            quantization=quantization,
+            kv_cache_dtype=recipe.kv_cache_dtype,
+            max_model_len=config.max_model_len,
+            seed=config.seed,
+            # The logprob of each sampled token under the distribution actually sampled from:
+            # temperature applied, top-k / top-p renormalised. The trainer computes the same.
+            logprobs_mode="processed_logprobs",
+            enforce_eager=self.device == "cpu",
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            tensor_parallel_size=config.tensor_parallel_size,
+        )
+        self.version = vllm.__version__
+        self._engine = self.llm.llm_engine
+        self.tokenizer = self.llm.get_tokenizer()
+        model_config = self.llm.llm_engine.model_config
+        self.max_model_len: int = model_config.max_model_len
+        self.vocab_size: int = model_config.get_vocab_size()
+        self.eos_token_id = self.tokenizer.eos_token_id
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def add(self, request: EngineRequest) -> None:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        s = request.sampling
+        params = SamplingParams(
+            n=1,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k if s.top_k > 0 else -1,
+            max_tokens=s.max_tokens,
+            stop=list(s.stop) or None,
+            seed=s.seed,
+            logprobs=0,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        self._engine.add_request(request.request_id, {"prompt_token_ids": request.prompt_token_ids}, params)
+
+    def step(self) -> list[FinishedSample]:
+        finished = []
+        for output in cast(list[Any], self._engine.step()):
+            if not output.finished:
+                continue
+            c = output.outputs[0]
+            logprobs = [
+                position[token].logprob for position, token in zip(c.logprobs or [], c.token_ids, strict=True)
+            ]
+            finished.append(
+                FinishedSample(output.request_id, list(c.token_ids), logprobs, c.text, c.finish_reason or "")
+            )
+        return finished
+
+    def has_unfinished(self) -> bool:
+        return self._engine.has_unfinished_requests()
+
+    def abort(self, request_ids: list[str]) -> None:
+        self._engine.abort_request(request_ids)
+
+    def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Refit every worker from checkpoint-format tensors (HF names), then drop the prefix cache: KV
+        computed under the old weights must not be reused."""
+        self.llm.collective_rpc(_reload, args=(list(tensors.items()),))
+        self.llm.reset_prefix_cache()
+
+    def named_parameters(self) -> dict[str, torch.Tensor]:
+        """The weights the first worker computes with, in vLLM's (fused) names."""
+        return self.llm.collective_rpc(_named_parameters)[0]
+
+
+def fp8_checkpoint(model_dir: Path, cache_root: Path | None = None) -> Path:
+    """A block-FP8 copy of a high-precision checkpoint, in vLLM's format, made once and cached.
+
+    Codes and scales come from :func:`fp8rl.weights.build_weight_set`, so the checkpoint is bit-identical
+    to what the trainer publishes.
+    """
+    from safetensors.torch import load_file, save_file
+
+    from fp8rl.weights import build_weight_set
+
+    weights_files = sorted(model_dir.glob("*.safetensors"))
+    digest = hashlib.sha256()
+    for path in [model_dir / "config.json", *weights_files]:
+        digest.update(path.read_bytes())
+    root = (
+        cache_root
+        or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fp8rl" / "fp8-checkpoints"
+    )
+    out = root / digest.hexdigest()[:16]
+    if (out / "config.json").exists():
+        return out
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.copytree(
+        model_dir, tmp, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json")
+    )
+    state = {k: v for path in weights_files for k, v in load_file(path).items()}
+    config = json.loads((model_dir / "config.json").read_text())
+    declared = config.get("dtype") or config.get("torch_dtype") or "bfloat16"
+    dtype = {"float32": torch.float32, "float16": torch.float16}.get(declared, torch.bfloat16)
+    save_file(
+        dict(build_weight_set(state, "fp8-block128", hp_dtype=dtype).tensors), tmp / "model.safetensors"
+    )
+    config["quantization_config"] = BLOCK_FP8_QUANT_CONFIG
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    os.replace(tmp, out)
+    return out

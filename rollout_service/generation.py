@@ -1,0 +1,189 @@
+"""The engine loop: one thread owns the engine, batches whatever requests are pending, and runs weight
+updates only between batches.
+
+Admission and weight changes share one condition variable, which gives the two guarantees the service
+promises: a request is admitted only while the replica holds the version it asks for, and an update
+waits for every admitted request to finish (new ones wait for the update), so no completion ever mixes
+weight versions.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from fp8rl.errors import Cancelled, NotReady, PreconditionFailed
+from rollout_service.engine import EngineRequest, FinishedSample
+
+log = logging.getLogger(__name__)
+ANY_VERSION = -1
+
+
+class Engine(Protocol):
+    def add(self, request: EngineRequest) -> None: ...
+    def step(self) -> list[FinishedSample]: ...
+    def has_unfinished(self) -> bool: ...
+    def abort(self, request_ids: list[str]) -> None: ...
+
+
+@dataclass
+class Ticket:
+    """The completions of one submission, delivered as each finishes."""
+
+    version: int
+    expected: int
+    _results: queue.Queue[FinishedSample | BaseException] = field(default_factory=queue.Queue)
+    request_ids: list[str] = field(default_factory=list)
+
+    def __iter__(self) -> Iterator[FinishedSample]:
+        for _ in range(self.expected):
+            item = self._results.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+
+@dataclass
+class _Job:
+    fn: Callable[[], Any]
+    done: threading.Event = field(default_factory=threading.Event)
+    result: Any = None
+    error: BaseException | None = None
+
+
+class GenerationLoop:
+    def __init__(self, engine: Engine, version: int = ANY_VERSION) -> None:
+        self.engine = engine
+        self.version = version
+        self.needs_keyframe = False
+        self.tokens_generated = 0
+        self._cond = threading.Condition()
+        self._pending: list[tuple[EngineRequest, Ticket]] = []
+        self._active: dict[str, Ticket] = {}
+        self._aborts: list[str] = []
+        self._job: _Job | None = None
+        self._updating = False
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    @property
+    def in_flight(self) -> int:
+        with self._cond:
+            return len(self._pending) + len(self._active)
+
+    def submit(self, requests: list[EngineRequest], required_version: int) -> Ticket:
+        """Admit requests for generation under ``required_version`` (or any version with -1)."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._updating or self._stopped)
+            if self._stopped:
+                raise NotReady("the rollout service is shutting down")
+            if self.needs_keyframe:
+                raise PreconditionFailed("a weight update failed midway: replica needs keyframe")
+            if required_version not in (ANY_VERSION, self.version):
+                raise PreconditionFailed(
+                    f"replica holds weight version {self.version}, not {required_version}"
+                )
+            ticket = Ticket(self.version, len(requests), request_ids=[r.request_id for r in requests])
+            self._pending += [(r, ticket) for r in requests]
+            self._cond.notify_all()
+            return ticket
+
+    def cancel(self, ticket: Ticket) -> None:
+        """Abort what is left of a submission (its client went away); its iterator raises Cancelled."""
+        with self._cond:
+            self._pending = [(r, t) for r, t in self._pending if t is not ticket]
+            self._aborts += [rid for rid in ticket.request_ids if rid in self._active]
+            self._cond.notify_all()
+        ticket._results.put(Cancelled("generation cancelled by the client"))
+
+    def run_exclusive(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the engine thread once no admitted request is left; admissions wait meanwhile."""
+        job = _Job(fn)
+        with self._cond:
+            self._cond.wait_for(lambda: not self._updating or self._stopped)
+            if self._stopped:
+                raise NotReady("the rollout service is shutting down")
+            self._updating, self._job = True, job
+            self._cond.notify_all()
+        job.done.wait()
+        with self._cond:
+            self._updating, self._job = False, None
+            self._cond.notify_all()
+        if job.error is not None:
+            raise job.error
+        return job.result
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(
+                    lambda: (
+                        self._stopped
+                        or self._pending
+                        or self._active
+                        or self._aborts
+                        or self._job is not None
+                    )
+                )
+                if self._stopped:
+                    break
+                admitted, self._pending = self._pending, []
+                aborts, self._aborts = self._aborts, []
+                job = self._job if not admitted and not self._active else None
+            self._serve(admitted, aborts, job)
+        self._fail_all(NotReady("the rollout service is shutting down"))
+
+    def _serve(
+        self, admitted: list[tuple[EngineRequest, Ticket]], aborts: list[str], job: _Job | None
+    ) -> None:
+        try:
+            for request, ticket in admitted:
+                self.engine.add(request)
+                self._active[request.request_id] = ticket
+            if aborts:
+                self.engine.abort(aborts)
+                for rid in aborts:
+                    if rid in self._active:  # it may have finished since the client cancelled
+                        del self._active[rid]
+            if job is not None and not job.done.is_set():
+                self._run_job(job)
+            if self._active:
+                for sample in self.engine.step():
+                    if sample.request_id in self._active:
+                        ticket = self._active.pop(sample.request_id)
+                        self.tokens_generated += len(sample.token_ids)
+                        ticket._results.put(sample)
+        except Exception as exc:  # an engine failure fails the requests it held, not the loop
+            log.exception("engine step failed")
+            self._fail_all(exc)
+
+    def _run_job(self, job: _Job) -> None:
+        start = time.perf_counter()
+        try:
+            job.result = job.fn()
+        except BaseException as exc:
+            job.error = exc
+        finally:
+            log.info("exclusive engine job took %.3fs", time.perf_counter() - start)
+            job.done.set()
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._cond:
+            tickets = {id(t): t for t in self._active.values()} | {id(t): t for _, t in self._pending}
+            self._active.clear()
+            self._pending = []
+        for ticket in tickets.values():
+            for _ in range(ticket.expected):
+                ticket._results.put(exc)

@@ -1,0 +1,140 @@
+"""Rollout handlers: generation under a required weight version, all-or-nothing weight updates, status.
+
+Plain Python over the engine loop; the gRPC servicer only converts messages and maps errors.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from fp8rl.errors import PreconditionFailed
+from fp8rl.recipes import get_recipe
+from fp8rl.v1 import rollout_pb2, weights_pb2
+from fp8rl.weights import WeightSet, decode_update
+from rollout_service.config import RolloutConfig
+from rollout_service.engine import VllmEngine
+from rollout_service.generation import GenerationLoop, Ticket
+from rollout_service.validation import Limits, Slot, parse_generate
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Generation:
+    """Completions of one admitted request, in the order they finish."""
+
+    loop: GenerationLoop
+    ticket: Ticket
+    slots: dict[str, Slot]
+
+    def __iter__(self) -> Iterator[rollout_pb2.Completion]:
+        for sample in self.ticket:
+            slot = self.slots[sample.request_id]
+            yield rollout_pb2.Completion(
+                prompt_id=slot.prompt_id,
+                sample_index=slot.sample_index,
+                prompt_token_ids=slot.prompt_token_ids,
+                token_ids=sample.token_ids,
+                logprobs=sample.logprobs,
+                text=sample.text,
+                finish_reason=sample.finish_reason,
+                weight_version=self.ticket.version,
+            )
+
+    def cancel(self) -> None:
+        self.loop.cancel(self.ticket)
+
+
+@dataclass
+class UpdateResult:
+    version: int
+    encoding: str
+    tensors_updated: int
+    apply_s: float
+
+
+class RolloutService:
+    def __init__(self, config: RolloutConfig, engine: VllmEngine) -> None:
+        self.config = config
+        self.engine = engine
+        self.recipe = get_recipe(config.recipe)
+        self.loop = GenerationLoop(engine)
+        self.limits = Limits(engine.max_model_len, engine.vocab_size, config.max_n, config.max_request_bytes)
+        self.held: WeightSet | None = None  # host copy of the applied set: deltas are XORed against it
+        self._update_lock = threading.Lock()
+        self.started = time.time()
+
+    @property
+    def version(self) -> int:
+        return self.loop.version
+
+    def generate(self, request: rollout_pb2.GenerateRequest) -> Generation:
+        """Validate and admit a request; raises before anything runs if it is malformed or asks for a
+        version this replica does not hold."""
+        engine_requests, slots = parse_generate(request, self.limits, self.engine.tokenize)
+        ticket = self.loop.submit(engine_requests, request.weight_version)
+        return Generation(
+            self.loop, ticket, {r.request_id: s for r, s in zip(engine_requests, slots, strict=True)}
+        )
+
+    def update_weights(self, header: weights_pb2.WeightHeader, blob: bytes) -> UpdateResult:
+        """Verify, decode and apply one update; concurrent updates are serialized.
+
+        Nothing touches the engine before every digest checked out. Generation pauses while the engine
+        changes; if the engine fails midway the replica refuses to generate until a keyframe lands.
+        """
+        with self._update_lock:
+            if header.format != self.recipe.rollout_weights:
+                raise PreconditionFailed(
+                    f"replica serves {self.recipe.rollout_weights} weights, got {header.format}"
+                )
+            if header.encoding == "delta" and (self.held is None or header.base_version != self.version):
+                held = "no weight set (needs keyframe)" if self.held is None else f"version {self.version}"
+                raise PreconditionFailed(
+                    f"delta against version {header.base_version}, but replica holds {held}"
+                )
+            decoded = decode_update(blob, self.held, self.version if self.held is not None else None)
+            if decoded.version != header.version:
+                raise PreconditionFailed(f"header says version {header.version}, payload {decoded.version}")
+            start = time.perf_counter()
+            self.loop.run_exclusive(lambda: self._apply(decoded.weights, decoded.version))
+            self.held = decoded.weights
+            return UpdateResult(
+                decoded.version, decoded.encoding, decoded.tensors_updated, time.perf_counter() - start
+            )
+
+    def _apply(self, weights: WeightSet, version: int) -> None:
+        """Runs on the engine thread with no request in flight."""
+        try:
+            self.engine.load_weights(weights.tensors)
+        except BaseException:
+            self.loop.needs_keyframe = True
+            self.held = None
+            log.exception("weight update to version %d failed; replica needs a keyframe", version)
+            raise
+        self.loop.version = version
+        self.loop.needs_keyframe = False
+
+    def status(self) -> rollout_pb2.RolloutStatus:
+        return rollout_pb2.RolloutStatus(
+            model=str(self.config.model),
+            recipe=self.recipe.name,
+            engine=f"vllm {self.engine.version}",
+            device=self.engine.device,
+            weight_version=self.version,
+            requests_in_flight=self.loop.in_flight,
+            tokens_generated=self.loop.tokens_generated,
+            uptime_s=time.time() - self.started,
+            weight_format=self.recipe.rollout_weights,
+            needs_keyframe=self.loop.needs_keyframe,
+        )
+
+    def engine_weights(self) -> dict[str, torch.Tensor]:
+        """What the engine computes with (for checks): runs between batches."""
+        return self.loop.run_exclusive(self.engine.named_parameters)

@@ -1,0 +1,74 @@
+"""gRPC edge of the rollout service: messages in, messages out, errors mapped by fp8rl.serving."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import grpc
+
+from fp8rl.errors import NotReady
+from fp8rl.serving import map_errors
+from fp8rl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, weights_pb2
+from fp8rl.weight_stream import receive_update
+from rollout_service.service import RolloutService
+
+SERVICE_NAME = "fp8rl.v1.Rollout"
+
+
+class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
+    """Serves as soon as it is bound; every call answers UNAVAILABLE until the engine is attached."""
+
+    def __init__(self, service: RolloutService | None = None) -> None:
+        self._service = service
+
+    def attach(self, service: RolloutService) -> None:
+        self._service = service
+
+    @property
+    def service(self) -> RolloutService:
+        if self._service is None:
+            raise NotReady("the engine is still loading")
+        return self._service
+
+    @map_errors
+    def Generate(
+        self, request: rollout_pb2.GenerateRequest, context: grpc.ServicerContext
+    ) -> rollout_pb2.GenerateResponse:
+        generation = self.service.generate(request)
+        context.add_callback(generation.cancel)  # runs at the end of every RPC; a no-op once all finished
+        order = {p.id or str(i): i for i, p in enumerate(request.prompts)}
+        completions = sorted(generation, key=lambda c: (order[c.prompt_id], c.sample_index))
+        version = completions[0].weight_version if completions else self.service.version
+        usage = rollout_pb2.Usage(
+            prompt_tokens=sum(len(c.prompt_token_ids) for c in completions if c.sample_index == 0),
+            completion_tokens=sum(len(c.token_ids) for c in completions),
+        )
+        return rollout_pb2.GenerateResponse(completions=completions, weight_version=version, usage=usage)
+
+    @map_errors
+    def GenerateStream(
+        self, request: rollout_pb2.GenerateRequest, context: grpc.ServicerContext
+    ) -> Iterator[rollout_pb2.Completion]:
+        generation = self.service.generate(request)
+        context.add_callback(generation.cancel)  # the client went away: abort what is left
+        yield from generation
+
+    @map_errors
+    def UpdateWeights(
+        self, request_iterator: Iterable[weights_pb2.WeightChunk], context: grpc.ServicerContext
+    ) -> weights_pb2.UpdateWeightsResponse:
+        header, blob = receive_update(request_iterator)
+        result = self.service.update_weights(header, blob)
+        return weights_pb2.UpdateWeightsResponse(
+            version=result.version,
+            encoding=result.encoding,
+            bytes_received=len(blob),
+            tensors_updated=result.tensors_updated,
+            apply_s=result.apply_s,
+        )
+
+    @map_errors
+    def GetStatus(
+        self, request: common_pb2.GetStatusRequest, context: grpc.ServicerContext
+    ) -> rollout_pb2.RolloutStatus:
+        return self.service.status()

@@ -1,0 +1,113 @@
+"""Generate requests -> engine requests, with every bad field named (pure: no engine, no gRPC calls)."""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from fp8rl.errors import InvalidRequest
+from fp8rl.v1 import common_pb2, rollout_pb2
+from rollout_service.engine import EngineRequest, Sampling
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_model_len: int
+    vocab_size: int
+    max_n: int
+    max_request_bytes: int
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where an engine request's completion belongs in the response."""
+
+    prompt_id: str
+    sample_index: int
+    prompt_token_ids: list[int]
+
+
+def sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
+    """A distinct, reproducible seed per sample, so n samples of one prompt differ."""
+    digest = hashlib.blake2b(f"{seed}:{prompt_index}:{sample_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def parse_sampling(s: common_pb2.SamplingParams, max_model_len: int) -> Sampling:
+    temperature = s.temperature if s.HasField("temperature") else 1.0
+    top_p = s.top_p if s.HasField("top_p") else 1.0
+    top_k = s.top_k if s.HasField("top_k") else 0
+    if not temperature >= 0:  # also rejects NaN
+        raise InvalidRequest("sampling.temperature", f"must be >= 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise InvalidRequest("sampling.top_p", f"must lie in (0, 1], got {top_p}")
+    if top_k < 0:
+        raise InvalidRequest("sampling.top_k", f"must be >= 0 (0 = off), got {top_k}")
+    if not 0 < s.max_tokens <= max_model_len:
+        raise InvalidRequest("sampling.max_tokens", f"must lie in [1, {max_model_len}], got {s.max_tokens}")
+    if any(not stop for stop in s.stop):
+        raise InvalidRequest("sampling.stop", "stop strings must not be empty")
+    seed = s.seed if s.HasField("seed") else None
+    return Sampling(temperature, top_p, top_k, s.max_tokens, tuple(s.stop), seed)
+
+
+def prompt_token_ids(
+    prompt: rollout_pb2.Prompt, index: int, limits: Limits, tokenize: Callable[[str], list[int]]
+) -> list[int]:
+    field = f"prompts[{index}]"
+    kind = prompt.WhichOneof("input")
+    if kind == "text":
+        ids = tokenize(prompt.text)
+    elif kind == "token_ids":
+        ids = list(prompt.token_ids.ids)
+        field += ".token_ids"
+        bad = [t for t in ids if not 0 <= t < limits.vocab_size]
+        if bad:
+            raise InvalidRequest(field, f"token id {bad[0]} outside the vocabulary [0, {limits.vocab_size})")
+    else:
+        raise InvalidRequest(field, "set either text or token_ids")
+    if not ids:
+        raise InvalidRequest(field, "empty prompt")
+    if len(ids) >= limits.max_model_len:
+        raise InvalidRequest(field, f"{len(ids)} tokens leave no room in a context of {limits.max_model_len}")
+    return ids
+
+
+def parse_generate(
+    request: rollout_pb2.GenerateRequest, limits: Limits, tokenize: Callable[[str], list[int]]
+) -> tuple[list[EngineRequest], list[Slot]]:
+    """Validate a request and expand it into one engine request per sample."""
+    size = request.ByteSize()
+    if size > limits.max_request_bytes:
+        raise InvalidRequest("request", f"{size} bytes exceed the limit of {limits.max_request_bytes}")
+    if not request.prompts:
+        raise InvalidRequest("prompts", "at least one prompt is required")
+    if not 1 <= request.n <= limits.max_n:
+        raise InvalidRequest("n", f"must lie in [1, {limits.max_n}], got {request.n}")
+    if request.weight_version < -1:
+        raise InvalidRequest(
+            "weight_version", f"must be a version >= 0 or -1 (any), got {request.weight_version}"
+        )
+    sampling = parse_sampling(request.sampling, limits.max_model_len)
+    tag = request.request_id or "req"
+    batch = f"{tag}-{uuid.uuid4().hex[:12]}"
+    engine_requests, slots = [], []
+    seen: set[str] = set()
+    for i, prompt in enumerate(request.prompts):
+        prompt_id = prompt.id or str(i)
+        if prompt_id in seen:
+            raise InvalidRequest(f"prompts[{i}].id", f"duplicate prompt id {prompt_id!r}")
+        seen.add(prompt_id)
+        ids = prompt_token_ids(prompt, i, limits, tokenize)
+        # The context bounds prompt + completion: a long prompt leaves fewer completion tokens.
+        max_tokens = min(sampling.max_tokens, limits.max_model_len - len(ids))
+        for j in range(request.n):
+            seed = None if sampling.seed is None else sample_seed(sampling.seed, i, j)
+            per_sample = Sampling(
+                sampling.temperature, sampling.top_p, sampling.top_k, max_tokens, sampling.stop, seed
+            )
+            engine_requests.append(EngineRequest(f"{batch}:{i}:{j}", ids, per_sample))
+            slots.append(Slot(prompt_id, j, ids))
+    return engine_requests, slots

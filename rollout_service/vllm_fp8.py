@@ -1,0 +1,134 @@
+"""vLLM quantization method ``fp8_block_emulated``: block-FP8 checkpoints on hardware without FP8 GEMMs.
+
+Linear layers create exactly vLLM's block-FP8 parameters — ``weight`` (float8_e4m3fn,
+ModelWeightParameter) and ``weight_scale_inv`` (float32 [ceil(N/128), ceil(K/128)],
+BlockQuantScaleParameter), ``layer.weight_block_size = [128, 128]`` — so vLLM's own loaders shard fused
+q/k/v and gate/up weights and their block scales, and a refit sends the same checkpoint-format tensors
+on CPU as on GPU. Three differences from vLLM's ``Fp8LinearMethod``:
+
+* a bf16/float32 checkpoint is quantized at first load with :mod:`fp8rl.quant` (the trainer's own
+  quantizer, so both sides hold identical codes and scales);
+* after loading, the weight is dequantized once to the compute dtype;
+* ``apply`` fake-quantizes activations per token in 1x128 groups, then runs a plain GEMM.
+
+The numerics are those of the FP8 recipe, computed in the compute dtype. Registered in-process by
+:func:`register` and, for engine worker processes, through the ``vllm.general_plugins`` entry point.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from vllm.model_executor.layers.linear import (
+    LinearBase,
+    LinearMethodBase,
+    register_weight_loader_v2_supported_method,
+)
+from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, register_quantization_config
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+from vllm.model_executor.layers.quantization.utils.fp8_utils import (
+    create_fp8_scale_parameter,
+    create_fp8_weight_parameter,
+)
+from vllm.model_executor.parameter import BlockQuantScaleParameter
+
+from fp8rl import quant
+
+NAME = "fp8_block_emulated"
+BLOCK = list(quant.WEIGHT_BLOCK)
+
+
+class EmulatedBlockFP8Config(QuantizationConfig):
+    """Block-FP8 (128x128 weights, dynamic 1x128 activations) for every linear layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight_block_size = BLOCK
+
+    def get_name(self) -> str:  # type: ignore[override]
+        return NAME
+
+    @classmethod
+    def get_supported_act_dtypes(cls) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16, torch.float32]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 0
+
+    @classmethod
+    def get_config_filenames(cls) -> list[str]:
+        return []
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> EmulatedBlockFP8Config:
+        return cls()
+
+    def get_quant_method(self, layer: Any, prefix: str) -> QuantizeMethodBase | None:
+        return EmulatedBlockFP8LinearMethod() if isinstance(layer, LinearBase) else None
+
+
+class EmulatedBlockFP8LinearMethod(LinearMethodBase):
+    def create_weights(
+        self,
+        layer: Any,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs: Any,
+    ) -> None:
+        for rows in output_partition_sizes:
+            if rows % BLOCK[0]:
+                # A shard that does not end on a block boundary would share a scale with its neighbour.
+                raise ValueError(f"{NAME}: output shard of {rows} rows is not a multiple of {BLOCK[0]}")
+        weight_loader = extra_weight_attrs["weight_loader"]
+
+        def load_weight(
+            param: torch.nn.Parameter, loaded_weight: torch.Tensor, *args: Any, **kwargs: Any
+        ) -> Any:
+            if loaded_weight.dtype != quant.FP8_DTYPE:  # a high-precision checkpoint: quantize it here
+                loaded_weight, scale_inv = quant.quantize_blockwise(loaded_weight)
+                weight_loader(layer.weight_scale_inv, scale_inv, *args, **kwargs)
+            return weight_loader(param, loaded_weight, *args, **kwargs)
+
+        layer.logical_widths = output_partition_sizes
+        layer.input_size_per_partition = input_size_per_partition
+        layer.output_size_per_partition = sum(output_partition_sizes)
+        layer.orig_dtype = params_dtype
+        layer.weight_block_size = BLOCK
+        weight = create_fp8_weight_parameter(
+            layer.output_size_per_partition, input_size_per_partition, load_weight
+        )
+        layer.register_parameter("weight", weight)
+        # (vLLM annotates the parameter class argument as an instance, hence the ignore.)
+        scale = create_fp8_scale_parameter(
+            BlockQuantScaleParameter,  # type: ignore[arg-type]
+            output_partition_sizes,
+            input_size_per_partition,
+            BLOCK,
+            weight_loader,
+        )
+        layer.register_parameter("weight_scale_inv", scale)
+
+    def process_weights_after_loading(self, layer: Any) -> None:
+        # Dequantize once; the scales stay so that the codes can be recovered exactly (re-quantizing a
+        # dequantized block reproduces its codes and scale).
+        weight = quant.dequantize_blockwise(
+            layer.weight.data, layer.weight_scale_inv.data, dtype=layer.orig_dtype
+        )
+        layer.weight = torch.nn.Parameter(weight, requires_grad=False)
+
+    def apply(self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(quant.fake_quantize_activation(x), layer.weight, bias)
+
+
+def register() -> None:
+    """Make ``fp8_block_emulated`` known to vLLM (idempotent; also the general-plugin entry point)."""
+    if NAME in QUANTIZATION_METHODS:
+        return
+    register_quantization_config(NAME)(EmulatedBlockFP8Config)
+    register_weight_loader_v2_supported_method(EmulatedBlockFP8LinearMethod)

@@ -1,0 +1,106 @@
+"""Helpers for tests: real child processes (tracked by PID and always reaped), a real redis-server on
+loopback, and an independent reference for the logprobs an FP8 engine should produce."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from fp8rl import quant
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def child_process(
+    args: list[str], log: Path, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen]:
+    """Start a process in its own session; on exit SIGTERM it (then SIGKILL) and wait for it."""
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def wait_for_line(proc: subprocess.Popen, log: Path, pattern: str, timeout: float = 300) -> re.Match[str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        match = re.search(pattern, log.read_text(errors="replace"))
+        if match:
+            return match
+        if proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+        time.sleep(0.2)
+    raise TimeoutError(f"no line matching {pattern!r} after {timeout}s:\n{log.read_text()[-4000:]}")
+
+
+@contextmanager
+def redis_server(tmp: Path) -> Iterator[str]:
+    """A private redis-server on a free loopback port; yields its URL."""
+    port = free_port()
+    args = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", str(tmp)]
+    with child_process(args, tmp / "redis.log") as proc:
+        wait_for_line(proc, tmp / "redis.log", r"Ready to accept connections", timeout=30)
+        yield f"redis://127.0.0.1:{port}/0"
+
+
+def python_args(module: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", module, *args]
+
+
+def load_reference(model_dir: Path, fp8: bool, activation_fake_quant: bool = True) -> torch.nn.Module:
+    """A float32 transformers model; with ``fp8`` every linear inside the blocks computes with
+    fake-quantized weights (and, optionally, fake-quantized 1x128 activations)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if fp8:
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) and ".layers." in name:
+                module.weight.data = quant.fake_quantize_weight(module.weight.data)
+                if activation_fake_quant:
+                    module.register_forward_pre_hook(
+                        lambda _m, args: (quant.fake_quantize_activation(args[0]),)
+                    )
+    return model
+
+
+def set_weights(model: torch.nn.Module, state: dict[str, torch.Tensor], fp8: bool) -> None:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            w = state[name].float()
+            is_linear = fp8 and ".layers." in name and name.endswith("_proj.weight")
+            p.copy_(quant.fake_quantize_weight(w) if is_linear else w)
+
+
+def reference_logprobs(
+    model: torch.nn.Module, prompt: list[int], completion: list[int], temperature: float = 1.0
+) -> torch.Tensor:
+    """float64 logprobs of ``completion`` given ``prompt`` under softmax(logits / temperature)."""
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].double()
+    logprobs = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
+    return logprobs.gather(1, torch.tensor(completion)[:, None]).squeeze(1)

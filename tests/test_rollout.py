@@ -1,0 +1,293 @@
+"""The rollout service against real vLLM on CPU (float32 tiny model), through a real gRPC server."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fp8rl.v1 import common_pb2, rollout_pb2, weights_pb2
+from fp8rl.weight_stream import update_to_chunks
+from fp8rl.weights import WeightSet, build_weight_set, encode_delta, encode_keyframe
+from tests.conftest import InProcessRollout
+from tests.support import load_reference, reference_logprobs, set_weights
+
+FP8 = "fp8-block128"
+
+
+def request(
+    prompts: list[list[int] | str], n: int = 1, version: int = -1, **sampling
+) -> rollout_pb2.GenerateRequest:
+    sampling.setdefault("max_tokens", 8)
+    msgs = [
+        rollout_pb2.Prompt(id=f"p{i}", text=p)
+        if isinstance(p, str)
+        else rollout_pb2.Prompt(id=f"p{i}", token_ids=rollout_pb2.TokenIds(ids=p))
+        for i, p in enumerate(prompts)
+    ]
+    return rollout_pb2.GenerateRequest(
+        prompts=msgs, n=n, weight_version=version, sampling=common_pb2.SamplingParams(**sampling)
+    )
+
+
+def random_state(model_dir: Path, seed: int, scale: float = 1.0) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors, or (seed > 0) a strongly different random set of the same shapes."""
+    state = load_file(model_dir / "model.safetensors")
+    if seed == 0:
+        return state
+    g = torch.Generator().manual_seed(seed)
+    return {
+        k: v + scale * v.std() * torch.randn(v.shape, generator=g) if v.ndim == 2 else v
+        for k, v in state.items()
+    }
+
+
+def push(stub, update) -> weights_pb2.UpdateWeightsResponse:  # type: ignore[no-untyped-def]
+    return stub.UpdateWeights(update_to_chunks(update), timeout=120)
+
+
+def push_keyframe(rollout: InProcessRollout, state: dict[str, torch.Tensor], version: int) -> WeightSet:
+    ws = build_weight_set(state, FP8, hp_dtype=torch.float32)
+    reply = push(rollout.stub, encode_keyframe(ws, version))
+    assert (reply.version, reply.encoding) == (version, "keyframe")
+    return ws
+
+
+def test_generate_shapes_and_seeded_reproducibility(rollout_fp8: InProcessRollout) -> None:
+    req = request([[5, 6, 7, 8], "12+34="], n=3, max_tokens=10, temperature=0.9, seed=7)
+    first = rollout_fp8.stub.Generate(req, timeout=120)
+    assert len(first.completions) == 6
+    assert [(c.prompt_id, c.sample_index) for c in first.completions] == [
+        (p, j) for p in ("p0", "p1") for j in range(3)
+    ]
+    for c in first.completions:
+        assert len(c.logprobs) == len(c.token_ids) > 0
+        assert all(lp <= 0 for lp in c.logprobs)
+        assert c.finish_reason in ("stop", "length")
+    assert first.completions[3].prompt_token_ids == [4 + ord(ch) for ch in "12+34="]
+    assert len({tuple(c.token_ids) for c in first.completions[:3]}) > 1  # n samples differ
+    again = rollout_fp8.stub.Generate(req, timeout=120)
+    assert [list(c.token_ids) for c in again.completions] == [list(c.token_ids) for c in first.completions]
+    assert first.usage.completion_tokens == sum(len(c.token_ids) for c in first.completions)
+
+
+def test_generate_stream_yields_every_completion(rollout_fp8: InProcessRollout) -> None:
+    stream = rollout_fp8.stub.GenerateStream(
+        request([[9, 10], [11, 12, 13]], n=2, max_tokens=4, seed=1), timeout=120
+    )
+    got = sorted((c.prompt_id, c.sample_index) for c in stream)
+    assert got == [("p0", 0), ("p0", 1), ("p1", 0), ("p1", 1)]
+
+
+@pytest.mark.parametrize(
+    ("req", "field"),
+    [
+        (rollout_pb2.GenerateRequest(n=1, sampling=common_pb2.SamplingParams(max_tokens=4)), "prompts"),
+        (request([[]]), "prompts[0].token_ids"),
+        (request([""]), "prompts[0]"),
+        (request([[5] * 256]), "prompts[0].token_ids"),
+        (request(["x" * 300]), "prompts[0]"),
+        (request([[5]], n=0), "n"),
+        (request([[5]], n=1000), "n"),
+        (request([[5]], max_tokens=0), "sampling.max_tokens"),
+        (request([[5]], max_tokens=100_000), "sampling.max_tokens"),
+        (request([[5]], temperature=-0.5), "sampling.temperature"),
+        (request([[5]], top_p=0.0), "sampling.top_p"),
+        (request([[5]], top_p=1.5), "sampling.top_p"),
+        (request([[5, 99999]]), "prompts[0].token_ids"),
+        (request([[5, -1]]), "prompts[0].token_ids"),
+        (request([[300] * 200] * 12_000), "request"),  # ~4.8 MB: over the 4 MiB request limit
+    ],
+)
+def test_bad_requests_name_the_field(rollout_fp8: InProcessRollout, req, field: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(grpc.RpcError) as err:
+        rollout_fp8.stub.Generate(req, timeout=60)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith(field + ":"), err.value.details()
+    assert len(rollout_fp8.stub.Generate(request([[5, 6]], max_tokens=2), timeout=60).completions) == 1
+
+
+def test_fp8_logprobs_match_a_fake_quant_reference(rollout_fp8: InProcessRollout) -> None:
+    push_keyframe(rollout_fp8, random_state(rollout_fp8.model_dir, 0), version=0)
+    prompts = [[4 + ord(c) for c in s] for s in ("12+34=", "7*8=", "hello")]
+    reply = rollout_fp8.stub.Generate(
+        request(prompts, n=2, max_tokens=12, temperature=0.8, seed=3), timeout=120
+    )
+    with_act = load_reference(rollout_fp8.model_dir, fp8=True)
+    without_act = load_reference(rollout_fp8.model_dir, fp8=True, activation_fake_quant=False)
+    errors = {"fp8 reference": [], "no activation fake-quant": []}
+    for c in reply.completions:
+        got = torch.tensor(list(c.logprobs), dtype=torch.float64)
+        for name, model in (("fp8 reference", with_act), ("no activation fake-quant", without_act)):
+            ref = reference_logprobs(model, list(c.prompt_token_ids), list(c.token_ids), temperature=0.8)
+            errors[name].append((ref - got).abs())
+    mean = {k: torch.cat(v).mean().item() for k, v in errors.items()}
+    print("mean |logprob - reference|:", mean)
+    assert mean["fp8 reference"] < 1e-2
+    assert mean["no activation fake-quant"] > 10 * mean["fp8 reference"]  # the emulation is active
+
+
+def engine_weight_set(rollout: InProcessRollout) -> dict[str, torch.Tensor]:
+    """The engine's weights re-expressed as a WeightSet: fused q/k/v and gate/up split back into HF names,
+    dequantized linears re-quantized (which reproduces their codes and scales exactly)."""
+    from fp8rl import quant
+
+    engine = rollout.service.engine_weights()
+    out: dict[str, torch.Tensor] = {}
+    for name, t in engine.items():
+        if name.endswith("weight_scale_inv"):
+            continue
+        prefix = name.removesuffix("weight").removesuffix("bias")
+        fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+        parts = [(name, t)]
+        for fused_name, shard_names in fused.items():
+            if fused_name in name:
+                sizes = {"qkv_proj": [256, 128, 128], "gate_up_proj": [512, 512]}[fused_name]
+                parts = [
+                    (name.replace(fused_name, s), piece)
+                    for s, piece in zip(shard_names, t.split(sizes), strict=True)
+                ]
+        for part_name, piece in parts:
+            if ".layers." in part_name and part_name.endswith("_proj.weight"):
+                codes, scales = quant.quantize_blockwise(piece)
+                assert torch.equal(quant.dequantize_blockwise(codes, scales), piece)
+                out[part_name], out[part_name.removesuffix("weight") + "weight_scale_inv"] = codes, scales
+            else:
+                out[part_name] = piece
+        del prefix
+    return out
+
+
+def assert_engine_holds(rollout: InProcessRollout, ws: WeightSet) -> None:
+    held = engine_weight_set(rollout)
+    assert set(held) == set(ws.tensors)
+    for name, t in ws.tensors.items():
+        assert held[name].dtype == t.dtype, name
+        assert torch.equal(held[name].view(torch.uint8), t.view(torch.uint8)), name
+
+
+def test_keyframe_then_deltas_reach_the_engine_bit_exact(rollout_fp8: InProcessRollout) -> None:
+    stub, model_dir = rollout_fp8.stub, rollout_fp8.model_dir
+    state = random_state(model_dir, 0)
+    sent = push_keyframe(rollout_fp8, state, version=10)
+    assert_engine_holds(rollout_fp8, sent)
+    long_prompt = [4 + (i * 7) % 90 for i in range(200)]  # longer than a KV block: exercises the prefix cache
+    greedy = request([long_prompt], max_tokens=6, temperature=0.0)
+    before = stub.Generate(greedy, timeout=120).completions[0]
+    g = torch.Generator().manual_seed(5)
+    for version in (11, 12, 13):
+        state = {k: v + 0.3 * v.std() * torch.randn(v.shape, generator=g) for k, v in state.items()}
+        new = build_weight_set(state, FP8, hp_dtype=torch.float32)
+        reply = push(stub, encode_delta(new, sent, version=version, base_version=version - 1))
+        assert (reply.version, reply.encoding) == (version, "delta")
+        assert_engine_holds(rollout_fp8, new)
+        sent = new
+        after = stub.Generate(
+            request([long_prompt], max_tokens=6, temperature=0.0, seed=1), timeout=120
+        ).completions[0]
+        assert after.weight_version == version
+        assert list(after.logprobs) != list(before.logprobs)
+        reference = load_reference(model_dir, fp8=True)
+        set_weights(reference, state, fp8=True)
+        error = (
+            reference_logprobs(reference, long_prompt, list(after.token_ids))
+            - torch.tensor(list(after.logprobs))
+        ).abs()
+        # Greedy logprobs are those of the unscaled distribution. FP8 rounding turns 1e-7 differences
+        # of kernel arithmetic into the odd flipped code (~1e-3 in a logprob); stale KV would be far off.
+        print(f"version {version}: |logprob - reference| mean {error.mean():.1e} max {error.max():.1e}")
+        assert error.mean() < 1e-2 and error.max() < 0.1
+        before = after
+    assert stub.GetStatus(common_pb2.GetStatusRequest()).weight_version == 13
+
+
+def test_rejected_updates_change_nothing(rollout_fp8: InProcessRollout) -> None:
+    stub = rollout_fp8.stub
+    base_state = random_state(rollout_fp8.model_dir, 0)
+    base = push_keyframe(rollout_fp8, base_state, version=20)
+    new = build_weight_set(random_state(rollout_fp8.model_dir, 2, scale=0.1), FP8, hp_dtype=torch.float32)
+    wrong_base = encode_delta(new, base, version=22, base_version=21)
+    with pytest.raises(grpc.RpcError) as err:
+        push(stub, wrong_base)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "holds version 20" in err.value.details()
+
+    good = list(update_to_chunks(encode_delta(new, base, version=21, base_version=20), chunk_bytes=64 * 1024))
+    corrupted = [*good]
+    flipped = bytearray(corrupted[3].data)
+    flipped[100] ^= 0xFF
+    corrupted[3] = weights_pb2.WeightChunk(data=bytes(flipped))
+    for name, chunks in {
+        "corrupted": corrupted,
+        "truncated": good[:-1],
+        "reordered": [good[0], good[2], good[1], *good[3:]],
+    }.items():
+        with pytest.raises(grpc.RpcError) as err:
+            stub.UpdateWeights(iter(chunks), timeout=60)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
+    assert stub.GetStatus(common_pb2.GetStatusRequest()).weight_version == 20
+    assert_engine_holds(rollout_fp8, base)
+    assert len(stub.Generate(request([[5, 6]], version=20), timeout=60).completions) == 1
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Generate(request([[5, 6]], version=21), timeout=60)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert stub.UpdateWeights(iter(good), timeout=60).version == 21  # the intact stream still applies
+
+
+def test_no_completion_mixes_weight_versions(rollout_fp8: InProcessRollout) -> None:
+    """Generate concurrently while the weights flip between two very different versions; every
+    completion's logprobs must match the reference of the one version it reports."""
+    stub, model_dir = rollout_fp8.stub, rollout_fp8.model_dir
+    states = {30: random_state(model_dir, 0), 31: random_state(model_dir, 3)}
+    sets = {v: build_weight_set(s, FP8, hp_dtype=torch.float32) for v, s in states.items()}
+    push(stub, encode_keyframe(sets[30], 30))
+    results: list[rollout_pb2.Completion] = []
+    errors: list[BaseException] = []
+
+    def client(seed: int) -> None:
+        try:
+            for k in range(3):
+                reply = stub.Generate(
+                    request([[5 + seed, 6, 7]], n=2, max_tokens=24, seed=seed * 10 + k), timeout=120
+                )
+                results.extend(reply.completions)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    held = 30
+    for version in (31, 32, 33, 34):
+        target = 31 if version % 2 else 30
+        ws_new = sets[target]
+        reply = push(stub, encode_keyframe(WeightSet(ws_new.format, dict(ws_new.tensors)), version))
+        assert reply.version == version
+        held = version
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert held == 34 and len(results) == 18
+    references = {}
+    for v, s in states.items():
+        references[v] = load_reference(model_dir, fp8=True)
+        set_weights(references[v], s, fp8=True)
+    versions_seen = set()
+    for c in results:
+        source = 30 if c.weight_version in (30, 32, 34) else 31
+        versions_seen.add(c.weight_version)
+        own = reference_logprobs(references[source], list(c.prompt_token_ids), list(c.token_ids))
+        other = reference_logprobs(references[61 - source], list(c.prompt_token_ids), list(c.token_ids))
+        got = torch.tensor(list(c.logprobs), dtype=torch.float64)
+        assert (own - got).abs().mean() < 1e-2, f"completion at version {c.weight_version} does not match it"
+        # Token by token: wherever the two versions disagree clearly, the logprob is its own version's.
+        telling = (own - other).abs() > 0.1
+        assert telling.sum() >= len(c.token_ids) // 2
+        assert ((own - got).abs() < (other - got).abs())[telling].all(), (
+            f"mixed versions at {c.weight_version}"
+        )
+    print("versions seen by completions:", sorted(versions_seen))
