@@ -9,6 +9,8 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import signal
+import threading
 from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import dataclass
@@ -124,3 +126,11 @@ def start_server(
     running = RunningServer(server, bound, health_servicer, service_names)
     running.set_serving(False)
     return running
+
+
+def shutdown_event() -> threading.Event:
+    """An event set by SIGINT or SIGTERM (call from the main thread), so a server stops cleanly."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop

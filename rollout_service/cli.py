@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
-import threading
 from pathlib import Path
 
 from fp8rl.config import ConfigError, load_config
@@ -60,15 +58,13 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def serve(config: RolloutConfig) -> None:
-    from fp8rl.serving import start_server
+    from fp8rl.serving import shutdown_event, start_server
     from fp8rl.v1 import rollout_pb2_grpc
     from rollout_service.engine import VllmEngine
     from rollout_service.service import RolloutService
     from rollout_service.servicer import SERVICE_NAME, RolloutServicer
 
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = shutdown_event()
     servicer = RolloutServicer()
     # Oversized requests reach the handler, which names the field (INVALID_ARGUMENT).
     running = start_server(

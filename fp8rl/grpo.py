@@ -1,0 +1,132 @@
+"""GRPO as small pure functions: group advantages, importance-sampling correction of the rollout /
+trainer mismatch, divergence metrics, and the PPO-clipped token-level loss.
+
+Shapes: per-token tensors are [B, T] with a float ``mask`` (1 for completion tokens, 0 for padding);
+``gen`` are the rollout's logprobs, ``prev`` the trainer's logprobs of the same tokens under the same
+weights (no grad), ``cur`` the trainer's logprobs under the weights being optimized.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from fp8rl.recipes import ImportanceSampling
+
+
+def group_advantages(
+    rewards: Sequence[float], groups: Sequence[str], normalize_std: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
+    """Reward minus its group's mean, divided by the group's (population) std when ``normalize_std``.
+
+    A group whose rewards are all equal gets advantage 0: it carries no learning signal.
+    """
+    r = torch.tensor(rewards, dtype=torch.float64)
+    out = torch.zeros_like(r)
+    for group in dict.fromkeys(groups):
+        idx = torch.tensor([i for i, g in enumerate(groups) if g == group])
+        centred = r[idx] - r[idx].mean()
+        out[idx] = centred / (r[idx].std(unbiased=False) + eps) if normalize_std else centred
+    return out.float()
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+@dataclass(frozen=True)
+class ISWeights:
+    weights: torch.Tensor  # [B, T], detached; 0 where masked
+    altered: torch.Tensor  # [B, T] bool: clipped or masked
+    raw: torch.Tensor  # [B, T] exp(prev - gen)
+
+
+def importance_weights(
+    prev: torch.Tensor, gen: torch.Tensor, mask: torch.Tensor, config: ImportanceSampling
+) -> ISWeights:
+    """w = exp(prev - gen), corrected by ``config.mode``:
+
+    * ``tis``: clamp to [0, cap];
+    * ``icepop``: zero tokens with w outside [low, high];
+    * ``seq-mask-tis``: drop whole sequences whose geometric-mean w (exp of the mean log ratio) lies
+      outside [low, high]; the kept tokens get TIS weights (clamped to cap);
+    * ``none``: 1.
+    """
+    log_ratio = (prev - gen).detach() * mask
+    raw = torch.exp(log_ratio)
+    valid = mask > 0
+    if config.mode == "none":
+        return ISWeights(torch.ones_like(raw) * mask, torch.zeros_like(valid), raw)
+    if config.mode == "tis":
+        return ISWeights(raw.clamp(max=config.cap) * mask, valid & (raw > config.cap), raw)
+    if config.mode == "icepop":
+        outside = (raw < config.low) | (raw > config.high)
+        return ISWeights(torch.where(outside, 0.0, raw) * mask, valid & outside, raw)
+    if config.mode == "seq-mask-tis":
+        seq_mean = log_ratio.sum(-1) / mask.sum(-1).clamp(min=1)
+        geometric = torch.exp(seq_mean)
+        dropped = ((geometric < config.low) | (geometric > config.high))[:, None].expand_as(raw)
+        clipped = raw > config.cap
+        weights = torch.where(dropped, 0.0, raw.clamp(max=config.cap)) * mask
+        return ISWeights(weights, valid & (dropped | clipped), raw)
+    raise ValueError(f"unknown importance sampling mode {config.mode!r}")
+
+
+def divergence_metrics(
+    prev: torch.Tensor, gen: torch.Tensor, mask: torch.Tensor, weights: ISWeights
+) -> dict[str, float]:
+    """Mismatch between trainer and rollout over valid tokens (1.0 / 0.0 when they agree exactly)."""
+    d = (prev - gen).double()
+    m = mask.double()
+    mult_error = torch.exp(d.abs())
+    per_sequence = (mult_error * m).sum(-1) / m.sum(-1).clamp(min=1)
+    valid = mask > 0
+    raw = weights.raw[valid].double()
+    return {
+        "token_mult_prob_error": masked_mean(mult_error, m).item(),
+        "gen_kl_error": masked_mean(torch.exp(d) - d - 1, m).item(),
+        "max_seq_mult_prob_error": per_sequence[m.sum(-1) > 0].max().item(),
+        "is_weight_mean": raw.mean().item(),
+        "is_weight_min": raw.min().item(),
+        "is_weight_max": raw.max().item(),
+        "is_clipped_fraction": weights.altered[valid].double().mean().item(),
+    }
+
+
+@dataclass(frozen=True)
+class LossTerms:
+    loss: torch.Tensor  # scalar: sum over tokens of per-token loss / normalizer
+    clipped_fraction: torch.Tensor  # fraction of valid tokens where the PPO clip was active
+
+
+def ppo_loss(
+    cur: torch.Tensor,
+    prev: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    is_weights: torch.Tensor,
+    clip_eps: float,
+    normalizer: float,
+    ref: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+) -> LossTerms:
+    """Token-level PPO-clipped surrogate with importance-sampling weights.
+
+    per token: ``-w * min(r * A, clip(r, 1 - eps, 1 + eps) * A)`` with ``r = exp(cur - prev)``, plus
+    ``kl_coef * k3(cur, ref)`` when a reference is given; summed over valid tokens and divided by
+    ``normalizer`` (the number of valid tokens in the whole mini-batch, so micro-batches add up to the
+    token mean). ``advantages`` is [B] (one per sequence) or [B, T].
+    """
+    adv = advantages[:, None] if advantages.ndim == 1 else advantages
+    ratio = torch.exp(cur - prev.detach())
+    unclipped = ratio * adv
+    clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv
+    per_token = -torch.minimum(unclipped, clipped) * is_weights.detach()
+    if ref is not None and kl_coef > 0:
+        d = ref.detach() - cur
+        per_token = per_token + kl_coef * (torch.exp(d) - d - 1)
+    loss = (per_token * mask).sum() / normalizer
+    clip_active = ((unclipped > clipped) & (mask > 0)).float().sum() / max(mask.sum().item(), 1)
+    return LossTerms(loss, clip_active)

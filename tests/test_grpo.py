@@ -1,0 +1,109 @@
+"""GRPO numerics on hand-computed cases: advantages, every IS mode, clipping, token aggregation, the
+divergence metrics, and the gradient of the IS-corrected loss against finite differences."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fp8rl import grpo
+from fp8rl.recipes import ImportanceSampling
+
+
+def test_group_advantages() -> None:
+    adv = grpo.group_advantages([1.0, 0.0, 1.0, 0.0, 5.0, 5.0], ["a", "a", "b", "b", "c", "c"])
+    assert torch.allclose(adv, torch.tensor([1.0, -1.0, 1.0, -1.0, 0.0, 0.0]), atol=1e-5)
+    centred = grpo.group_advantages([3.0, 1.0, 2.0], ["g", "g", "g"], normalize_std=False)
+    assert torch.allclose(centred, torch.tensor([1.0, -1.0, 0.0]))
+    std = math.sqrt(2 / 3)
+    assert torch.allclose(grpo.group_advantages([3.0, 1.0, 2.0], ["g"] * 3), torch.tensor([1 / std, -1 / std, 0.0]))
+
+
+def tokens(*rows: list[float]) -> torch.Tensor:
+    width = max(len(r) for r in rows)
+    return torch.tensor([r + [0.0] * (width - len(r)) for r in rows], dtype=torch.float64)
+
+
+# Two sequences: 3 and 2 valid tokens. log ratios prev - gen = [ln 3, 0, ln 0.25] and [ln 1.5, ln 0.5].
+GEN = tokens([-1.0, -2.0, -0.5], [-1.0, -1.0])
+PREV = GEN + tokens([math.log(3), 0.0, math.log(0.25)], [math.log(1.5), math.log(0.5)])
+MASK = tokens([1, 1, 1], [1, 1])
+
+
+@pytest.mark.parametrize(
+    ("config", "weights", "altered"),
+    [
+        (ImportanceSampling(mode="none"), [[1, 1, 1], [1, 1, 0]], 0),
+        (ImportanceSampling(mode="tis", cap=2.0), [[2, 1, 0.25], [1.5, 0.5, 0]], 1 / 5),
+        (ImportanceSampling(mode="icepop", low=0.45, high=2.0), [[0, 1, 0], [1.5, 0.5, 0]], 2 / 5),
+        # geometric means: (3 * 1 * 0.25)^(1/3) = 0.909 (kept), (1.5 * 0.5)^(1/2) = 0.866 (kept) with
+        # [0.9, 2] the second is dropped.
+        (ImportanceSampling(mode="seq-mask-tis", cap=2.0, low=0.9, high=2.0), [[2, 1, 0.25], [0, 0, 0]], 3 / 5),
+    ],
+)
+def test_importance_weights(config: ImportanceSampling, weights: list[list[float]], altered: float) -> None:
+    mask = tokens([1, 1, 1], [1, 1, 0])
+    gen, prev = GEN.clone(), PREV.clone()
+    gen[1, 2] = prev[1, 2] = 0.0
+    w = grpo.importance_weights(prev, gen, mask, config)
+    assert torch.allclose(w.weights, torch.tensor(weights, dtype=torch.float64))
+    assert w.altered[mask > 0].double().mean().item() == pytest.approx(altered)
+
+
+def test_divergence_metrics_exact_when_engines_agree() -> None:
+    same = grpo.importance_weights(GEN, GEN, MASK, ImportanceSampling(mode="tis"))
+    m = grpo.divergence_metrics(GEN, GEN, MASK, same)
+    assert m["token_mult_prob_error"] == 1.0 and m["gen_kl_error"] == 0.0 and m["max_seq_mult_prob_error"] == 1.0
+    assert m["is_weight_mean"] == m["is_weight_min"] == m["is_weight_max"] == 1.0
+    assert m["is_clipped_fraction"] == 0.0
+
+
+def test_divergence_metrics_hand_computed() -> None:
+    w = grpo.importance_weights(PREV, GEN, MASK, ImportanceSampling(mode="tis", cap=2.0))
+    m = grpo.divergence_metrics(PREV, GEN, MASK, w)
+    ratios = [3.0, 1.0, 0.25, 1.5, 0.5]
+    mult = [max(r, 1 / r) for r in ratios]  # exp(|log r|)
+    assert m["token_mult_prob_error"] == pytest.approx(sum(mult) / 5)
+    assert m["gen_kl_error"] == pytest.approx(sum(r - math.log(r) - 1 for r in ratios) / 5)
+    assert m["max_seq_mult_prob_error"] == pytest.approx(max(sum(mult[:3]) / 3, sum(mult[3:]) / 2))
+    assert (m["is_weight_min"], m["is_weight_max"]) == (pytest.approx(0.25), pytest.approx(3.0))
+    assert m["is_weight_mean"] == pytest.approx(sum(ratios) / 5)
+    assert m["is_clipped_fraction"] == pytest.approx(1 / 5)
+
+
+def test_ppo_loss_clipping_and_token_level_aggregation() -> None:
+    # One sequence of 4 tokens, advantage +1: ratios 1.5 (clipped to 1.2), 0.5 (min picks 0.5), 1, 1.1.
+    prev = torch.zeros(1, 4, dtype=torch.float64)
+    cur = torch.log(torch.tensor([[1.5, 0.5, 1.0, 1.1]], dtype=torch.float64))
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]], dtype=torch.float64)  # last token is padding
+    w = torch.tensor([[1.0, 2.0, 1.0, 1.0]], dtype=torch.float64)
+    out = grpo.ppo_loss(cur, prev, torch.tensor([1.0]), mask, w, clip_eps=0.2, normalizer=3)
+    assert out.loss.item() == pytest.approx(-(1.2 * 1 + 0.5 * 2 + 1.0 * 1) / 3)
+    assert out.clipped_fraction.item() == pytest.approx(1 / 3)
+    # Negative advantage: ratio 0.5 is clipped to 0.8 (the pessimistic side), 1.5 is not.
+    neg = grpo.ppo_loss(cur, prev, torch.tensor([-1.0]), mask, w, clip_eps=0.2, normalizer=3)
+    assert neg.loss.item() == pytest.approx((1.5 * 1 + 0.8 * 2 + 1.0 * 1) / 3)
+    # Token-level: two sequences of different lengths weigh by tokens, not by sequences.
+    cur2 = torch.zeros(2, 3, dtype=torch.float64)
+    mask2 = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]], dtype=torch.float64)
+    agg = grpo.ppo_loss(cur2, cur2, torch.tensor([1.0, -1.0]), mask2, torch.ones(2, 3, dtype=torch.float64), 0.2, 4)
+    assert agg.loss.item() == pytest.approx(-(3 * 1 - 1) / 4)
+
+
+def test_is_corrected_loss_gradient_matches_finite_differences(gen: torch.Generator) -> None:
+    b, t = 3, 5
+    gen_lp = -torch.rand(b, t, generator=gen, dtype=torch.float64) * 3
+    prev = gen_lp + 0.3 * torch.randn(b, t, generator=gen, dtype=torch.float64)
+    mask = (torch.rand(b, t, generator=gen) > 0.2).double()
+    adv = torch.randn(b, generator=gen, dtype=torch.float64)
+    ref = prev + 0.1 * torch.randn(b, t, generator=gen, dtype=torch.float64)
+    cur = (prev + 0.05 * torch.randn(b, t, generator=gen, dtype=torch.float64)).requires_grad_()
+    for mode in ("tis", "icepop", "seq-mask-tis", "none"):
+        w = grpo.importance_weights(prev, gen_lp, mask, ImportanceSampling(mode=mode))
+
+        def loss(c: torch.Tensor, w: grpo.ISWeights = w) -> torch.Tensor:
+            return grpo.ppo_loss(c, prev, adv, mask, w.weights, 0.2, mask.sum().item(), ref, 0.05).loss
+
+        assert torch.autograd.gradcheck(loss, (cur,), eps=1e-6, atol=1e-6), mode

@@ -1,0 +1,1 @@
+"""Trainer service: a gRPC GRPO learner with FP8 linear layers that publishes quantized weights."""

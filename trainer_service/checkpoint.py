@@ -1,0 +1,118 @@
+"""Atomic, pickle-free checkpoints: safetensors for tensors, JSON for everything else.
+
+Layout: ``<root>/step-00000042/{model,optimizer,rng}.safetensors, trainer.json, manifest.json``. A
+checkpoint is written into a temporary directory, every file fsynced, ``manifest.json`` (sizes and
+digests of the others) last, then renamed into place — so a directory named ``step-*`` is complete, and
+one whose manifest does not verify (a torn copy, a bad disk) is skipped on resume.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+log = logging.getLogger(__name__)
+PREFIX = "step-"
+
+
+def _fsync_write(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def save(
+    root: Path, step: int, tensors: Mapping[str, Mapping[str, torch.Tensor]], meta: Mapping[str, Any]
+) -> Path:
+    """Write ``tensors`` (file stem -> named tensors) and ``meta`` as checkpoint ``step``, atomically."""
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{PREFIX}{step:08d}"
+    tmp = root / f".tmp-{final.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    for stem, named in tensors.items():
+        save_file({k: v.detach().cpu().contiguous() for k, v in named.items()}, tmp / f"{stem}.safetensors")
+        with open(tmp / f"{stem}.safetensors", "rb+") as f:
+            os.fsync(f.fileno())
+    _fsync_write(tmp / "trainer.json", json.dumps(meta, indent=2, sort_keys=True).encode())
+    files = sorted(p.name for p in tmp.iterdir())
+    manifest = {name: {"bytes": (tmp / name).stat().st_size, "sha256": _digest(tmp / name)} for name in files}
+    _fsync_write(tmp / "manifest.json", json.dumps(manifest, indent=2).encode())
+    _fsync_dir(tmp)
+    if final.exists():  # re-saving the same step replaces it
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    return final
+
+
+def verify(path: Path) -> bool:
+    try:
+        manifest = json.loads((path / "manifest.json").read_text())
+        return (
+            all(
+                (path / name).stat().st_size == entry["bytes"] and _digest(path / name) == entry["sha256"]
+                for name, entry in manifest.items()
+            )
+            and "trainer.json" in manifest
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def latest(root: Path) -> Path | None:
+    """The newest checkpoint that verifies; torn or corrupted ones are skipped (and logged)."""
+    if not root.is_dir():
+        return None
+    for path in sorted(root.glob(f"{PREFIX}*"), reverse=True):
+        if verify(path):
+            return path
+        log.warning("skipping incomplete checkpoint %s", path)
+    return None
+
+
+def load(path: Path) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
+    tensors = {p.stem: load_file(p) for p in sorted(path.glob("*.safetensors"))}
+    return tensors, json.loads((path / "trainer.json").read_text())
+
+
+def flatten_optimizer(state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """``optimizer.state_dict()`` -> (tensors keyed ``<param index>.<field>``, JSON-able rest)."""
+    tensors, scalars = {}, {}
+    for index, fields in state["state"].items():
+        for key, value in fields.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{index}.{key}"] = value
+            else:
+                scalars[f"{index}.{key}"] = value
+    return tensors, {"param_groups": state["param_groups"], "scalars": scalars}
+
+
+def unflatten_optimizer(tensors: Mapping[str, torch.Tensor], rest: Mapping[str, Any]) -> dict[str, Any]:
+    state: dict[int, dict[str, Any]] = {}
+    for flat, value in [*tensors.items(), *rest["scalars"].items()]:
+        index, key = flat.split(".", 1)
+        state.setdefault(int(index), {})[key] = value
+    return {"state": state, "param_groups": rest["param_groups"]}

@@ -1,0 +1,67 @@
+"""The trainer service's one typed config (YAML + CLI overrides, validated before the model loads)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from fp8rl.recipes import ISMode, RecipeName
+
+
+class OptimizerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    lr: float = Field(1e-5, gt=0)
+    """Peak learning rate of AdamW."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = Field(0.0, ge=0)
+    eps: float = Field(1e-8, gt=0)
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warm-up from lr/warmup_steps to lr over this many TrainSteps."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Max global grad norm per optimizer step."""
+
+
+class LossConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    clip_eps: float = Field(0.2, gt=0, lt=1)
+    """PPO ratio clip."""
+    normalize_advantage_std: bool = True
+    """Divide group-centred rewards by the group's std."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Weight of a k3 KL penalty to the frozen initial policy; 0 (default) keeps no reference model."""
+    is_mode: ISMode | None = None
+    """Importance-sampling correction; default: the recipe's (tis for FP8 recipes, none for bf16)."""
+    is_cap: float | None = Field(None, gt=0)
+    is_low: float | None = Field(None, ge=0)
+    is_high: float | None = Field(None, gt=0)
+
+
+class TrainerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: Path
+    """HF checkpoint directory (Qwen2, Qwen3, Llama families)."""
+    recipe: RecipeName = "fp8"
+    host: str = "127.0.0.1"
+    port: int = Field(50052, ge=0, le=65535)
+    compute_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """Dtype of the forward/backward pass; master weights and optimizer state are always float32."""
+    fp8_backend: Literal["auto", "te", "emulated"] = "auto"
+    """FP8 linears: Transformer Engine on CUDA when it imports (auto), else the exact emulation."""
+    mini_batches: int = Field(1, ge=1)
+    """Optimizer steps per TrainStep (the samples are split evenly)."""
+    micro_batch_size: int = Field(8, ge=1)
+    """Samples per forward/backward; gradients accumulate over a mini-batch."""
+    optimizer: OptimizerConfig = OptimizerConfig()
+    loss: LossConfig = LossConfig()
+    checkpoint_dir: Path | None = None
+    """Where checkpoints go; none are written without it."""
+    checkpoint_every: int = Field(0, ge=0)
+    """Write a checkpoint every N steps (0: only on SaveCheckpoint)."""
+    resume: bool = False
+    """Restore the latest complete checkpoint of checkpoint_dir at start-up."""
+    seed: int = 0

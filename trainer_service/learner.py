@@ -1,0 +1,224 @@
+"""The learner: an HF causal LM with float32 master weights, AdamW, and the GRPO step.
+
+Version semantics: the weights after ``n`` applied TrainSteps are version ``n``; the step to train next is
+``n`` as well. Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fp8rl import grpo
+from fp8rl.logprobs import token_logprobs
+from fp8rl.recipes import ImportanceSampling, Recipe
+from trainer_service.config import TrainerConfig
+from trainer_service.fp8_linear import Backend, convert_linears, fp8_context, resolve_backend
+
+
+@dataclass(frozen=True)
+class SampleData:
+    prompt: list[int]
+    completion: list[int]
+    gen_logprobs: list[float]
+    reward: float = 0.0
+    group: str = ""
+    advantage: float | None = None
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+
+@dataclass
+class Batch:
+    """Right-padded sequences; per-token tensors are aligned with the logits that predict them: position
+    t of ``targets``/``mask``/``gen`` is the token at t + 1 of ``input_ids``."""
+
+    input_ids: torch.Tensor  # [B, L]
+    attention_mask: torch.Tensor  # [B, L]
+    targets: torch.Tensor  # [B, L-1]
+    mask: torch.Tensor  # [B, L-1] float, 1 on completion tokens
+    gen: torch.Tensor  # [B, L-1] rollout logprobs (0 elsewhere)
+
+    def rows(self, index: torch.Tensor) -> Batch:
+        return Batch(
+            *(t[index] for t in (self.input_ids, self.attention_mask, self.targets, self.mask, self.gen))
+        )
+
+    def to(self, device: torch.device) -> Batch:
+        return Batch(
+            *(t.to(device) for t in (self.input_ids, self.attention_mask, self.targets, self.mask, self.gen))
+        )
+
+
+def collate(samples: Sequence[SampleData], pad_id: int = 0) -> Batch:
+    length = max(len(s.prompt) + len(s.completion) for s in samples)
+    b = len(samples)
+    input_ids = torch.full((b, length), pad_id, dtype=torch.long)
+    attention = torch.zeros(b, length, dtype=torch.long)
+    mask = torch.zeros(b, length - 1)
+    gen = torch.zeros(b, length - 1)
+    for i, s in enumerate(samples):
+        p, c = len(s.prompt), len(s.completion)
+        input_ids[i, : p + c] = torch.tensor(s.prompt + s.completion)
+        attention[i, : p + c] = 1
+        mask[i, p - 1 : p + c - 1] = 1
+        gen[i, p - 1 : p + c - 1] = torch.tensor(s.gen_logprobs)
+    return Batch(input_ids, attention, input_ids[:, 1:].clone(), mask, gen)
+
+
+def split(n: int, parts: int) -> list[torch.Tensor]:
+    """Indices 0..n-1 in ``parts`` contiguous, nearly equal, non-empty chunks."""
+    return [c for c in torch.arange(n).tensor_split(min(parts, n)) if len(c)]
+
+
+class Learner:
+    def __init__(self, config: TrainerConfig, recipe: Recipe) -> None:
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(config.seed)
+        self.config, self.recipe = config, recipe
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        model: Any = AutoModelForCausalLM.from_pretrained(config.model, dtype=torch.float32)
+        self.model = model.to(self.device)
+        self.model.train()
+        self.backend: Backend | None = None
+        if recipe.train_linears == "fp8":
+            self.backend = resolve_backend(config.fp8_backend)
+            convert_linears(self.model, self.backend)
+        self.reference = None
+        if config.loss.kl_coef > 0:
+            self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+        opt = config.optimizer
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay
+        )
+        self.vocab_size = self.model.config.vocab_size
+        self.max_positions = self.model.config.max_position_embeddings
+        self.pad_id = self.model.config.pad_token_id or 0
+        self.step = 0  # = the weight version
+        self.is_config = importance_sampling_config(recipe.importance_sampling, config)
+
+    @property
+    def backend_name(self) -> str:
+        return self.backend or "bf16"
+
+    def autocast(self) -> contextlib.AbstractContextManager[object]:
+        if self.config.compute_dtype == "float32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
+
+    def logprobs(
+        self, batch: Batch, sampling: SamplingSettings, model: torch.nn.Module | None = None
+    ) -> torch.Tensor:
+        """Processed logprobs of ``batch.targets`` [B, L-1] (grad flows when enabled by the caller)."""
+        with self.autocast(), fp8_context(self.backend):
+            logits = (model or self.model)(
+                input_ids=batch.input_ids, attention_mask=batch.attention_mask
+            ).logits
+        return token_logprobs(
+            logits[:, :-1].float(), batch.targets, sampling.temperature, sampling.top_k, sampling.top_p
+        )
+
+    @torch.no_grad()
+    def score(self, batch: Batch, sampling: SamplingSettings) -> torch.Tensor:
+        """``logprobs`` without grad, in micro-batches."""
+        rows = torch.arange(len(batch.input_ids)).split(self.config.micro_batch_size)
+        return torch.cat([self.logprobs(batch.rows(i), sampling) for i in rows])
+
+    def learning_rate(self) -> float:
+        warmup = self.config.optimizer.warmup_steps
+        scale = min(1.0, (self.step + 1) / warmup) if warmup else 1.0
+        return self.config.optimizer.lr * scale
+
+    def train(self, samples: Sequence[SampleData], sampling: SamplingSettings) -> dict[str, float]:
+        """One GRPO step on ``samples``; afterwards the weights are version ``step + 1``."""
+        start = time.perf_counter()
+        batch = collate(samples, self.pad_id).to(self.device)
+        prev = self.score(batch, sampling)
+        weights = grpo.importance_weights(prev, batch.gen, batch.mask, self.is_config)
+        metrics = grpo.divergence_metrics(prev, batch.gen, batch.mask, weights)
+        advantages = self._advantages(samples).to(self.device)
+        ref = self._reference_logprobs(batch, sampling)
+        lr = self.learning_rate()
+        losses, norms, clip_fractions = [], [], []
+        for mini in split(len(samples), self.config.mini_batches):
+            self.optimizer.zero_grad(set_to_none=True)
+            normalizer = batch.mask[mini].sum().item()
+            loss_sum = 0.0
+            for micro in mini.split(self.config.micro_batch_size):
+                rows = batch.rows(micro)
+                cur = self.logprobs(rows, sampling)
+                terms = grpo.ppo_loss(
+                    cur,
+                    prev[micro],
+                    advantages[micro],
+                    rows.mask,
+                    weights.weights[micro],
+                    self.config.loss.clip_eps,
+                    normalizer,
+                    None if ref is None else ref[micro],
+                    self.config.loss.kl_coef,
+                )
+                terms.loss.backward()
+                loss_sum += terms.loss.item()
+                clip_fractions.append(terms.clipped_fraction.item())
+            norms.append(
+                torch.nn.utils.clip_grad_norm_(
+                    self.model.parameters(), self.config.optimizer.grad_clip
+                ).item()
+            )
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
+            losses.append(loss_sum)
+        self.step += 1
+        seconds = time.perf_counter() - start
+        tokens = int(batch.mask.sum().item())
+        return metrics | {
+            "loss": sum(losses) / len(losses),
+            "grad_norm": sum(norms) / len(norms),
+            "learning_rate": lr,
+            "ppo_clipped_fraction": sum(clip_fractions) / len(clip_fractions),
+            "num_tokens": tokens,
+            "num_samples": len(samples),
+            "tokens_per_s": tokens / seconds,
+            "train_s": seconds,
+            "reward_mean": sum(s.reward for s in samples) / len(samples),
+        }
+
+    def _advantages(self, samples: Sequence[SampleData]) -> torch.Tensor:
+        computed = grpo.group_advantages(
+            [s.reward for s in samples], [s.group for s in samples], self.config.loss.normalize_advantage_std
+        )
+        given = [s.advantage for s in samples]
+        return torch.tensor([computed[i].item() if a is None else a for i, a in enumerate(given)])
+
+    def _reference_logprobs(self, batch: Batch, sampling: SamplingSettings) -> torch.Tensor | None:
+        if self.reference is None:
+            return None
+        with torch.no_grad():
+            return self.logprobs(batch, sampling, self.reference)
+
+    def master_weights(self) -> dict[str, torch.Tensor]:
+        """float32 master weights under HF names (detached views; copy before mutating)."""
+        return {name: p.detach() for name, p in self.model.named_parameters()}
+
+
+def importance_sampling_config(default: ImportanceSampling, config: TrainerConfig) -> ImportanceSampling:
+    """The recipe's importance sampling with the trainer config's explicit overrides applied."""
+    loss = config.loss
+    overrides = {"mode": loss.is_mode, "cap": loss.is_cap, "low": loss.is_low, "high": loss.is_high}
+    return ImportanceSampling.model_validate(
+        default.model_dump() | {k: v for k, v in overrides.items() if v is not None}
+    )

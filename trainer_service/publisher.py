@@ -1,0 +1,142 @@
+"""PublishWeights: quantize the master weights into the rollout's format once per version, then send
+each target a delta against the version it holds (or a keyframe), concurrently. A target that refuses a
+delta (FAILED_PRECONDITION: it holds something else) gets a keyframe at once."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from fp8rl.v1 import rollout_pb2_grpc
+from fp8rl.weight_stream import update_to_chunks
+from fp8rl.weights import (
+    EncodedUpdate,
+    WeightFormat,
+    WeightSet,
+    build_weight_set,
+    encode_delta,
+    encode_keyframe,
+)
+
+UPDATE_DEADLINE_S = 600.0
+
+
+@dataclass(frozen=True)
+class Target:
+    address: str
+    held_version: int  # -1: unknown
+
+
+@dataclass(frozen=True)
+class Delivery:
+    address: str
+    ok: bool
+    encoding: str
+    wire_bytes: int
+    density: float
+    seconds: float
+    error: str = ""
+
+
+class Publisher:
+    def __init__(self, weight_format: WeightFormat, hp_dtype: torch.dtype, recipe: str) -> None:
+        self.weight_format, self.hp_dtype, self.recipe = weight_format, hp_dtype, recipe
+        self.last: tuple[int, WeightSet] | None = None  # the one base any delta is computed against
+        self._channels: dict[str, grpc.Channel] = {}
+        self._channels_lock = threading.Lock()
+        self._publish_lock = threading.Lock()
+
+    def publish(
+        self, version: int, master: Callable[[], Mapping[str, torch.Tensor]], targets: Sequence[Target]
+    ) -> list[Delivery]:
+        """Bring every target to ``version``; ``master`` gives the weights (called once, if at all)."""
+        with self._publish_lock:
+            base = self.last
+            same = base is not None and base[0] == version
+            weights = base[1] if same else build_weight_set(master(), self.weight_format, self.hp_dtype)  # type: ignore[index]
+            updates = _Updates(weights, version, base, self.recipe)
+            with ThreadPoolExecutor(max_workers=max(1, len(targets))) as pool:
+                deliveries = list(pool.map(lambda t: self._deliver(t, updates), targets))
+            self.last = (version, weights)
+            return deliveries
+
+    def _deliver(self, target: Target, updates: _Updates) -> Delivery:
+        start = time.perf_counter()
+        update = updates.for_held(target.held_version)
+        try:
+            try:
+                self._send(target.address, update)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.FAILED_PRECONDITION or update.encoding == "keyframe":
+                    raise
+                update = updates.keyframe()  # the target holds something else: heal it
+                self._send(target.address, update)
+        except grpc.RpcError as exc:
+            return Delivery(
+                target.address,
+                False,
+                update.encoding,
+                0,
+                0.0,
+                time.perf_counter() - start,
+                f"{exc.code().name}: {exc.details()}",
+            )
+        return Delivery(
+            target.address,
+            True,
+            update.encoding,
+            update.wire_bytes,
+            update.density,
+            time.perf_counter() - start,
+        )
+
+    def _send(self, address: str, update: EncodedUpdate) -> None:
+        with self._channels_lock:
+            if address not in self._channels:
+                self._channels[address] = grpc.insecure_channel(address)
+            channel = self._channels[address]
+        rollout_pb2_grpc.RolloutStub(channel).UpdateWeights(
+            update_to_chunks(update), timeout=UPDATE_DEADLINE_S
+        )
+
+    def close(self) -> None:
+        with self._channels_lock:
+            for channel in self._channels.values():
+                channel.close()
+            self._channels.clear()
+
+
+class _Updates:
+    """Encodes each distinct update once, however many targets need it."""
+
+    def __init__(
+        self, weights: WeightSet, version: int, base: tuple[int, WeightSet] | None, recipe: str
+    ) -> None:
+        self.weights, self.version, self.base, self.recipe = weights, version, base, recipe
+        self._cache: dict[str, EncodedUpdate] = {}
+        self._lock = threading.Lock()
+
+    def for_held(self, held_version: int) -> EncodedUpdate:
+        """A delta for a target holding the last published version (a tiny one if that is ``version``
+        itself, which still proves it holds those exact bytes); a keyframe otherwise."""
+        base = self.base
+        if base is None or held_version != base[0]:
+            return self.keyframe()
+        return self._get(
+            "delta", lambda: encode_delta(self.weights, base[1], self.version, base[0], self.recipe)
+        )
+
+    def keyframe(self) -> EncodedUpdate:
+        return self._get("keyframe", lambda: encode_keyframe(self.weights, self.version, self.recipe))
+
+    def _get(self, kind: str, encode: Callable[[], EncodedUpdate]) -> EncodedUpdate:
+        with self._lock:
+            if kind not in self._cache:
+                self._cache[kind] = encode()
+            return self._cache[kind]

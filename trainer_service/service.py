@@ -1,0 +1,244 @@
+"""Trainer handlers: exactly-once TrainStep, ComputeLogprobs, PublishWeights, checkpoints, status.
+
+Plain Python over the learner; the gRPC servicer only converts messages and maps errors.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import torch
+from google.protobuf import json_format
+
+from fp8rl.config import config_hash
+from fp8rl.errors import InvalidRequest, PreconditionFailed
+from fp8rl.recipes import get_recipe
+from fp8rl.v1 import common_pb2, trainer_pb2
+from trainer_service import checkpoint
+from trainer_service.config import TrainerConfig
+from trainer_service.learner import Learner, SampleData, SamplingSettings
+from trainer_service.publisher import Publisher, Target
+
+log = logging.getLogger(__name__)
+KEPT_RESULTS = 64  # replayable TrainStep results (the last ones; also saved with each checkpoint)
+
+
+def sampling_settings(s: common_pb2.SamplingParams) -> SamplingSettings:
+    temperature = s.temperature if s.HasField("temperature") else 1.0
+    top_k = s.top_k if s.HasField("top_k") else 0
+    top_p = s.top_p if s.HasField("top_p") else 1.0
+    if not temperature >= 0:
+        raise InvalidRequest("sampling.temperature", f"must be >= 0, got {temperature}")
+    if top_k < 0:
+        raise InvalidRequest("sampling.top_k", f"must be >= 0, got {top_k}")
+    if not 0 < top_p <= 1:
+        raise InvalidRequest("sampling.top_p", f"must lie in (0, 1], got {top_p}")
+    return SamplingSettings(temperature, top_k, top_p)
+
+
+def check_tokens(field: str, ids: list[int], vocab: int, allow_empty: bool = False) -> None:
+    if not ids and not allow_empty:
+        raise InvalidRequest(field, "must not be empty")
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise InvalidRequest(field, f"token id {bad} outside the vocabulary [0, {vocab})")
+
+
+def parse_samples(samples: Any, vocab: int, max_positions: int) -> list[SampleData]:
+    if not samples:
+        raise InvalidRequest("samples", "at least one sample is required")
+    out = []
+    for i, s in enumerate(samples):
+        field = f"samples[{i}]"
+        prompt, completion, logprobs = (
+            list(s.prompt_token_ids),
+            list(s.completion_token_ids),
+            list(s.gen_logprobs),
+        )
+        check_tokens(f"{field}.prompt_token_ids", prompt, vocab)
+        check_tokens(f"{field}.completion_token_ids", completion, vocab)
+        if len(prompt) + len(completion) > max_positions:
+            raise InvalidRequest(
+                field, f"{len(prompt) + len(completion)} tokens exceed the context of {max_positions}"
+            )
+        if len(logprobs) != len(completion):
+            raise InvalidRequest(
+                f"{field}.gen_logprobs", f"{len(logprobs)} logprobs for {len(completion)} tokens"
+            )
+        bad = next((x for x in logprobs if not math.isfinite(x) or x > 0), None)
+        if bad is not None:
+            raise InvalidRequest(f"{field}.gen_logprobs", f"logprobs must be finite and <= 0, got {bad}")
+        if not math.isfinite(s.reward):
+            raise InvalidRequest(f"{field}.reward", f"must be finite, got {s.reward}")
+        advantage = s.advantage if s.HasField("advantage") else None
+        if advantage is not None and not math.isfinite(advantage):
+            raise InvalidRequest(f"{field}.advantage", f"must be finite, got {advantage}")
+        out.append(SampleData(prompt, completion, logprobs, s.reward, s.group_id or str(i), advantage))
+    return out
+
+
+class TrainerService:
+    def __init__(self, config: TrainerConfig, learner: Learner | None = None) -> None:
+        self.config = config
+        self.recipe = get_recipe(config.recipe)
+        self.learner = learner or Learner(config, self.recipe)
+        hp_dtype = torch.float32 if config.compute_dtype == "float32" else torch.bfloat16
+        self.publisher = Publisher(self.recipe.rollout_weights, hp_dtype, self.recipe.name)
+        self.run_id = ""
+        self.results: OrderedDict[int, trainer_pb2.TrainStepResponse] = OrderedDict()
+        self.started = time.time()
+        self._lock = threading.Lock()  # one TrainStep / checkpoint at a time
+        if config.resume:
+            self.restore()
+
+    @property
+    def step(self) -> int:
+        return self.learner.step
+
+    def train_step(self, request: trainer_pb2.TrainStepRequest) -> trainer_pb2.TrainStepResponse:
+        with self._lock:
+            if self.run_id and request.run_id and request.run_id != self.run_id:
+                raise PreconditionFailed(f"trainer belongs to run {self.run_id!r}, not {request.run_id!r}")
+            if request.step in self.results:  # already applied: answer again, train nothing
+                replay = trainer_pb2.TrainStepResponse()
+                replay.CopyFrom(self.results[request.step])
+                replay.replayed = True
+                return replay
+            if request.step != self.step:
+                raise PreconditionFailed(f"expected step {self.step}, got step {request.step}")
+            samples = parse_samples(request.samples, self.learner.vocab_size, self.learner.max_positions)
+            sampling = sampling_settings(request.sampling)
+            metrics = self.learner.train(samples, sampling)
+            self.run_id = self.run_id or request.run_id
+            response = trainer_pb2.TrainStepResponse(
+                step=request.step,
+                weight_version=self.step,
+                metrics=trainer_pb2.TrainMetrics(**metrics),  # type: ignore[arg-type]
+            )
+            self._remember(request.step, response)
+            if self.config.checkpoint_every and self.step % self.config.checkpoint_every == 0:
+                self._save()
+            return response
+
+    def _remember(self, step: int, response: trainer_pb2.TrainStepResponse) -> None:
+        self.results[step] = response
+        while len(self.results) > KEPT_RESULTS:
+            self.results.popitem(last=False)
+
+    def compute_logprobs(
+        self, request: trainer_pb2.ComputeLogprobsRequest
+    ) -> trainer_pb2.ComputeLogprobsResponse:
+        from trainer_service.learner import collate
+
+        if not request.sequences:
+            raise InvalidRequest("sequences", "at least one sequence is required")
+        vocab = self.learner.vocab_size
+        samples = []
+        for i, seq in enumerate(request.sequences):
+            prompt, completion = list(seq.prompt_token_ids), list(seq.completion_token_ids)
+            check_tokens(f"sequences[{i}].prompt_token_ids", prompt, vocab)
+            check_tokens(f"sequences[{i}].completion_token_ids", completion, vocab)
+            if len(prompt) + len(completion) > self.learner.max_positions:
+                raise InvalidRequest(
+                    f"sequences[{i}]", f"exceeds the context of {self.learner.max_positions}"
+                )
+            samples.append(SampleData(prompt, completion, [0.0] * len(completion)))
+        sampling = sampling_settings(request.sampling)
+        with self._lock:
+            batch = collate(samples, self.learner.pad_id).to(self.learner.device)
+            logprobs = self.learner.score(batch, sampling).cpu()
+            version = self.step
+        results = []
+        for row, s in zip(logprobs, samples, strict=True):
+            start = len(s.prompt) - 1
+            results.append(
+                trainer_pb2.SequenceLogprobs(logprobs=row[start : start + len(s.completion)].tolist())
+            )
+        return trainer_pb2.ComputeLogprobsResponse(results=results, weight_version=version)
+
+    def publish(self, request: trainer_pb2.PublishWeightsRequest) -> trainer_pb2.PublishWeightsResponse:
+        if request.version != self.step:
+            raise PreconditionFailed(
+                f"trainer holds version {self.step}, cannot publish version {request.version}"
+            )
+        if not request.targets:
+            raise InvalidRequest("targets", "at least one target is required")
+        for i, t in enumerate(request.targets):
+            if not t.address or ":" not in t.address:
+                raise InvalidRequest(f"targets[{i}].address", f"expected host:port, got {t.address!r}")
+        with self._lock:  # the weights must not move while they are quantized
+            deliveries = self.publisher.publish(
+                request.version,
+                self.learner.master_weights,
+                [Target(t.address, t.held_version) for t in request.targets],
+            )
+        results = [trainer_pb2.PublishResult(**vars(d)) for d in deliveries]
+        return trainer_pb2.PublishWeightsResponse(version=request.version, results=results)
+
+    def save_checkpoint(self) -> trainer_pb2.SaveCheckpointResponse:
+        with self._lock:
+            path = self._save()
+        return trainer_pb2.SaveCheckpointResponse(path=str(path), step=self.step)
+
+    def _save(self) -> Path:
+        if self.config.checkpoint_dir is None:
+            raise PreconditionFailed("no checkpoint_dir configured")
+        optimizer_tensors, optimizer_rest = checkpoint.flatten_optimizer(self.learner.optimizer.state_dict())
+        rng = {"torch": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state()
+        meta = {
+            "step": self.step,
+            "run_id": self.run_id,
+            "recipe": self.recipe.name,
+            "config_hash": config_hash(self.config.model_copy(update={"resume": False})),
+            "optimizer": optimizer_rest,
+            "results": {str(k): json_format.MessageToDict(v) for k, v in self.results.items()},
+        }
+        tensors = {"model": self.learner.master_weights(), "optimizer": optimizer_tensors, "rng": rng}
+        path = checkpoint.save(self.config.checkpoint_dir, self.step, tensors, meta)
+        log.info("checkpoint %s written", path)
+        return path
+
+    def restore(self) -> None:
+        """Load the latest complete checkpoint of ``checkpoint_dir``, if any."""
+        path = checkpoint.latest(self.config.checkpoint_dir) if self.config.checkpoint_dir else None
+        if path is None:
+            log.info("no checkpoint to resume from; starting at step 0")
+            return
+        tensors, meta = checkpoint.load(path)
+        learner = self.learner
+        with torch.no_grad():
+            for name, p in learner.model.named_parameters():
+                p.copy_(tensors["model"][name])
+        learner.optimizer.load_state_dict(
+            checkpoint.unflatten_optimizer(tensors["optimizer"], meta["optimizer"])
+        )
+        torch.set_rng_state(tensors["rng"]["torch"])
+        if "cuda" in tensors["rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state(tensors["rng"]["cuda"])
+        learner.step = meta["step"]
+        self.run_id = meta["run_id"]
+        for step, result in sorted(meta["results"].items(), key=lambda kv: int(kv[0])):
+            self._remember(int(step), json_format.ParseDict(result, trainer_pb2.TrainStepResponse()))
+        if meta["config_hash"] != config_hash(self.config.model_copy(update={"resume": False})):
+            log.warning("resuming %s under a different trainer config", path)
+        log.info("resumed from %s at step %d", path, learner.step)
+
+    def status(self) -> trainer_pb2.TrainerStatus:
+        return trainer_pb2.TrainerStatus(
+            model=str(self.config.model),
+            recipe=self.recipe.name,
+            backend=self.learner.backend_name,
+            device=self.learner.device.type,
+            step=self.step,
+            weight_version=self.step,
+            uptime_s=time.time() - self.started,
+            run_id=self.run_id,
+        )
