@@ -23,7 +23,9 @@ def test_forward_and_gradients_match_float64_reference(gen: torch.Generator) -> 
     dyq = quant.fake_quantize_activation(dy).double()
     torch.testing.assert_close(y.double(), xq @ wq.t() + b.detach().double(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(x.grad.double(), dyq @ wq, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(w.grad.double(), dyq.reshape(-1, 256).t() @ xq.reshape(-1, 384), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(
+        w.grad.double(), dyq.reshape(-1, 256).t() @ xq.reshape(-1, 384), rtol=1e-5, atol=1e-4
+    )
     torch.testing.assert_close(b.grad.double(), dy.double().sum((0, 1)), rtol=1e-5, atol=1e-5)
     # Quantization is active: a plain linear differs.
     assert (y - torch.nn.functional.linear(x, w, b)).abs().max() > 1e-3
@@ -39,7 +41,9 @@ def test_gradients_equal_autograd_of_the_fake_quant_graph(gen: torch.Generator) 
         return t + (fq(t.detach()) - t.detach())
 
     xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
-    y = torch.nn.functional.linear(ste(xr, quant.fake_quantize_activation), ste(wr, quant.fake_quantize_weight))
+    y = torch.nn.functional.linear(
+        ste(xr, quant.fake_quantize_activation), ste(wr, quant.fake_quantize_weight)
+    )
     y.register_hook(quant.fake_quantize_activation)
     y.backward(dy)
 
@@ -61,6 +65,8 @@ def test_forward_codes_are_the_weight_set_codes(gen: torch.Generator) -> None:
     # What the forward multiplies with is dequant(q(W)); its re-quantization gives back the codes.
     used = quant.fake_quantize_weight(linear.weight.detach())
     codes, scales = quant.quantize_blockwise(used)
-    assert torch.equal(codes.view(torch.uint8), ws.tensors["model.layers.1.mlp.down_proj.weight"].view(torch.uint8))
+    assert torch.equal(
+        codes.view(torch.uint8), ws.tensors["model.layers.1.mlp.down_proj.weight"].view(torch.uint8)
+    )
     assert torch.equal(scales, ws.tensors["model.layers.1.mlp.down_proj.weight_scale_inv"])
     assert not isinstance(model.lm_head, EmulatedFP8Linear)

@@ -18,7 +18,9 @@ def test_group_advantages() -> None:
     centred = grpo.group_advantages([3.0, 1.0, 2.0], ["g", "g", "g"], normalize_std=False)
     assert torch.allclose(centred, torch.tensor([1.0, -1.0, 0.0]))
     std = math.sqrt(2 / 3)
-    assert torch.allclose(grpo.group_advantages([3.0, 1.0, 2.0], ["g"] * 3), torch.tensor([1 / std, -1 / std, 0.0]))
+    assert torch.allclose(
+        grpo.group_advantages([3.0, 1.0, 2.0], ["g"] * 3), torch.tensor([1 / std, -1 / std, 0.0])
+    )
 
 
 def tokens(*rows: list[float]) -> torch.Tensor:
@@ -40,7 +42,11 @@ MASK = tokens([1, 1, 1], [1, 1])
         (ImportanceSampling(mode="icepop", low=0.45, high=2.0), [[0, 1, 0], [1.5, 0.5, 0]], 2 / 5),
         # geometric means: (3 * 1 * 0.25)^(1/3) = 0.909 (kept), (1.5 * 0.5)^(1/2) = 0.866 (kept) with
         # [0.9, 2] the second is dropped.
-        (ImportanceSampling(mode="seq-mask-tis", cap=2.0, low=0.9, high=2.0), [[2, 1, 0.25], [0, 0, 0]], 3 / 5),
+        (
+            ImportanceSampling(mode="seq-mask-tis", cap=2.0, low=0.9, high=2.0),
+            [[2, 1, 0.25], [0, 0, 0]],
+            3 / 5,
+        ),
     ],
 )
 def test_importance_weights(config: ImportanceSampling, weights: list[list[float]], altered: float) -> None:
@@ -55,7 +61,9 @@ def test_importance_weights(config: ImportanceSampling, weights: list[list[float
 def test_divergence_metrics_exact_when_engines_agree() -> None:
     same = grpo.importance_weights(GEN, GEN, MASK, ImportanceSampling(mode="tis"))
     m = grpo.divergence_metrics(GEN, GEN, MASK, same)
-    assert m["token_mult_prob_error"] == 1.0 and m["gen_kl_error"] == 0.0 and m["max_seq_mult_prob_error"] == 1.0
+    assert (
+        m["token_mult_prob_error"] == 1.0 and m["gen_kl_error"] == 0.0 and m["max_seq_mult_prob_error"] == 1.0
+    )
     assert m["is_weight_mean"] == m["is_weight_min"] == m["is_weight_max"] == 1.0
     assert m["is_clipped_fraction"] == 0.0
 
@@ -88,7 +96,9 @@ def test_ppo_loss_clipping_and_token_level_aggregation() -> None:
     # Token-level: two sequences of different lengths weigh by tokens, not by sequences.
     cur2 = torch.zeros(2, 3, dtype=torch.float64)
     mask2 = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]], dtype=torch.float64)
-    agg = grpo.ppo_loss(cur2, cur2, torch.tensor([1.0, -1.0]), mask2, torch.ones(2, 3, dtype=torch.float64), 0.2, 4)
+    agg = grpo.ppo_loss(
+        cur2, cur2, torch.tensor([1.0, -1.0]), mask2, torch.ones(2, 3, dtype=torch.float64), 0.2, 4
+    )
     assert agg.loss.item() == pytest.approx(-(3 * 1 - 1) / 4)
 
 

@@ -29,9 +29,13 @@ def reference(logits: list[float], token: int, temperature: float, top_k: int, t
     return scaled[token] - math.log(sum(math.exp(scaled[i]) for i in kept))
 
 
-@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.7, 0, 1.0), (0.0, 0, 1.0),
-                                                           (1.0, 5, 1.0), (0.8, 0, 0.9), (1.3, 7, 0.6)])
-def test_processed_logprobs_match_reference(gen: torch.Generator, temperature: float, top_k: int, top_p: float) -> None:
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"),
+    [(1.0, 0, 1.0), (0.7, 0, 1.0), (0.0, 0, 1.0), (1.0, 5, 1.0), (0.8, 0, 0.9), (1.3, 7, 0.6)],
+)
+def test_processed_logprobs_match_reference(
+    gen: torch.Generator, temperature: float, top_k: int, top_p: float
+) -> None:
     logits = torch.randn(6, 20, generator=gen, dtype=torch.float64) * 2
     tokens = logits.argsort(-1, descending=True)[:, 0]  # the most likely token is never masked
     tokens[::2] = torch.randint(0, 20, (3,), generator=gen)

@@ -1,0 +1,174 @@
+"""The trainer service through a real gRPC server: exactly-once TrainStep, rejected input leaves every
+byte unchanged, ComputeLogprobs, status."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from fp8rl.serving import start_server
+from fp8rl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+from fp8rl.weights import raw_bytes
+from tests.support import load_reference, reference_logprobs
+from trainer_service.config import TrainerConfig
+from trainer_service.service import TrainerService
+from trainer_service.servicer import SERVICE_NAME, TrainerServicer
+
+
+@pytest.fixture
+def trainer(tiny_model_dir_f32: Path) -> Iterator[tuple[TrainerService, trainer_pb2_grpc.TrainerStub]]:
+    config = TrainerConfig(
+        model=tiny_model_dir_f32,
+        recipe="fp8",
+        compute_dtype="float32",
+        port=0,
+        micro_batch_size=3,
+        optimizer={"lr": 1e-3},
+    )
+    service = TrainerService(config)
+    servicer = TrainerServicer(service)
+    running = start_server(
+        lambda s: trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, s), [SERVICE_NAME]
+    )
+    running.set_serving()
+    with grpc.insecure_channel(running.address) as channel:
+        yield service, trainer_pb2_grpc.TrainerStub(channel)
+    running.stop(0)
+
+
+def samples(seed: int, count: int = 6) -> list[trainer_pb2.Sample]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(count):
+        prompt = torch.randint(4, 100, (int(torch.randint(3, 8, (1,), generator=g)),), generator=g).tolist()
+        completion = torch.randint(
+            4, 100, (int(torch.randint(2, 10, (1,), generator=g)),), generator=g
+        ).tolist()
+        logprobs = (-torch.rand(len(completion), generator=g) * 6).tolist()
+        out.append(
+            trainer_pb2.Sample(
+                prompt_token_ids=prompt,
+                completion_token_ids=completion,
+                gen_logprobs=logprobs,
+                reward=float(i % 2),
+                group_id=f"g{i // 3}",
+            )
+        )
+    return out
+
+
+def step_request(
+    step: int, batch: list[trainer_pb2.Sample], run_id: str = "run"
+) -> trainer_pb2.TrainStepRequest:
+    return trainer_pb2.TrainStepRequest(
+        run_id=run_id, step=step, samples=batch, sampling=common_pb2.SamplingParams(temperature=1.0)
+    )
+
+
+def weight_bytes(service: TrainerService) -> dict[str, bytes]:
+    state = {f"model.{k}": v for k, v in service.learner.master_weights().items()}
+    for index, fields in service.learner.optimizer.state_dict()["state"].items():
+        state |= {f"optim.{index}.{k}": v for k, v in fields.items()}
+    return {k: raw_bytes(v).tobytes() for k, v in state.items()}
+
+
+def test_train_step_is_exactly_once_and_ordered(trainer) -> None:  # type: ignore[no-untyped-def]
+    service, stub = trainer
+    first = stub.TrainStep(step_request(0, samples(0)), timeout=120)
+    assert (first.step, first.weight_version, first.replayed) == (0, 1, False)
+    m = first.metrics
+    assert (
+        m.num_samples == 6 and m.num_tokens > 0 and m.grad_norm > 0 and m.learning_rate == pytest.approx(1e-3)
+    )
+    assert m.token_mult_prob_error > 1.0 and m.is_weight_max >= m.is_weight_mean >= m.is_weight_min > 0
+    after_first = weight_bytes(service)
+    again = stub.TrainStep(step_request(0, samples(0)), timeout=120)
+    assert again.replayed and again.metrics == first.metrics and again.weight_version == 1
+    assert weight_bytes(service) == after_first  # nothing trained twice
+    with pytest.raises(grpc.RpcError) as err:
+        stub.TrainStep(step_request(2, samples(1)), timeout=120)
+    assert (
+        err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "expected step 1" in err.value.details()
+    )
+    with pytest.raises(grpc.RpcError) as err:
+        stub.TrainStep(step_request(1, samples(1), run_id="other"), timeout=120)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert stub.TrainStep(step_request(1, samples(1)), timeout=120).weight_version == 2
+    assert weight_bytes(service) != after_first
+    status = stub.GetStatus(common_pb2.GetStatusRequest(), timeout=10)
+    assert (status.step, status.weight_version, status.backend, status.recipe, status.run_id) == (
+        2,
+        2,
+        "emulated",
+        "fp8",
+        "run",
+    )
+
+
+def corrupt(field: str) -> list[trainer_pb2.Sample]:
+    batch = samples(3)
+    s = batch[1]
+    if field == "gen_logprobs-length":
+        s.gen_logprobs.append(-1.0)
+    elif field == "gen_logprobs-nan":
+        s.gen_logprobs[0] = float("nan")
+    elif field == "gen_logprobs-inf":
+        s.gen_logprobs[0] = float("-inf")
+    elif field == "gen_logprobs-positive":
+        s.gen_logprobs[0] = 0.5
+    elif field == "completion-vocab":
+        s.completion_token_ids[0] = 100_000
+    elif field == "prompt-vocab":
+        s.prompt_token_ids[0] = -3
+    elif field == "completion-empty":
+        del s.completion_token_ids[:]
+        del s.gen_logprobs[:]
+    return batch
+
+
+@pytest.mark.parametrize(
+    ("case", "field"),
+    [
+        ("gen_logprobs-length", "samples[1].gen_logprobs"),
+        ("gen_logprobs-nan", "samples[1].gen_logprobs"),
+        ("gen_logprobs-inf", "samples[1].gen_logprobs"),
+        ("gen_logprobs-positive", "samples[1].gen_logprobs"),
+        ("completion-vocab", "samples[1].completion_token_ids"),
+        ("prompt-vocab", "samples[1].prompt_token_ids"),
+        ("completion-empty", "samples[1].completion_token_ids"),
+        ("empty", "samples"),
+    ],
+)
+def test_malformed_samples_are_rejected_and_nothing_changes(trainer, case: str, field: str) -> None:  # type: ignore[no-untyped-def]
+    service, stub = trainer
+    before = weight_bytes(service)
+    batch = [] if case == "empty" else corrupt(case)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.TrainStep(step_request(0, batch), timeout=60)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith(field + ":"), err.value.details()
+    assert weight_bytes(service) == before and service.step == 0
+    assert stub.TrainStep(step_request(0, samples(3)), timeout=120).weight_version == 1  # still serving
+
+
+def test_compute_logprobs_matches_the_fp8_reference(trainer, tiny_model_dir_f32: Path) -> None:  # type: ignore[no-untyped-def]
+    _, stub = trainer
+    seqs = [([5, 6, 7, 8], [9, 10, 11]), ([40, 41], [42, 43, 44, 45, 46])]
+    reply = stub.ComputeLogprobs(
+        trainer_pb2.ComputeLogprobsRequest(
+            sequences=[
+                trainer_pb2.TokenSequence(prompt_token_ids=p, completion_token_ids=c) for p, c in seqs
+            ],
+            sampling=common_pb2.SamplingParams(temperature=0.8),
+        ),
+        timeout=60,
+    )
+    assert reply.weight_version == 0
+    reference = load_reference(tiny_model_dir_f32, fp8=True)
+    for (p, c), got in zip(seqs, reply.results, strict=True):
+        ref = reference_logprobs(reference, p, c, temperature=0.8)
+        assert (ref - torch.tensor(list(got.logprobs), dtype=torch.float64)).abs().max() < 1e-4

@@ -1,0 +1,96 @@
+"""The trainer as a real process: kill -9 after a checkpoint, resume, and the next step is bit-identical
+to an uninterrupted run; torn checkpoint directories are ignored."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sys
+from contextlib import contextmanager
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+
+from fp8rl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+from tests.support import child_process, free_port, wait_for_line
+from tests.test_trainer import samples, step_request
+
+PROBE = trainer_pb2.ComputeLogprobsRequest(
+    sequences=[trainer_pb2.TokenSequence(prompt_token_ids=[5, 6, 7], completion_token_ids=[8, 9, 10, 11])],
+    sampling=common_pb2.SamplingParams(temperature=1.0),
+)
+TIMING = ("train_s", "tokens_per_s")
+
+
+@contextmanager
+def trainer_process(
+    model: Path, log: Path, *extra: str
+) -> Iterator[tuple[object, trainer_pb2_grpc.TrainerStub]]:
+    port = free_port()
+    args = [
+        sys.executable,
+        "-m",
+        "trainer_service.cli",
+        "serve",
+        "--model",
+        str(model),
+        "--recipe",
+        "fp8",
+        "--port",
+        str(port),
+        "--compute-dtype",
+        "float32",
+        "--set",
+        "optimizer.lr=0.001",
+        "--set",
+        "micro_batch_size=2",
+        *extra,
+    ]
+    with child_process(args, log) as proc, grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        wait_for_line(proc, log, r"serving on", timeout=120)
+        yield proc, trainer_pb2_grpc.TrainerStub(channel)
+
+
+def without_timing(result: trainer_pb2.TrainStepResponse) -> trainer_pb2.TrainStepResponse:
+    copy = trainer_pb2.TrainStepResponse()
+    copy.CopyFrom(result)
+    for field in TIMING:
+        copy.metrics.ClearField(field)
+    return copy
+
+
+def test_kill_and_resume_is_bit_identical(tiny_model_dir_f32: Path, tmp_path: Path) -> None:
+    with trainer_process(tiny_model_dir_f32, tmp_path / "a.log") as (_, stub):
+        stub.TrainStep(step_request(0, samples(0)), timeout=120)
+        expected = stub.TrainStep(step_request(1, samples(1)), timeout=120)
+        expected_logprobs = stub.ComputeLogprobs(PROBE, timeout=60)
+
+    ckpt = tmp_path / "ckpt"
+    with trainer_process(tiny_model_dir_f32, tmp_path / "b.log", "--checkpoint-dir", str(ckpt)) as (
+        proc,
+        stub,
+    ):
+        first = stub.TrainStep(step_request(0, samples(0)), timeout=120)
+        saved = stub.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(), timeout=120)
+        assert saved.step == 1 and Path(saved.path).is_dir()
+        os.kill(proc.pid, signal.SIGKILL)  # type: ignore[attr-defined]
+        proc.wait()  # type: ignore[attr-defined]
+    # A torn newer checkpoint (its manifest does not verify) and a half-written temporary directory.
+    torn = ckpt / "step-00000007"
+    shutil.copytree(saved.path, torn)
+    (torn / "model.safetensors").write_bytes(b"truncated")
+    (ckpt / ".tmp-step-00000008-123").mkdir()
+
+    with trainer_process(
+        tiny_model_dir_f32, tmp_path / "c.log", "--checkpoint-dir", str(ckpt), "--resume"
+    ) as (_, stub):
+        status = stub.GetStatus(common_pb2.GetStatusRequest(), timeout=10)
+        assert (status.step, status.run_id) == (1, "run")
+        replay = stub.TrainStep(step_request(0, samples(0)), timeout=120)
+        assert replay.replayed and replay.metrics == first.metrics
+        resumed = stub.TrainStep(step_request(1, samples(1)), timeout=120)
+        assert without_timing(resumed) == without_timing(expected)
+        assert stub.ComputeLogprobs(PROBE, timeout=60) == expected_logprobs
+    assert "skipping incomplete checkpoint" in (tmp_path / "c.log").read_text()
