@@ -7,8 +7,8 @@ import os
 import shutil
 import signal
 import sys
-from contextlib import contextmanager
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
