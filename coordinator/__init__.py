@@ -1,0 +1,1 @@
+"""Coordinator: the Redis-backed GRPO driver (`coordinator start --recipe fp8`)."""

@@ -1,0 +1,244 @@
+"""`coordinator start | status | stop | report` — the project's main job.
+
+`start` validates the whole config before any process starts (a bad value prints one line and exits with
+status 2). Without addresses it runs embedded: a private redis-server (AOF), the trainer and one rollout
+replica as child processes on loopback, stopped on exit, error or Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from coordinator.config import CoordinatorConfig
+from fp8rl.config import ConfigError, config_hash, load_config
+from fp8rl.recipes import RECIPE_NAMES
+
+log = logging.getLogger("coordinator")
+START_FLAGS = (
+    "recipe",
+    "model",
+    "task",
+    "dataset",
+    "reward",
+    "steps",
+    "run_id",
+    "run_dir",
+    "seed",
+    "prompts_per_step",
+    "group_size",
+    "max_tokens",
+    "temperature",
+    "max_staleness",
+    "val_every",
+    "lr",
+    "compute_dtype",
+    "redis_url",
+    "trainer",
+    "rollout",
+    "progress",
+)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="coordinator", description="FP8 GRPO driver")
+    sub = parser.add_subparsers(dest="command", required=True)
+    start = sub.add_parser("start", help="start (or resume, with the same --run-id) a run")
+    start.add_argument("--config", type=Path, help="YAML file with CoordinatorConfig fields")
+    start.add_argument("--recipe", choices=RECIPE_NAMES)
+    start.add_argument("--model", type=Path)
+    start.add_argument("--task", choices=["arith", "jsonl"])
+    start.add_argument("--dataset", type=Path)
+    start.add_argument("--reward", help="module:function(prompt, completion, answer) -> float")
+    start.add_argument("--steps", type=int)
+    start.add_argument("--run-id")
+    start.add_argument("--run-dir", type=Path)
+    start.add_argument("--seed", type=int)
+    start.add_argument("--prompts-per-step", type=int)
+    start.add_argument("--group-size", type=int)
+    start.add_argument("--max-tokens", type=int)
+    start.add_argument("--temperature", type=float)
+    start.add_argument("--max-staleness", type=int)
+    start.add_argument("--val-every", type=int)
+    start.add_argument("--lr", type=float)
+    start.add_argument("--compute-dtype", choices=["bfloat16", "float32"])
+    start.add_argument("--redis-url")
+    start.add_argument("--trainer", help="host:port of a running trainer (distributed mode)")
+    start.add_argument("--rollout", action="append", help="host:port of a rollout replica (repeatable)")
+    start.add_argument("--progress", choices=["auto", "rich", "plain"])
+    start.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="any other config field"
+    )
+    for name, text in (
+        ("status", "the run's state and last metrics"),
+        ("stop", "stop at the next step boundary"),
+        ("report", "write PNG plots to the run directory"),
+    ):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("--run-id", required=name != "status")
+        p.add_argument("--run-dir", type=Path)
+        p.add_argument("--redis-url")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.command == "start":
+        try:
+            config = load_config(
+                CoordinatorConfig, args.config, {f: getattr(args, f) for f in START_FLAGS}, args.set
+            )
+        except ConfigError as exc:
+            print(f"coordinator: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
+        raise SystemExit(start(config))
+    from coordinator import inspect_run
+
+    raise SystemExit(getattr(inspect_run, args.command)(args.run_id, args.run_dir, args.redis_url))
+
+
+def run_paths(config: CoordinatorConfig) -> tuple[str, Path]:
+    run_id = config.run_id or time.strftime("run-%Y%m%d-%H%M%S")
+    return run_id, (config.run_dir or Path("runs") / run_id).resolve()
+
+
+def start(config: CoordinatorConfig) -> int:
+    run_id, run_dir = run_paths(config)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        with ExitStack() as stack:
+            return drive(config, run_id, run_dir, stack)
+    except KeyboardInterrupt:
+        print(f"coordinator: interrupted; resume with --run-id {run_id}", file=sys.stderr)
+        return 130
+
+
+def _interrupt(*_: object) -> None:
+    """SIGTERM unwinds like Ctrl-C, so every child is stopped on the way out."""
+    raise KeyboardInterrupt
+
+
+def drive(config: CoordinatorConfig, run_id: str, run_dir: Path, stack: ExitStack) -> int:
+    import redis
+
+    from coordinator.clients import RolloutPool, TrainerClient
+    from coordinator.driver import Driver
+    from coordinator.metrics import MetricsSink, summarize
+    from coordinator.state import ConfigMismatch, LeaseLost, RunStore
+    from coordinator.tasks import build_task
+    from fp8rl.registry import live_replicas
+
+    task = build_task(config.task, config.seed, config.dataset, config.reward, config.val_size)
+    if config.embedded:
+        redis_url, trainer_address, rollouts = launch_embedded(config, run_dir, stack)
+    else:
+        redis_url, trainer_address, rollouts = (
+            str(config.redis_url),
+            str(config.trainer),
+            list(config.rollout),
+        )
+    (run_dir / "run.json").write_text(
+        json.dumps({"run_id": run_id, "redis_url": redis_url, "pid": os.getpid()})
+    )
+    client = redis.Redis.from_url(str(redis_url))
+    store = RunStore(client, run_id)
+    try:
+        store.init_config(config.identity(), config_hash(config))
+    except ConfigMismatch as exc:
+        print(f"coordinator: {exc}", file=sys.stderr)
+        return 2
+    addresses = (lambda: rollouts) if rollouts else (lambda: sorted(live_replicas(client)))
+    trainer = TrainerClient(str(trainer_address))
+    pool = RolloutPool(addresses)
+    stack.callback(trainer.close)
+    stack.callback(pool.close)
+    sink = MetricsSink(run_dir, config.steps, config.progress, config.mult_prob_warn)
+    sink.say(f"run {run_id}: recipe {config.recipe}, {config.steps} steps, run dir {run_dir}")
+    try:
+        records = Driver(config, run_id, store, trainer, pool, task, sink).run()
+    except LeaseLost as exc:
+        print(f"coordinator: {exc}", file=sys.stderr)
+        return 3
+    summary = summarize(records)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    sink.say("summary: " + ", ".join(f"{k}={_short(v)}" for k, v in summary.items()))
+    from coordinator.report import write_plots
+
+    for path in write_plots(records, run_dir):
+        sink.say(f"plot: {path}")
+    return 0
+
+
+def _short(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def launch_embedded(config: CoordinatorConfig, run_dir: Path, stack: ExitStack) -> tuple[str, str, list[str]]:
+    from coordinator.model import default_model
+    from coordinator.processes import Child, free_port, python_module, start_redis, wait_healthy
+
+    logs = run_dir / "logs"
+    model = config.model or default_model()
+    redis_url = start_redis(stack, run_dir / "redis", logs)
+    trainer_port, rollout_port = free_port(), free_port()
+    trainer_args = [
+        "serve",
+        "--model",
+        str(model),
+        "--recipe",
+        config.recipe,
+        "--port",
+        str(trainer_port),
+        "--compute-dtype",
+        config.compute_dtype,
+        "--checkpoint-dir",
+        str(run_dir / "checkpoints"),
+        "--resume",
+        "--set",
+        f"checkpoint_every={config.checkpoint_every}",
+        "--set",
+        f"optimizer.lr={config.lr}",
+        "--set",
+        f"seed={config.seed}",
+    ]
+    for key, value in config.trainer_overrides.items():
+        trainer_args += ["--set", f"{key}={json.dumps(value)}"]
+    dtype = "float32" if config.compute_dtype == "float32" else "auto"
+    rollout_args = [
+        "serve",
+        "--model",
+        str(model),
+        "--recipe",
+        config.recipe,
+        "--port",
+        str(rollout_port),
+        "--dtype",
+        dtype,
+        "--kv-cache-gib",
+        str(config.kv_cache_gib),
+        "--set",
+        f"seed={config.seed}",
+    ]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    trainer = Child("trainer", python_module("trainer_service.cli", *trainer_args), logs / "trainer.log", env)
+    stack.callback(trainer.stop)
+    rollout = Child("rollout", python_module("rollout_service.cli", *rollout_args), logs / "rollout.log", env)
+    stack.callback(rollout.stop)
+    trainer_address, rollout_address = f"127.0.0.1:{trainer_port}", f"127.0.0.1:{rollout_port}"
+    wait_healthy(trainer, trainer_address, "fp8rl.v1.Trainer")
+    wait_healthy(rollout, rollout_address, "fp8rl.v1.Rollout")
+    return redis_url, trainer_address, [rollout_address]
+
+
+if __name__ == "__main__":
+    main()

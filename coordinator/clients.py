@@ -1,0 +1,155 @@
+"""Thin clients for the trainer and the rollout replicas: named deadlines, bounded retries on UNAVAILABLE
+only, and failover of prompts from a replica that fails to one that works."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import grpc
+
+from fp8rl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+STATUS_DEADLINE_S = 10.0
+GENERATE_DEADLINE_S = 900.0
+TRAIN_DEADLINE_S = 3600.0
+PUBLISH_DEADLINE_S = 1800.0
+RETRIES = 5
+
+
+def with_retries(call: Callable[[], T], what: str, retries: int = RETRIES) -> T:
+    """Retry only while the peer is UNAVAILABLE (restarting, not yet up), with a growing pause."""
+    for attempt in range(retries + 1):
+        try:
+            return call()
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt == retries:
+                raise
+            log.warning("%s: unavailable (%s); retry %d/%d", what, exc.details(), attempt + 1, retries)
+            time.sleep(min(0.5 * 2**attempt, 8.0))
+    raise AssertionError("unreachable")
+
+
+class TrainerClient:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.channel = grpc.insecure_channel(
+            address, options=[("grpc.max_send_message_length", 256 * 1024 * 1024)]
+        )
+        self.stub = trainer_pb2_grpc.TrainerStub(self.channel)
+
+    def status(self) -> trainer_pb2.TrainerStatus:
+        return with_retries(
+            lambda: self.stub.GetStatus(common_pb2.GetStatusRequest(), timeout=STATUS_DEADLINE_S),
+            "trainer status",
+        )
+
+    def train(self, request: trainer_pb2.TrainStepRequest) -> trainer_pb2.TrainStepResponse:
+        return with_retries(
+            lambda: self.stub.TrainStep(request, timeout=TRAIN_DEADLINE_S), f"TrainStep({request.step})"
+        )
+
+    def publish(self, version: int, held: dict[str, int]) -> trainer_pb2.PublishWeightsResponse:
+        targets = [trainer_pb2.PublishTarget(address=a, held_version=v) for a, v in held.items()]
+        request = trainer_pb2.PublishWeightsRequest(version=version, targets=targets)
+        return with_retries(
+            lambda: self.stub.PublishWeights(request, timeout=PUBLISH_DEADLINE_S),
+            f"PublishWeights({version})",
+        )
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class ReplicaFailed(RuntimeError):
+    pass
+
+
+class RolloutPool:
+    """The replicas of one run. ``addresses`` is called before each step (static list or Redis discovery)."""
+
+    def __init__(self, addresses: Callable[[], list[str]]) -> None:
+        self._addresses = addresses
+        self._stubs: dict[str, rollout_pb2_grpc.RolloutStub] = {}
+        self._channels: dict[str, grpc.Channel] = {}
+
+    def stub(self, address: str) -> rollout_pb2_grpc.RolloutStub:
+        if address not in self._stubs:
+            self._channels[address] = grpc.insecure_channel(address)
+            self._stubs[address] = rollout_pb2_grpc.RolloutStub(self._channels[address])
+        return self._stubs[address]
+
+    def held_versions(self) -> dict[str, int]:
+        """Version each reachable replica holds; unreachable ones are left out (dropped for the step)."""
+        held = {}
+        for address in self._addresses():
+            try:
+                held[address] = (
+                    self.stub(address)
+                    .GetStatus(common_pb2.GetStatusRequest(), timeout=STATUS_DEADLINE_S)
+                    .weight_version
+                )
+            except grpc.RpcError as exc:
+                log.warning("replica %s unreachable (%s): dropped for this step", address, exc.code().name)
+        if not held:
+            raise ReplicaFailed("no rollout replica is reachable")
+        return held
+
+    def generate(
+        self,
+        prompts: Sequence[rollout_pb2.Prompt],
+        n: int,
+        sampling: common_pb2.SamplingParams,
+        version: int,
+        replicas: Sequence[str],
+        on_failure: Callable[[str, grpc.RpcError], None],
+    ) -> list[rollout_pb2.Completion]:
+        """Split ``prompts`` across ``replicas``; a chunk whose replica fails moves to a healthy one."""
+        healthy = list(replicas)
+        chunks = [list(prompts[i :: len(healthy)]) for i in range(len(healthy))]
+        completions: list[rollout_pb2.Completion] = []
+        pending = [(chunk, healthy[i]) for i, chunk in enumerate(chunks) if chunk]
+        while pending:
+            with ThreadPoolExecutor(max_workers=len(pending)) as pool:
+                results = list(pool.map(lambda job: self._try(job[1], job[0], n, sampling, version), pending))
+            retry: list[tuple[list[rollout_pb2.Prompt], str]] = []
+            for (chunk, address), result in zip(pending, results, strict=True):
+                if isinstance(result, grpc.RpcError):
+                    on_failure(address, result)
+                    if address in healthy:
+                        healthy.remove(address)
+                    if not healthy:
+                        raise ReplicaFailed(f"every replica failed; last: {address}: {result.details()}")
+                    retry.append((chunk, healthy[len(retry) % len(healthy)]))
+                else:
+                    completions.extend(result)
+            pending = retry
+        return completions
+
+    def _try(
+        self,
+        address: str,
+        prompts: list[rollout_pb2.Prompt],
+        n: int,
+        sampling: common_pb2.SamplingParams,
+        version: int,
+    ) -> list[rollout_pb2.Completion] | grpc.RpcError:
+        request = rollout_pb2.GenerateRequest(prompts=prompts, n=n, sampling=sampling, weight_version=version)
+        try:
+            return list(self.stub(address).Generate(request, timeout=GENERATE_DEADLINE_S).completions)
+        except grpc.RpcError as exc:
+            return exc
+
+    def close(self) -> None:
+        for channel in self._channels.values():
+            channel.close()
+
+
+def rpc_code(exc: Any) -> str:
+    return exc.code().name if isinstance(exc, grpc.RpcError) else type(exc).__name__

@@ -1,0 +1,90 @@
+"""The coordinator's one typed config: YAML + CLI overrides, validated before any process starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from fp8rl.recipes import RecipeName
+
+# Fields that say where things run, not what the run is: they may differ when a run is resumed.
+ENDPOINT_FIELDS = ("redis_url", "trainer", "rollout", "run_dir", "progress")
+
+
+class CoordinatorConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    recipe: RecipeName = "fp8"
+    """Precision recipe for rollout and trainer."""
+    model: Path | None = None
+    """HF checkpoint directory; default: the tiny arith model (built and cached on first use)."""
+    task: Literal["arith", "jsonl"] = "arith"
+    dataset: Path | None = None
+    """JSONL file with `prompt` and `answer` fields (task jsonl)."""
+    reward: str | None = None
+    """`module:function(prompt, completion, answer) -> float` replacing the task's reward."""
+    steps: int = Field(20, ge=1)
+    """GRPO steps to run (a resumed run continues up to this many)."""
+    run_id: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]+$")
+    """Names the run; the same id again resumes it. Default: a fresh time-stamped id."""
+    run_dir: Path | None = None
+    """Where metrics, logs, checkpoints and plots go; default runs/<run-id>."""
+    seed: int = 0
+    prompts_per_step: int = Field(16, ge=1)
+    group_size: int = Field(8, ge=1)
+    """Samples per prompt (GRPO group)."""
+    max_tokens: int = Field(8, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    stop: list[str] = ["\n"]
+    max_staleness: int = Field(0, ge=0)
+    """0: on-policy. S >= 1: generation of step k+1 overlaps training of step k on weights at most S
+    versions old; a stored batch staler than S is regenerated."""
+    val_every: int = Field(10, ge=0)
+    """Validate (greedy, held-out prompts) every N steps, plus before the first and after the last; 0: only
+    those two."""
+    val_size: int = Field(64, ge=1)
+    mult_prob_warn: float = Field(1.05, gt=1)
+    """Warn when token_mult_prob_error exceeds this."""
+    lr: float = Field(1e-5, gt=0)
+    compute_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """Trainer compute dtype (embedded mode)."""
+    trainer_overrides: dict[str, Any] = {}
+    """Extra TrainerConfig fields for the embedded trainer (dotted keys allowed)."""
+    checkpoint_every: int = Field(1, ge=1)
+    """Embedded trainer: checkpoint every N steps (so a crash never loses a committed step)."""
+    redis_url: str | None = None
+    """Distributed mode: the Redis holding run state (embedded mode starts a private one)."""
+    trainer: str | None = None
+    """Distributed mode: host:port of the trainer service."""
+    rollout: list[str] = []
+    """Distributed mode: host:port of each rollout replica; empty: discover them in Redis."""
+    progress: Literal["auto", "rich", "plain"] = "auto"
+    """Live display: rich on a terminal, plain lines otherwise."""
+    kv_cache_gib: float = Field(1.0, gt=0)
+    """Embedded rollout: KV-cache space (GiB)."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> CoordinatorConfig:
+        if self.task == "jsonl" and self.dataset is None:
+            raise ValueError("task jsonl needs dataset (a JSONL file with prompt and answer fields)")
+        if self.dataset is not None and not self.dataset.is_file():
+            raise ValueError(f"dataset {self.dataset} does not exist")
+        if self.model is not None and not (self.model / "config.json").is_file():
+            raise ValueError(f"model {self.model} is not an HF checkpoint directory (no config.json)")
+        if bool(self.trainer) != bool(self.redis_url):
+            raise ValueError("give redis_url and trainer together (distributed mode), or neither (embedded)")
+        if self.reward is not None and ":" not in self.reward:
+            raise ValueError(f"reward {self.reward!r} is not of the form module:function")
+        return self
+
+    @property
+    def embedded(self) -> bool:
+        return self.redis_url is None
+
+    def identity(self) -> dict[str, Any]:
+        """What defines the run: compared when a run is resumed."""
+        return self.model_dump(mode="json", exclude=set(ENDPOINT_FIELDS))

@@ -1,0 +1,132 @@
+"""Embedded mode's child processes: a private redis-server, the trainer and one rollout replica, all on
+loopback. Children die with the coordinator (PR_SET_PDEATHSIG), even when it is killed with SIGKILL,
+and are otherwise stopped by PID — never by name."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+log = logging.getLogger(__name__)
+_PR_SET_PDEATHSIG = 1
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class Child:
+    def __init__(self, name: str, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+        self.name, self.log_path = name, log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as out:
+            # Own session: a terminal's Ctrl-C reaches the coordinator only, which stops children in order.
+            self.proc = subprocess.Popen(
+                args,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def check_alive(self) -> None:
+        if self.proc.poll() is not None:
+            tail = self.log_path.read_text(errors="replace")[-3000:]
+            raise RuntimeError(
+                f"{self.name} exited with status {self.proc.returncode}; log {self.log_path}:\n{tail}"
+            )
+
+    def stop(self, timeout: float = 20) -> None:
+        if self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def wait_healthy(child: Child, address: str, service: str, timeout: float = 600) -> None:
+    """Until the child's gRPC health service says SERVING (or the child dies, or time runs out)."""
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            child.check_alive()
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.5)
+    raise TimeoutError(f"{child.name} at {address} not healthy after {timeout:.0f}s")
+
+
+def start_redis(stack: ExitStack, data_dir: Path, logs: Path) -> str:
+    """A private redis-server with AOF under ``data_dir`` (reused when the run resumes)."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    args = [
+        "redis-server",
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--dir",
+        str(data_dir),
+        "--appendonly",
+        "yes",
+        "--appendfsync",
+        "always",
+        "--save",
+        "",
+        "--protected-mode",
+        "yes",
+    ]
+    child = Child("redis-server", args, logs / "redis.log")
+    stack.callback(child.stop)
+    url = f"redis://127.0.0.1:{port}/0"
+    import redis
+
+    client = redis.Redis.from_url(url)
+    deadline = time.monotonic() + 30
+    while True:
+        child.check_alive()
+        try:
+            if client.ping():
+                break
+        except (redis.exceptions.BusyLoadingError, redis.ConnectionError):
+            pass  # still starting, or replaying its AOF
+        if time.monotonic() > deadline:
+            raise TimeoutError("redis-server did not start")
+        time.sleep(0.1)
+    return url
+
+
+def python_module(module: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", module, *args]

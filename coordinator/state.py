@@ -1,0 +1,275 @@
+"""Run state in Redis, namespaced by run id. Every transition is a Lua compare-and-set guarded by the
+leader lease and its fencing token, so two coordinators on one run cannot both drive it, and a stale
+leader (its lease expired, someone else took over) cannot commit anything.
+
+Keys under ``fp8rl:run:<id>:``
+  config, config_hash     the run's config (immutable once written)
+  lease                   holder id, expiring; fence: a counter bumped on every acquisition
+  state                   hash: step (next step to commit), phase, trainer_version, updated
+  batch:<k>               hash: request (TrainStepRequest bytes), version, info (JSON)
+  replicas                hash: address -> version it holds
+  metrics, events         streams: one record per committed step; phase changes, errors, recoveries
+  stop                    set by `coordinator stop`: finish at the next step boundary
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from fp8rl.config import config_diff
+
+PHASES = ("generate", "train", "publish", "commit", "done")
+
+_GUARD = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] or redis.call('GET', KEYS[2]) ~= ARGV[2] then
+  return -1
+end
+"""
+
+# KEYS: lease, fence, state, events
+# ARGV: owner, fence, expect_step, expect_phase, new_step, new_phase, event, now
+_TRANSITION = (
+    _GUARD
+    + """
+local step = redis.call('HGET', KEYS[3], 'step')
+local phase = redis.call('HGET', KEYS[3], 'phase')
+if step ~= ARGV[3] or phase ~= ARGV[4] then return 0 end
+redis.call('HSET', KEYS[3], 'step', ARGV[5], 'phase', ARGV[6], 'updated', ARGV[8])
+redis.call('XADD', KEYS[4], '*', 'kind', 'phase', 'step', ARGV[5], 'phase', ARGV[6], 'detail', ARGV[7])
+return 1
+"""
+)
+
+# KEYS: lease, fence, state, events, metrics, batch | ARGV: owner, fence, step, record, next_phase, now
+_COMMIT = (
+    _GUARD
+    + """
+if redis.call('HGET', KEYS[3], 'step') ~= ARGV[3] or redis.call('HGET', KEYS[3], 'phase') ~= 'commit' then
+  return 0
+end
+local next_step = tostring(tonumber(ARGV[3]) + 1)
+redis.call('XADD', KEYS[5], '*', 'step', ARGV[3], 'record', ARGV[4])
+redis.call('HSET', KEYS[3], 'step', next_step, 'phase', ARGV[5], 'updated', ARGV[6])
+redis.call('DEL', KEYS[6])
+redis.call('XADD', KEYS[4], '*', 'kind', 'commit', 'step', ARGV[3], 'phase', ARGV[5], 'detail', '')
+return 1
+"""
+)
+
+# KEYS: lease, fence, state, metrics | ARGV: owner, fence, record
+_BASE_RECORD = (
+    _GUARD
+    + """
+if redis.call('HSETNX', KEYS[3], 'base_recorded', 1) == 1 then
+  redis.call('XADD', KEYS[4], '*', 'step', 0, 'record', ARGV[3])
+  return 1
+end
+return 2
+"""
+)
+
+# KEYS: lease, fence | ARGV: owner, ttl_ms -> fence or nil
+_ACQUIRE = """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  return redis.call('INCR', KEYS[2])
+end
+return false
+"""
+
+# KEYS: lease, fence | ARGV: owner, fence, ttl_ms
+_RENEW = (
+    _GUARD
+    + """
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return 1
+"""
+)
+
+# KEYS: lease, fence, target | ARGV: owner, fence, then field/value pairs
+_GUARDED_HSET = (
+    _GUARD
+    + """
+redis.call('DEL', KEYS[3])
+redis.call('HSET', KEYS[3], unpack(ARGV, 3))
+return 1
+"""
+)
+
+# KEYS: lease, fence, state, events | ARGV: owner, fence, step, phase, detail, now
+_REWIND = (
+    _GUARD
+    + """
+redis.call('HSET', KEYS[3], 'step', ARGV[3], 'phase', ARGV[4], 'updated', ARGV[6])
+redis.call('XADD', KEYS[4], '*', 'kind', 'recovery', 'step', ARGV[3], 'phase', ARGV[4], 'detail', ARGV[5])
+return 1
+"""
+)
+
+
+class ConfigMismatch(ValueError):
+    """The run exists with a different config."""
+
+
+class LeaseLost(RuntimeError):
+    """Another coordinator holds (or took over) the run."""
+
+
+@dataclass(frozen=True)
+class RunState:
+    step: int
+    phase: str
+
+
+class RunStore:
+    def __init__(self, client: redis.Redis, run_id: str) -> None:
+        # redis-py's replies are typed loosely (bytes | str | None); this store always reads bytes.
+        self.client: Any = client
+        self.run_id = run_id
+        self.prefix = f"fp8rl:run:{run_id}:"
+        k = self.key
+        self._lease_keys = [k("lease"), k("fence")]
+        self._transition: Any = client.register_script(_TRANSITION)
+        self._commit: Any = client.register_script(_COMMIT)
+        self._acquire: Any = client.register_script(_ACQUIRE)
+        self._renew: Any = client.register_script(_RENEW)
+        self._hset: Any = client.register_script(_GUARDED_HSET)
+        self._rewind: Any = client.register_script(_REWIND)
+        self._base_record: Any = client.register_script(_BASE_RECORD)
+        self.owner = ""
+        self.fence = ""
+
+    def key(self, name: str) -> str:
+        return self.prefix + name
+
+    # -- config ---------------------------------------------------------------------------------------
+    def init_config(self, identity: dict[str, Any], digest: str) -> bool:
+        """Store the run's config, or check it against the stored one. True if the run is new."""
+        created = self.client.set(self.key("config"), json.dumps(identity, sort_keys=True), nx=True)
+        if created:
+            self.client.set(self.key("config_hash"), digest)
+            self.client.hsetnx(self.key("state"), "step", 0)
+            self.client.hsetnx(self.key("state"), "phase", "generate")
+            return True
+        stored = json.loads(self.client.get(self.key("config")) or "{}")
+        differing = config_diff(stored, identity)
+        if differing:
+            raise ConfigMismatch(
+                f"run {self.run_id} exists with a different config; differing fields: {', '.join(differing)}"
+            )
+        return False
+
+    # -- lease ----------------------------------------------------------------------------------------
+    def acquire(self, owner: str, ttl_s: float) -> None:
+        fence = self._acquire(keys=self._lease_keys, args=[owner, int(ttl_s * 1000)])
+        if fence is None:
+            holder = self.client.get(self.key("lease"))
+            raise LeaseLost(
+                f"run {self.run_id} is driven by another coordinator ({(holder or b'?').decode()})"
+            )
+        self.owner, self.fence = owner, str(fence)
+
+    def renew(self, ttl_s: float) -> None:
+        if self._renew(keys=self._lease_keys, args=[self.owner, self.fence, int(ttl_s * 1000)]) != 1:
+            raise LeaseLost(f"lost the lease on run {self.run_id}")
+
+    def release(self) -> None:
+        if self.client.get(self.key("lease")) == self.owner.encode():
+            self.client.delete(self.key("lease"))
+
+    # -- state ----------------------------------------------------------------------------------------
+    def read(self) -> RunState:
+        raw = self.client.hgetall(self.key("state"))
+        return RunState(int(raw[b"step"]), raw[b"phase"].decode())
+
+    def transition(self, expect: RunState, new: RunState, detail: str = "") -> None:
+        keys = [*self._lease_keys, self.key("state"), self.key("events")]
+        args = [self.owner, self.fence, expect.step, expect.phase, new.step, new.phase, detail, time.time()]
+        self._checked(self._transition(keys=keys, args=args), f"{expect} -> {new}")
+
+    def commit(self, step: int, record: dict[str, Any], next_phase: str = "generate") -> None:
+        keys = [
+            *self._lease_keys,
+            self.key("state"),
+            self.key("events"),
+            self.key("metrics"),
+            self.key(f"batch:{step}"),
+        ]
+        args = [self.owner, self.fence, step, json.dumps(record), next_phase, time.time()]
+        self._checked(self._commit(keys=keys, args=args), f"commit of step {step}")
+
+    def record_base(self, record: dict[str, Any]) -> bool:
+        """The step-0 record (validation of the base model), written once per run. True if written now."""
+        keys = [*self._lease_keys, self.key("state"), self.key("metrics")]
+        result = self._base_record(keys=keys, args=[self.owner, self.fence, json.dumps(record)])
+        if result == -1:
+            raise LeaseLost(
+                f"base record refused: this coordinator no longer holds the lease on run {self.run_id}"
+            )
+        return bool(result == 1)
+
+    def base_recorded(self) -> bool:
+        return bool(self.client.hget(self.key("state"), "base_recorded"))
+
+    def rewind(self, step: int, detail: str) -> None:
+        keys = [*self._lease_keys, self.key("state"), self.key("events")]
+        self._checked(
+            self._rewind(keys=keys, args=[self.owner, self.fence, step, "generate", detail, time.time()]),
+            f"rewind to step {step}",
+        )
+
+    def _checked(self, result: int, what: str) -> None:
+        if result == -1:
+            raise LeaseLost(
+                f"{what} refused: this coordinator no longer holds the lease on run {self.run_id}"
+            )
+        if result != 1:
+            raise RuntimeError(f"{what} refused: the run's state changed underneath (now {self.read()})")
+
+    # -- batches, replicas, metrics, events -----------------------------------------------------------
+    def put_batch(self, step: int, request: bytes, version: int, info: dict[str, Any]) -> None:
+        keys = [*self._lease_keys, self.key(f"batch:{step}")]
+        args = [self.owner, self.fence, "request", request, "version", version, "info", json.dumps(info)]
+        self._checked(self._hset(keys=keys, args=args), f"storing the batch of step {step}")
+
+    def get_batch(self, step: int) -> tuple[bytes, int, dict[str, Any]] | None:
+        raw = self.client.hgetall(self.key(f"batch:{step}"))
+        if not raw:
+            return None
+        return raw[b"request"], int(raw[b"version"]), json.loads(raw[b"info"])
+
+    def drop_batch(self, step: int) -> None:
+        self.client.delete(self.key(f"batch:{step}"))
+
+    def set_replica_version(self, address: str, version: int) -> None:
+        self.client.hset(self.key("replicas"), address, version)
+
+    def replica_versions(self) -> dict[str, int]:
+        return {k.decode(): int(v) for k, v in self.client.hgetall(self.key("replicas")).items()}
+
+    def event(self, kind: str, detail: str, step: int | None = None) -> None:
+        self.client.xadd(
+            self.key("events"), {"kind": kind, "step": "" if step is None else step, "detail": detail}
+        )
+
+    def metrics(self) -> list[dict[str, Any]]:
+        return [json.loads(fields[b"record"]) for _, fields in self.client.xrange(self.key("metrics"))]
+
+    def events(self) -> list[dict[str, str]]:
+        return [
+            {k.decode(): v.decode() for k, v in fields.items()}
+            for _, fields in self.client.xrange(self.key("events"))
+        ]
+
+    def request_stop(self) -> None:
+        self.client.set(self.key("stop"), 1)
+
+    def stop_requested(self) -> bool:
+        return bool(self.client.get(self.key("stop")))
+
+    def clear_stop(self) -> None:
+        self.client.delete(self.key("stop"))

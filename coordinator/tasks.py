@@ -1,0 +1,144 @@
+"""Tasks: deterministic prompts per step, held-out validation prompts, and rewards. Pure Python.
+
+* ``arith``: "37+48=" -> "85" (operands 0..99), the tiny model's task.
+* ``jsonl``: a file of {"prompt": ..., "answer": ...} lines; scored by ``math-verify`` when installed,
+  else by exact match after normalisation.
+* ``--reward module:function``: ``function(prompt, completion, answer) -> float`` replaces the reward.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import random
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+RewardFn = Callable[[str, str, str], float]
+
+
+@dataclass(frozen=True)
+class Problem:
+    id: str
+    prompt: str
+    answer: str
+
+
+class Task(Protocol):
+    def train_problems(self, step: int, count: int) -> list[Problem]: ...
+    def val_problems(self) -> list[Problem]: ...
+    def reward(self, problem: Problem, completion: str) -> float: ...
+
+
+def first_line(text: str) -> str:
+    return text.split("\n", 1)[0].strip()
+
+
+class ArithTask:
+    """Two-operand addition; validation pairs never appear in training."""
+
+    def __init__(self, seed: int, val_size: int = 64, max_operand: int = 99) -> None:
+        self.seed, self.max_operand = seed, max_operand
+        rng = random.Random(f"arith:{seed}:val")
+        pairs: dict[tuple[int, int], None] = {}
+        while len(pairs) < val_size:
+            pairs[(rng.randint(0, max_operand), rng.randint(0, max_operand))] = None
+        self._val = [self._problem(f"val-{i}", a, b) for i, (a, b) in enumerate(pairs)]
+        self._held_out = set(pairs)
+
+    @staticmethod
+    def _problem(pid: str, a: int, b: int) -> Problem:
+        return Problem(pid, f"{a}+{b}=", str(a + b))
+
+    def train_problems(self, step: int, count: int) -> list[Problem]:
+        rng = random.Random(f"arith:{self.seed}:train:{step}")
+        out: list[Problem] = []
+        while len(out) < count:
+            a, b = rng.randint(0, self.max_operand), rng.randint(0, self.max_operand)
+            if (a, b) not in self._held_out:
+                out.append(self._problem(f"s{step}-{len(out)}", a, b))
+        return out
+
+    def val_problems(self) -> list[Problem]:
+        return self._val
+
+    def reward(self, problem: Problem, completion: str) -> float:
+        return 1.0 if first_line(completion) == problem.answer else 0.0
+
+
+def normalize_answer(text: str) -> str:
+    text = first_line(text).lower().strip().rstrip(".")
+    return re.sub(r"[\s,$]", "", text)
+
+
+class JsonlTask:
+    """The first ``val_size`` rows are held out for validation; training samples the rest per step."""
+
+    def __init__(self, path: Path, seed: int, val_size: int = 64) -> None:
+        rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+        for i, row in enumerate(rows):
+            if not isinstance(row, dict) or "prompt" not in row or "answer" not in row:
+                raise ValueError(f"{path}:{i + 1}: each line needs 'prompt' and 'answer'")
+        problems = [Problem(f"row-{i}", str(r["prompt"]), str(r["answer"])) for i, r in enumerate(rows)]
+        if len(problems) <= val_size:
+            raise ValueError(
+                f"{path}: {len(problems)} rows leave nothing to train on after {val_size} for validation"
+            )
+        self._val, self._train, self.seed = problems[:val_size], problems[val_size:], seed
+        self._verify = _math_verify()
+
+    def train_problems(self, step: int, count: int) -> list[Problem]:
+        rng = random.Random(f"jsonl:{self.seed}:train:{step}")
+        return [rng.choice(self._train) for _ in range(count)]
+
+    def val_problems(self) -> list[Problem]:
+        return self._val
+
+    def reward(self, problem: Problem, completion: str) -> float:
+        if self._verify is not None:
+            return self._verify(problem.answer, completion)
+        return 1.0 if normalize_answer(completion) == normalize_answer(problem.answer) else 0.0
+
+
+def _math_verify() -> Callable[[str, str], float] | None:
+    try:
+        from math_verify import parse, verify
+    except ImportError:
+        return None
+    return lambda answer, completion: float(verify(parse(answer), parse(completion)))
+
+
+class CustomReward:
+    """Wraps a task, replacing its reward with ``module:function(prompt, completion, answer)``."""
+
+    def __init__(self, task: Task, spec: str) -> None:
+        self.task, self.fn = task, load_reward(spec)
+
+    def train_problems(self, step: int, count: int) -> list[Problem]:
+        return self.task.train_problems(step, count)
+
+    def val_problems(self) -> list[Problem]:
+        return self.task.val_problems()
+
+    def reward(self, problem: Problem, completion: str) -> float:
+        return float(self.fn(problem.prompt, completion, problem.answer))
+
+
+def load_reward(spec: str) -> RewardFn:
+    module, sep, name = spec.partition(":")
+    if not sep:
+        raise ValueError(f"reward {spec!r} is not of the form module:function")
+    fn = getattr(importlib.import_module(module), name, None)
+    if not callable(fn):
+        raise ValueError(f"reward {spec!r}: {module} has no function {name}")
+    return fn
+
+
+def build_task(
+    name: str, seed: int, dataset: Path | None = None, reward: str | None = None, val_size: int = 64
+) -> Task:
+    task: Task = ArithTask(seed, val_size) if name == "arith" else JsonlTask(dataset, seed, val_size)  # type: ignore[arg-type]
+    return CustomReward(task, reward) if reward else task
