@@ -139,17 +139,14 @@ def drive(config: CoordinatorConfig, run_id: str, run_dir: Path, stack: ExitStac
     from fp8rl.registry import live_replicas
 
     task = build_task(config.task, config.seed, config.dataset, config.reward, config.val_size)
+    children: dict[str, int] = {}
     if config.embedded:
-        redis_url, trainer_address, rollouts = launch_embedded(config, run_dir, stack)
+        redis_url, trainer_address, rollouts = launch_embedded(config, run_dir, stack, children)
     else:
-        redis_url, trainer_address, rollouts = (
-            str(config.redis_url),
-            str(config.trainer),
-            list(config.rollout),
-        )
-    (run_dir / "run.json").write_text(
-        json.dumps({"run_id": run_id, "redis_url": redis_url, "pid": os.getpid()})
-    )
+        redis_url, trainer_address = str(config.redis_url), str(config.trainer)
+        rollouts = list(config.rollout)
+    info = {"run_id": run_id, "redis_url": redis_url, "pid": os.getpid(), "children": children}
+    (run_dir / "run.json").write_text(json.dumps(info))
     client = redis.Redis.from_url(str(redis_url))
     store = RunStore(client, run_id)
     try:
@@ -183,13 +180,17 @@ def _short(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
-def launch_embedded(config: CoordinatorConfig, run_dir: Path, stack: ExitStack) -> tuple[str, str, list[str]]:
+def launch_embedded(
+    config: CoordinatorConfig, run_dir: Path, stack: ExitStack, children: dict[str, int]
+) -> tuple[str, str, list[str]]:
+    """Start redis-server, the trainer and one rollout replica; ``children`` gets their PIDs."""
     from coordinator.model import default_model
     from coordinator.processes import Child, free_port, python_module, start_redis, wait_healthy
+    from fp8rl.serving import PARENT_ENV
 
     logs = run_dir / "logs"
     model = config.model or default_model()
-    redis_url = start_redis(stack, run_dir / "redis", logs)
+    redis_url, children["redis-server"] = start_redis(stack, run_dir / "redis", logs)
     trainer_port, rollout_port = free_port(), free_port()
     trainer_args = [
         "serve",
@@ -229,11 +230,12 @@ def launch_embedded(config: CoordinatorConfig, run_dir: Path, stack: ExitStack) 
         "--set",
         f"seed={config.seed}",
     ]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", PARENT_ENV: str(os.getpid())}
     trainer = Child("trainer", python_module("trainer_service.cli", *trainer_args), logs / "trainer.log", env)
     stack.callback(trainer.stop)
     rollout = Child("rollout", python_module("rollout_service.cli", *rollout_args), logs / "rollout.log", env)
     stack.callback(rollout.stop)
+    children |= {"trainer": trainer.pid, "rollout": rollout.pid}
     trainer_address, rollout_address = f"127.0.0.1:{trainer_port}", f"127.0.0.1:{rollout_port}"
     wait_healthy(trainer, trainer_address, "fp8rl.v1.Trainer")
     wait_healthy(rollout, rollout_address, "fp8rl.v1.Rollout")

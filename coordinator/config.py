@@ -9,8 +9,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fp8rl.recipes import RecipeName
 
-# Fields that say where things run, not what the run is: they may differ when a run is resumed.
-ENDPOINT_FIELDS = ("redis_url", "trainer", "rollout", "run_dir", "progress")
+# Fields that say where and how long things run, not what the run is: they may differ when a run is
+# resumed (raising `steps` extends a run).
+RESUMABLE_FIELDS = ("redis_url", "trainer", "rollout", "run_dir", "progress", "steps")
 
 
 class CoordinatorConfig(BaseModel):
@@ -87,4 +88,4 @@ class CoordinatorConfig(BaseModel):
 
     def identity(self) -> dict[str, Any]:
         """What defines the run: compared when a run is resumed."""
-        return self.model_dump(mode="json", exclude=set(ENDPOINT_FIELDS))
+        return self.model_dump(mode="json", exclude=set(RESUMABLE_FIELDS))

@@ -320,15 +320,20 @@ class Driver:
         }
 
     def _deliver(self, version: int, held: dict[str, int]) -> list[trainer_pb2.PublishResult]:
+        recorded = self.store.replica_versions()
         reply = self.trainer.publish(version, held)
         for r in reply.results:
-            if r.ok:
-                self.store.set_replica_version(r.address, version)
-                if r.encoding == "keyframe" and held.get(r.address, -1) not in (-1, version - 1):
-                    self.store.event(
-                        "heal", f"{r.address} held {held[r.address]}: sent a keyframe of {version}"
-                    )
-            else:
+            if not r.ok:
                 self.store.event("publish-failed", f"{r.address}: {r.error}", version)
                 log.warning("publishing version %d to %s failed: %s", version, r.address, r.error)
+                continue
+            self.store.set_replica_version(r.address, version)
+            was = recorded.get(r.address)
+            if was is not None and was != held.get(r.address):  # restarted, or diverged some other way
+                reported = held.get(r.address)
+                detail = (
+                    f"{r.address} reported version {reported}, the run had it at {was}: sent {r.encoding}"
+                )
+                self.store.event("heal", detail, version)
+                self.sink.say(f"recovery: {detail}")
         return list(reply.results)

@@ -87,7 +87,7 @@ def wait_healthy(child: Child, address: str, service: str, timeout: float = 600)
     raise TimeoutError(f"{child.name} at {address} not healthy after {timeout:.0f}s")
 
 
-def start_redis(stack: ExitStack, data_dir: Path, logs: Path) -> str:
+def start_redis(stack: ExitStack, data_dir: Path, logs: Path) -> tuple[str, int]:
     """A private redis-server with AOF under ``data_dir`` (reused when the run resumes)."""
     data_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
@@ -125,7 +125,7 @@ def start_redis(stack: ExitStack, data_dir: Path, logs: Path) -> str:
         if time.monotonic() > deadline:
             raise TimeoutError("redis-server did not start")
         time.sleep(0.1)
-    return url
+    return url, child.pid
 
 
 def python_module(module: str, *args: str) -> list[str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import os
 import signal
 import threading
 from collections.abc import Callable, Sequence
@@ -128,9 +129,28 @@ def start_server(
     return running
 
 
+PARENT_ENV = "FP8RL_PARENT_PID"
+
+
 def shutdown_event() -> threading.Event:
-    """An event set by SIGINT or SIGTERM (call from the main thread), so a server stops cleanly."""
+    """An event set by SIGINT or SIGTERM (call from the main thread), so a server stops cleanly.
+
+    A process started by a coordinator (``FP8RL_PARENT_PID`` in its environment) also stops when that
+    parent is gone, whatever happened to the signal it was sent meanwhile: no orphan outlives its run.
+    """
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    parent = os.environ.get(PARENT_ENV)
+    if parent:
+        threading.Thread(
+            target=_watch_parent, args=(int(parent), stop), name="parent-watch", daemon=True
+        ).start()
     return stop
+
+
+def _watch_parent(parent: int, stop: threading.Event) -> None:
+    while not stop.wait(1.0):
+        if os.getppid() != parent:
+            log.warning("parent process %d is gone; shutting down", parent)
+            stop.set()

@@ -64,7 +64,6 @@ def serve(config: RolloutConfig) -> None:
     from rollout_service.service import RolloutService
     from rollout_service.servicer import SERVICE_NAME, RolloutServicer
 
-    stop = shutdown_event()
     servicer = RolloutServicer()
     # Oversized requests reach the handler, which names the field (INVALID_ARGUMENT).
     running = start_server(
@@ -76,6 +75,7 @@ def serve(config: RolloutConfig) -> None:
     )
     print(f"rollout-service bound to {config.host}:{running.port}; loading the engine", flush=True)
     service = RolloutService(config, VllmEngine(config))
+    stop = shutdown_event()  # after the engine: vLLM installs signal handlers of its own while it starts
     servicer.attach(service)
     heartbeat = None
     if config.redis_url:

@@ -1,0 +1,225 @@
+"""`coordinator start` end to end with real processes (embedded mode): a short run, kill -9 and resume,
+bounded staleness, config errors before anything starts, and no child process left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from tests.support import child_process, wait_for_line
+
+pytestmark = pytest.mark.slow
+FAST = [
+    "--prompts-per-step",
+    "4",
+    "--group-size",
+    "4",
+    "--max-tokens",
+    "4",
+    "--val-every",
+    "0",
+    "--set",
+    "val_size=8",
+    "--compute-dtype",
+    "float32",
+    "--progress",
+    "plain",
+]
+
+
+def coordinator(*args: str) -> list[str]:
+    return [sys.executable, "-m", "coordinator.cli", *args]
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_children_gone(run_dir: Path) -> None:
+    """Every child the coordinator started (PIDs from run.json) has exited."""
+    children = json.loads((run_dir / "run.json").read_text())["children"]
+    assert children, "run.json lists no children"
+    deadline = time.monotonic() + 30
+    for name, pid in children.items():
+        while _alive(pid):
+            assert time.monotonic() < deadline, f"{name} (pid {pid}) outlived the coordinator"
+            time.sleep(0.2)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_bad_config_fails_before_any_process_starts(tmp_path: Path) -> None:
+    for bad, message in (
+        (["--steps", "0"], "steps"),
+        (["--task", "jsonl"], "dataset"),
+        (["--temperature", "-1"], "temperature"),
+        (["--set", "nonsense=1"], "nonsense"),
+    ):
+        run_dir = tmp_path / "bad"
+        start = time.monotonic()
+        proc = subprocess.run(
+            coordinator("start", "--run-dir", str(run_dir), *bad), capture_output=True, text=True, timeout=60
+        )
+        assert proc.returncode == 2, proc.stderr
+        assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert not run_dir.exists() and time.monotonic() - start < 30
+
+
+def test_embedded_run_writes_metrics_and_leaves_no_child(tiny_model_dir_f32: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        coordinator(
+            "start",
+            "--recipe",
+            "fp8",
+            "--model",
+            str(tiny_model_dir_f32),
+            "--steps",
+            "3",
+            "--run-id",
+            "embedded",
+            "--run-dir",
+            str(run_dir),
+            *FAST,
+        ),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    recs = records(run_dir)
+    assert [r["step"] for r in recs] == [0, 1, 2, 3]
+    for key in (
+        "weight_version",
+        "reward_mean",
+        "token_mult_prob_error",
+        "gen_kl_error",
+        "is_weight_mean",
+        "is_clipped_fraction",
+        "generate_s",
+        "train_s",
+        "publish_s",
+        "step_s",
+        "rollout_tokens_per_s",
+        "sync_bytes",
+        "sync_density",
+    ):
+        assert all(key in r for r in recs[1:]), key
+    assert "val_accuracy" in recs[0] and "val_accuracy" in recs[-1]
+    assert all(r["token_mult_prob_error"] < 1.05 for r in recs[1:])
+    assert "summary:" in proc.stdout and (run_dir / "token_mult_prob_error.png").exists()
+    assert_children_gone(run_dir)
+    status = subprocess.run(
+        coordinator("status", "--run-dir", str(run_dir)), capture_output=True, text=True, timeout=60
+    )
+    assert status.returncode == 0 and "embedded" in status.stdout
+
+
+def test_kill_9_mid_step_then_resume(tiny_model_dir_f32: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = coordinator(
+        "start",
+        "--recipe",
+        "fp8",
+        "--model",
+        str(tiny_model_dir_f32),
+        "--steps",
+        "4",
+        "--run-id",
+        "crash",
+        "--run-dir",
+        str(run_dir),
+        *FAST,
+    )
+    log = tmp_path / "first.log"
+    with child_process(args, log) as proc:
+        wait_for_line(proc, log, r"step 2/4", timeout=600)
+        os.kill(proc.pid, signal.SIGKILL)  # mid-step 3
+        proc.wait()
+    assert_children_gone(run_dir)  # they die with the coordinator, even on SIGKILL
+    again = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    recs = records(run_dir)
+    assert [r["step"] for r in recs] == [0, 1, 2, 3, 4]  # nothing skipped, nothing twice
+    assert "resuming run crash" in again.stdout
+    trainer_log = (run_dir / "logs" / "trainer.log").read_text()
+    assert "resumed from" in trainer_log
+    # The trainer's step counter ends at 4: every step was applied exactly once.
+    assert (
+        json.loads(sorted((run_dir / "checkpoints").glob("step-*"))[-1].joinpath("trainer.json").read_text())[
+            "step"
+        ]
+        == 4
+    )
+    assert_children_gone(run_dir)
+
+
+def test_max_staleness_one_overlaps_and_never_exceeds_it(tiny_model_dir_f32: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        coordinator(
+            "start",
+            "--recipe",
+            "fp8",
+            "--model",
+            str(tiny_model_dir_f32),
+            "--steps",
+            "4",
+            "--run-id",
+            "stale",
+            "--run-dir",
+            str(run_dir),
+            "--max-staleness",
+            "1",
+            *FAST,
+        ),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    trained = records(run_dir)[1:]
+    assert trained[0]["staleness"] == 0
+    assert all(0 <= r["staleness"] <= 1 for r in trained)
+    assert any(r["staleness"] == 1 for r in trained), "generation never overlapped training"
+    events = redis_events(run_dir)
+    assert all(e["kind"] != "stale-batch" or "staler than 1" in e["detail"] for e in events)
+
+
+def redis_events(run_dir: Path) -> list[dict]:
+    """Events from the run's AOF: start a throwaway redis-server on the run's data directory."""
+    from tests.support import free_port
+
+    port = free_port()
+    args = [
+        "redis-server",
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--dir",
+        str(run_dir / "redis"),
+        "--appendonly",
+        "yes",
+        "--save",
+        "",
+    ]
+    with child_process(args, run_dir / "inspect-redis.log") as proc:
+        wait_for_line(proc, run_dir / "inspect-redis.log", r"Ready to accept connections", timeout=30)
+        client = redis.Redis(port=port)
+        key = next(k for k in client.keys("fp8rl:run:*:events"))
+        return [{k.decode(): v.decode() for k, v in fields.items()} for _, fields in client.xrange(key)]

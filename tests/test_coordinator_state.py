@@ -1,0 +1,80 @@
+"""Run state rules against a real redis-server: config immutability, one leader, fencing, CAS."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from coordinator.state import ConfigMismatch, LeaseLost, RunState, RunStore
+from tests.support import redis_server
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[redis.Redis]:
+    with redis_server(tmp_path_factory.mktemp("redis")) as url:
+        yield redis.Redis.from_url(url)
+
+
+def store(client: redis.Redis, run: str) -> RunStore:
+    return RunStore(client, run)
+
+
+def test_config_is_immutable_once_written(client: redis.Redis) -> None:
+    a = store(client, "cfg")
+    assert a.init_config({"recipe": "fp8", "lr": 1e-5, "loss": {"clip": 0.2}}, "h1")
+    assert not a.init_config({"recipe": "fp8", "lr": 1e-5, "loss": {"clip": 0.2}}, "h1")
+    with pytest.raises(ConfigMismatch, match=r"differing fields: loss\.clip, lr"):
+        a.init_config({"recipe": "fp8", "lr": 1e-4, "loss": {"clip": 0.3}}, "h2")
+    assert a.read() == RunState(0, "generate")
+
+
+def test_one_coordinator_drives_a_run(client: redis.Redis) -> None:
+    first, second = store(client, "lease"), store(client, "lease")
+    first.init_config({}, "h")
+    first.acquire("first", ttl_s=30)
+    with pytest.raises(LeaseLost, match="driven by another coordinator"):
+        second.acquire("second", ttl_s=30)
+    first.transition(RunState(0, "generate"), RunState(0, "train"))
+    first.release()
+    second.acquire("second", ttl_s=30)  # free again once released
+    second.transition(RunState(0, "train"), RunState(0, "publish"))
+
+
+def test_stale_fencing_token_cannot_commit(client: redis.Redis) -> None:
+    old, new = store(client, "fence"), store(client, "fence")
+    old.init_config({}, "h")
+    old.acquire("old", ttl_s=0.2)
+    old.transition(RunState(0, "generate"), RunState(0, "commit"))
+    time.sleep(0.4)  # the old leader stalls past its lease; another takes over
+    new.acquire("new", ttl_s=30)
+    assert int(new.fence) > int(old.fence)
+    with pytest.raises(LeaseLost):
+        old.commit(0, {"step": 1})
+    with pytest.raises(LeaseLost):
+        old.renew(30)
+    with pytest.raises(LeaseLost):
+        old.put_batch(1, b"x", 0, {})
+    assert new.metrics() == []
+    new.commit(0, {"step": 1})
+    assert new.metrics() == [{"step": 1}] and new.read() == RunState(1, "generate")
+
+
+def test_transitions_are_compare_and_set(client: redis.Redis) -> None:
+    s = store(client, "cas")
+    s.init_config({}, "h")
+    s.acquire("me", ttl_s=30)
+    with pytest.raises(RuntimeError, match="state changed"):
+        s.transition(RunState(0, "train"), RunState(0, "publish"))  # the run is in generate
+    s.put_batch(0, b"request", 0, {"reward_mean": 0.5})
+    assert s.get_batch(0) == (b"request", 0, {"reward_mean": 0.5})
+    s.transition(RunState(0, "generate"), RunState(0, "commit"))
+    s.commit(0, {"step": 1})
+    with pytest.raises(RuntimeError):
+        s.commit(0, {"step": 1})  # a second commit of the same step is refused: metrics are written once
+    assert s.metrics() == [{"step": 1}] and s.get_batch(0) is None
+    assert s.record_base({"step": 0}) and not s.record_base({"step": 0})
+    kinds = [e["kind"] for e in s.events()]
+    assert kinds == ["phase", "commit"]
