@@ -69,7 +69,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     start.add_argument("--max-staleness", type=int)
     start.add_argument("--val-every", type=int)
     start.add_argument("--lr", type=float)
-    start.add_argument("--compute-dtype", choices=["bfloat16", "float32"])
+    start.add_argument("--compute-dtype", choices=["auto", "bfloat16", "float32"])
     start.add_argument("--redis-url")
     start.add_argument("--trainer", help="host:port of a running trainer (distributed mode)")
     start.add_argument("--rollout", action="append", help="host:port of a rollout replica (repeatable)")
@@ -180,6 +180,19 @@ def _short(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
+def as_sets(values: dict[str, Any]) -> list[str]:
+    """``{"a.b": 1}`` -> ``["--set", "a.b=1"]`` (values as JSON, which the CLIs read as YAML)."""
+    return [arg for key, value in values.items() for arg in ("--set", f"{key}={json.dumps(value)}")]
+
+
+def resolve_dtype(requested: str) -> str:
+    if requested != "auto":
+        return requested
+    import torch
+
+    return "bfloat16" if torch.cuda.is_available() else "float32"
+
+
 def launch_embedded(
     config: CoordinatorConfig, run_dir: Path, stack: ExitStack, children: dict[str, int]
 ) -> tuple[str, str, list[str]]:
@@ -192,44 +205,20 @@ def launch_embedded(
     model = config.model or default_model()
     redis_url, children["redis-server"] = start_redis(stack, run_dir / "redis", logs)
     trainer_port, rollout_port = free_port(), free_port()
-    trainer_args = [
-        "serve",
-        "--model",
-        str(model),
-        "--recipe",
-        config.recipe,
-        "--port",
-        str(trainer_port),
-        "--compute-dtype",
-        config.compute_dtype,
-        "--checkpoint-dir",
-        str(run_dir / "checkpoints"),
-        "--resume",
-        "--set",
-        f"checkpoint_every={config.checkpoint_every}",
-        "--set",
-        f"optimizer.lr={config.lr}",
-        "--set",
-        f"seed={config.seed}",
-    ]
-    for key, value in config.trainer_overrides.items():
-        trainer_args += ["--set", f"{key}={json.dumps(value)}"]
-    dtype = "float32" if config.compute_dtype == "float32" else "auto"
-    rollout_args = [
-        "serve",
-        "--model",
-        str(model),
-        "--recipe",
-        config.recipe,
-        "--port",
-        str(rollout_port),
-        "--dtype",
-        dtype,
-        "--kv-cache-gib",
-        str(config.kv_cache_gib),
-        "--set",
-        f"seed={config.seed}",
-    ]
+    dtype = resolve_dtype(config.compute_dtype)
+    common = ["serve", "--model", str(model), "--recipe", config.recipe]
+    trainer_sets = {
+        "checkpoint_every": config.checkpoint_every,
+        "optimizer.lr": config.lr,
+        "seed": config.seed,
+        "micro_batch_size": config.micro_batch_size,
+        **config.trainer_overrides,
+    }
+    trainer_args = [*common, "--port", str(trainer_port), "--compute-dtype", dtype, "--resume"]
+    trainer_args += ["--checkpoint-dir", str(run_dir / "checkpoints"), *as_sets(trainer_sets)]
+    rollout_args = [*common, "--port", str(rollout_port), "--dtype", dtype]
+    rollout_args += ["--kv-cache-gib", str(config.kv_cache_gib)]
+    rollout_args += as_sets({"seed": config.seed})
     env = {**os.environ, "PYTHONUNBUFFERED": "1", PARENT_ENV: str(os.getpid())}
     trainer = Child("trainer", python_module("trainer_service.cli", *trainer_args), logs / "trainer.log", env)
     stack.callback(trainer.stop)

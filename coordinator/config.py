@@ -51,8 +51,11 @@ class CoordinatorConfig(BaseModel):
     mult_prob_warn: float = Field(1.05, gt=1)
     """Warn when token_mult_prob_error exceeds this."""
     lr: float = Field(1e-5, gt=0)
-    compute_dtype: Literal["bfloat16", "float32"] = "bfloat16"
-    """Trainer compute dtype (embedded mode)."""
+    compute_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """Embedded mode: compute dtype of trainer and rollout. `auto`: bf16 on CUDA, float32 on CPU (bf16
+    matmuls are slow on CPUs without AMX, and float32 keeps the comparison of recipes clean)."""
+    micro_batch_size: int = Field(64, ge=1)
+    """Embedded trainer: samples per forward/backward."""
     trainer_overrides: dict[str, Any] = {}
     """Extra TrainerConfig fields for the embedded trainer (dotted keys allowed)."""
     checkpoint_every: int = Field(1, ge=1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -10,12 +11,14 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fp8rl"
 
 
-def default_model(seed: int = 0) -> Path:
+def default_model(seed: int = 0, say: Callable[[str], None] = print) -> Path:
+    """The tiny Qwen2 warm-started on arith (built on first use, about 100 s on 2 cores; then cached)."""
     from fp8rl.tiny import write_tiny_model
 
-    path = cache_dir() / f"tiny-seed{seed}"
+    path = cache_dir() / f"tiny-arith-seed{seed}"
     if not (path / "config.json").exists():
+        say(f"building the tiny arith base model (a short supervised warm start) into {path}")
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        write_tiny_model(tmp, seed=seed)
+        write_tiny_model(tmp, seed=seed, trained=True)
         os.replace(tmp, path)
     return path

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from fp8rl import arith
+
 RewardFn = Callable[[str, str, str], float]
 
 
@@ -38,29 +40,21 @@ def first_line(text: str) -> str:
 
 
 class ArithTask:
-    """Two-operand addition; validation pairs never appear in training."""
+    """Two-operand addition; validation pairs come from the held-out tenth (fp8rl.arith)."""
 
-    def __init__(self, seed: int, val_size: int = 64, max_operand: int = 99) -> None:
-        self.seed, self.max_operand = seed, max_operand
-        rng = random.Random(f"arith:{seed}:val")
-        pairs: dict[tuple[int, int], None] = {}
-        while len(pairs) < val_size:
-            pairs[(rng.randint(0, max_operand), rng.randint(0, max_operand))] = None
-        self._val = [self._problem(f"val-{i}", a, b) for i, (a, b) in enumerate(pairs)]
-        self._held_out = set(pairs)
+    def __init__(self, seed: int, val_size: int = 64) -> None:
+        self.seed = seed
+        self._val = [
+            self._problem(f"val-{i}", a, b) for i, (a, b) in enumerate(arith.val_pairs(seed, val_size))
+        ]
 
     @staticmethod
     def _problem(pid: str, a: int, b: int) -> Problem:
-        return Problem(pid, f"{a}+{b}=", str(a + b))
+        return Problem(pid, arith.prompt(a, b), arith.answer(a, b))
 
     def train_problems(self, step: int, count: int) -> list[Problem]:
         rng = random.Random(f"arith:{self.seed}:train:{step}")
-        out: list[Problem] = []
-        while len(out) < count:
-            a, b = rng.randint(0, self.max_operand), rng.randint(0, self.max_operand)
-            if (a, b) not in self._held_out:
-                out.append(self._problem(f"s{step}-{len(out)}", a, b))
-        return out
+        return [self._problem(f"s{step}-{i}", a, b) for i, (a, b) in enumerate(arith.train_pairs(rng, count))]
 
     def val_problems(self) -> list[Problem]:
         return self._val
