@@ -101,9 +101,29 @@ def main(argv: list[str] | None = None) -> None:
             print(f"coordinator: {exc}", file=sys.stderr)
             raise SystemExit(2) from None
         raise SystemExit(start(config))
+    if args.command == "compare":
+        raise SystemExit(run_compare(args))
     from coordinator import inspect_run
 
     raise SystemExit(getattr(inspect_run, args.command)(args.run_id, args.run_dir, args.redis_url))
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    from coordinator.compare import compare
+
+    recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
+    unknown = [r for r in recipes if r not in RECIPE_NAMES]
+    if unknown or not recipes:
+        print(
+            f"coordinator: unknown recipes {unknown}; choose from {', '.join(RECIPE_NAMES)}", file=sys.stderr
+        )
+        return 2
+    try:
+        base = load_config(CoordinatorConfig, args.config, {"steps": args.steps, "seed": args.seed}, args.set)
+    except ConfigError as exc:
+        print(f"coordinator: {exc}", file=sys.stderr)
+        return 2
+    return compare(base, recipes, args.no_is, args.out)
 
 
 def run_paths(config: CoordinatorConfig) -> tuple[str, Path]:

@@ -146,7 +146,8 @@ def build_weight_set(
         if weight_format == "fp8-block128" and is_block_linear(name, t):
             out[name], out[scale_name(name)] = quant.quantize_blockwise(t)
         else:
-            out[name] = t.to(hp_dtype).contiguous()
+            # Always a copy: a set must never alias live parameters the optimizer keeps changing.
+            out[name] = t.to(hp_dtype, copy=True).contiguous()
     return WeightSet(weight_format, out)
 
 

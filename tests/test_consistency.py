@@ -54,6 +54,14 @@ def mult_prob_error(recipe: str, model: Path, stub: rollout_pb2_grpc.RolloutStub
     result = trainer.train_step(
         trainer_pb2.TrainStepRequest(run_id="consistency", step=0, samples=batch, sampling=SAMPLING)
     )
+    # The next version travels as a delta against what the replica holds, and applies.
+    delta = trainer.publish(
+        trainer_pb2.PublishWeightsRequest(
+            version=1, targets=[trainer_pb2.PublishTarget(address=address, held_version=0)]
+        )
+    )
+    assert delta.results[0].ok and delta.results[0].encoding == "delta", delta.results[0]
+    assert stub.GetStatus(common_pb2.GetStatusRequest(), timeout=10).weight_version == 1
     trainer.publisher.close()
     return result.metrics.token_mult_prob_error
 

@@ -122,6 +122,8 @@ def test_embedded_run_writes_metrics_and_leaves_no_child(tiny_model_dir_f32: Pat
     assert "val_accuracy" in recs[0] and "val_accuracy" in recs[-1]
     assert all(r["token_mult_prob_error"] < 1.05 for r in recs[1:])
     assert "summary:" in proc.stdout and (run_dir / "token_mult_prob_error.png").exists()
+    assert "failed" not in proc.stdout + proc.stderr
+    assert all(r["sync_keyframes"] == 0 for r in recs[1:])  # every step's weights travel as a delta
     assert_children_gone(run_dir)
     status = subprocess.run(
         coordinator("status", "--run-dir", str(run_dir)), capture_output=True, text=True, timeout=60

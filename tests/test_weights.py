@@ -90,7 +90,12 @@ def test_fp8_weight_set_layout(gen: torch.Generator) -> None:
     linears = [n for n in sd if ".layers." in n and n.endswith("_proj.weight")]
     assert len(ws.tensors) == len(sd) + len(linears)
     assert all(t.dtype == torch.bfloat16 for t in build_weight_set(sd, "bf16").tensors.values())
-    assert build_weight_set(sd, "bf16", hp_dtype=torch.float32).tensors[q_name].dtype == torch.float32
+    f32 = build_weight_set(sd, "bf16", hp_dtype=torch.float32)
+    assert f32.tensors[q_name].dtype == torch.float32
+    before = f32.digest
+    for t in sd.values():  # the optimizer moves the source: the set must not move with it
+        t.add_(1.0)
+    assert WeightSet(f32.format, dict(f32.tensors)).digest == before
 
 
 @pytest.mark.parametrize("fmt", ["fp8-block128", "bf16"])

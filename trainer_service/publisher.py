@@ -4,6 +4,7 @@ delta (FAILED_PRECONDITION: it holds something else) gets a keyframe at once."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -24,6 +25,7 @@ from fp8rl.weights import (
     encode_keyframe,
 )
 
+log = logging.getLogger(__name__)
 UPDATE_DEADLINE_S = 600.0
 
 
@@ -73,9 +75,17 @@ class Publisher:
             try:
                 self._send(target.address, update)
             except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.FAILED_PRECONDITION or update.encoding == "keyframe":
+                if update.encoding == "keyframe":
                     raise
-                update = updates.keyframe()  # the target holds something else: heal it
+                # FAILED_PRECONDITION: the target holds another version. Anything else: the delta did not
+                # apply. Either way nothing changed there, and a keyframe heals it.
+                log.warning(
+                    "delta to %s refused (%s: %s); sending a keyframe",
+                    target.address,
+                    exc.code().name,
+                    exc.details(),
+                )
+                update = updates.keyframe()
                 self._send(target.address, update)
         except grpc.RpcError as exc:
             return Delivery(

@@ -1,0 +1,73 @@
+"""`coordinator compare`: the FP8 study in miniature — each recipe from the same base model and seed,
+then one table (compare.md) and overlaid plots."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from coordinator.config import CoordinatorConfig
+from coordinator.metrics import summarize
+
+COLUMNS = [
+    ("final val accuracy", "final_val_accuracy", "{:.3f}"),
+    ("base val accuracy", "base_val_accuracy", "{:.3f}"),
+    ("median token_mult_prob_error", "median_token_mult_prob_error", "{:.5f}"),
+    ("max token_mult_prob_error", "max_token_mult_prob_error", "{:.5f}"),
+    ("median gen_kl_error", "median_gen_kl_error", "{:.2e}"),
+    ("rollout tokens/s", "median_rollout_tokens_per_s", "{:.0f}"),
+    ("step time (s)", "median_step_s", "{:.2f}"),
+    ("sync bytes / step", "median_sync_bytes", "{:,.0f}"),
+]
+
+
+def compare(base: CoordinatorConfig, recipes: list[str], no_is: bool, out_dir: Path | None) -> int:
+    from coordinator.cli import start
+    from coordinator.report import write_plots
+
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = (out_dir or Path("runs") / f"compare-{stamp}").resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for recipe in recipes:
+        overrides = dict(base.trainer_overrides) | ({"loss.is_mode": "none"} if no_is else {})
+        config = base.model_copy(
+            update={
+                "recipe": recipe,
+                "run_id": f"{out.name}-{recipe}{'-no-is' if no_is else ''}",
+                "run_dir": out / recipe,
+                "trainer_overrides": overrides,
+            }
+        )
+        status = start(CoordinatorConfig.model_validate(config.model_dump()))
+        if status != 0:
+            return status
+        path = out / recipe / "metrics.jsonl"
+        runs[recipe] = [json.loads(line) for line in path.read_text().splitlines()]
+    table = render(runs, base, no_is)
+    (out / "compare.md").write_text(table)
+    plots = write_plots([], out, runs=runs)
+    print(table)
+    for plot in plots:
+        print(f"plot: {plot}")
+    return 0
+
+
+def render(runs: dict[str, list[dict[str, Any]]], base: CoordinatorConfig, no_is: bool) -> str:
+    lines = [
+        f"# Recipes compared: {', '.join(runs)}",
+        "",
+        f"Task `{base.task}`, {base.steps} GRPO steps of {base.prompts_per_step} prompts x "
+        f"{base.group_size} samples, seed {base.seed}, importance sampling "
+        f"{'off' if no_is else 'per recipe (TIS, cap 2, for FP8 recipes)'}.",
+        "",
+        "| recipe | " + " | ".join(c[0] for c in COLUMNS) + " |",
+        "| --- | " + " | ".join("---" for _ in COLUMNS) + " |",
+    ]
+    for recipe, records in runs.items():
+        summary = summarize(records)
+        cells = [fmt.format(summary[key]) if summary[key] is not None else "-" for _, key, fmt in COLUMNS]
+        lines.append(f"| `{recipe}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
