@@ -1,0 +1,163 @@
+"""docker compose without Docker: the compose file's own command lines, environment and health checks run
+as local processes (service hostnames mapped to 127.0.0.1, ports remapped to free ones, volumes to
+temporary directories) and drive a short run; the Dockerfiles install what `make setup` installs."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import pytest
+import redis
+import yaml
+
+from tests.support import child_process, free_port, wait_for_line
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+def interpolate(text: str, env: dict[str, str]) -> str:
+    """Compose's variable syntax: ${VAR}, ${VAR:-default}, ${VAR:?error}; $$ is a literal $."""
+
+    def value(match: re.Match[str]) -> str:
+        name, op, arg = match.group(1), match.group(2), match.group(3)
+        if name in env and env[name] != "":
+            return env[name]
+        if op == ":?":
+            raise ValueError(f"compose: {arg}")
+        return arg or ""
+
+    text = re.sub(r"(?<!\$)\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:-|:\?)([^}]*))?\}", value, text)
+    return text.replace("$$", "$")
+
+
+def test_redis_password_is_required() -> None:
+    command = " ".join(COMPOSE["services"]["redis"]["command"])
+    with pytest.raises(ValueError, match="REDIS_PASSWORD"):
+        interpolate(command, {})
+    assert "--requirepass" in command and "--appendonly" in command
+
+
+def test_dockerfiles_install_what_make_setup_installs() -> None:
+    makefile = (ROOT / "Makefile").read_text()
+    uninstalled = re.search(r"pip uninstall -y -q ([\w ]+)", makefile).group(1).split()  # type: ignore[union-attr]
+    assert re.search(r"pip install -q -e '\.\[cpu,dev\]'", makefile)
+    for dockerfile, extra in (("Dockerfile", "cpu"), ("Dockerfile.gpu", "gpu")):
+        text = (ROOT / dockerfile).read_text()
+        assert f'".[{extra}]"' in text, dockerfile  # the pinned extra from pyproject.toml, nothing by hand
+        assert re.search(r"pip uninstall -y " + " ".join(uninstalled), text), dockerfile
+        assert "COPY pyproject.toml" in text
+        assert not re.search(r"pip install [^\n]*==", text), (
+            f"{dockerfile} pins a version outside pyproject.toml"
+        )
+    gpu = yaml.safe_load((ROOT / "docker-compose.gpu.yml").read_text())
+    assert (
+        gpu["services"]["trainer"]["deploy"]["resources"]["reservations"]["devices"][0]["driver"] == "nvidia"
+    )
+
+
+class LocalCompose:
+    """Maps the compose world onto this machine."""
+
+    def __init__(self, tmp: Path, env: dict[str, str]) -> None:
+        self.ports = {"6379": str(free_port()), "50051": str(free_port()), "50052": str(free_port())}
+        self.volumes = {name: tmp / name for name in COMPOSE["volumes"]}
+        for path in self.volumes.values():
+            path.mkdir()
+        self.config = tmp / "config"
+        shutil.copytree(ROOT / "deploy" / "config", self.config)
+        self.env = env
+
+    def localize(self, text: str) -> str:
+        text = interpolate(text, self.env)
+        for port, local in self.ports.items():
+            text = re.sub(rf"\b{port}\b", local, text)
+        text = (
+            text.replace("@redis:", "@127.0.0.1:")
+            .replace("trainer:", "127.0.0.1:")
+            .replace("0.0.0.0", "127.0.0.1")
+        )
+        mounts = {
+            "/models": self.volumes["models"],
+            "/checkpoints": self.volumes["checkpoints"],
+            "/runs": self.volumes["runs"],
+            "/config": self.config,
+        }
+        for target, path in mounts.items():
+            text = re.sub(rf"(?<![\w/.]){target}\b", str(path), text)
+        return text
+
+    def environment(self, service: str) -> dict[str, str]:
+        merged = {**COMPOSE["x-app"]["environment"], **COMPOSE["services"][service].get("environment", {})}
+        env = {k: self.localize(str(v)) for k, v in merged.items()}
+        return {**os.environ, **env, "ADVERTISE_HOST": "127.0.0.1", "PYTHONUNBUFFERED": "1"}
+
+    def command(self, service: str) -> list[str]:
+        return [self.localize(part) for part in COMPOSE["services"][service]["command"]]
+
+    def healthy(self, service: str, timeout: float = 300) -> None:
+        test = [self.localize(part) for part in COMPOSE["services"][service]["healthcheck"]["test"][1:]]
+        if test[0] == "python":
+            test[0] = sys.executable  # the image's python is this venv's
+        deadline = time.monotonic() + timeout
+        while subprocess.run(test, capture_output=True, env=self.environment(service)).returncode != 0:
+            assert time.monotonic() < deadline, f"{service} not healthy after {timeout}s"
+            time.sleep(1)
+
+
+@pytest.fixture
+def local(tmp_path: Path, tiny_model_dir_f32: Path) -> Iterator[LocalCompose]:
+    env = {"REDIS_PASSWORD": "compose-secret", "FP8RL_STEPS": "2", "FP8RL_RUN_ID": "compose-test"}
+    compose = LocalCompose(tmp_path, env)
+    # The model service builds the warm-started model when it is missing; seed the volume so the test
+    # exercises the service's skip path instead of a 90-second build.
+    shutil.copytree(tiny_model_dir_f32, compose.volumes["models"] / "tiny-arith")
+    yield compose
+
+
+@pytest.mark.slow
+def test_compose_wiring_runs_a_short_run(local: LocalCompose, tmp_path: Path) -> None:
+    bin_dir = Path(sys.executable).parent  # the services' console scripts live beside the interpreter
+    path_env = f"{bin_dir}:{os.environ['PATH']}"
+    with ExitStack() as stack:
+        redis_cmd = [*local.command("redis"), "--port", local.ports["6379"], "--bind", "127.0.0.1"]
+        redis_cmd += ["--dir", str(local.volumes["redis-data"])]
+        proc = stack.enter_context(child_process(redis_cmd, tmp_path / "redis.log"))
+        wait_for_line(proc, tmp_path / "redis.log", "Ready to accept connections", timeout=30)
+        url = local.localize(COMPOSE["x-app"]["environment"]["REDIS_URL"])
+        assert redis.Redis.from_url(url).ping()
+        with pytest.raises(redis.AuthenticationError):  # nothing works without the password
+            redis.Redis(port=int(local.ports["6379"])).set("x", 1)
+
+        model = subprocess.run(
+            local.command("model"),
+            env={**local.environment("model"), "PATH": path_env},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert model.returncode == 0, model.stderr
+        for service in ("trainer", "rollout"):
+            env = {**local.environment(service), "PATH": path_env}
+            stack.enter_context(child_process(local.command(service), tmp_path / f"{service}.log", env))
+        for service in ("trainer", "rollout"):
+            local.healthy(service)
+        env = {**local.environment("coordinator"), "PATH": path_env}
+        run = subprocess.run(
+            local.command("coordinator"), env=env, capture_output=True, text=True, timeout=600
+        )
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        metrics = local.volumes["runs"] / "compose-test" / "metrics.jsonl"
+        steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+        assert steps == [0, 1, 2]
+        # The replica found the run through its Redis registration (no --rollout in the compose file).
+        assert "--rollout" not in " ".join(COMPOSE["services"]["coordinator"]["command"])
