@@ -26,7 +26,8 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if not 1 <= len(args) <= 2:
         raise SystemExit("usage: python -m fp8rl.healthcheck HOST:PORT [SERVICE]")
-    raise SystemExit(0 if serving(*args) else 1)
+    address, service = args[0], args[1] if len(args) == 2 else ""
+    raise SystemExit(0 if serving(address, service) else 1)
 
 
 if __name__ == "__main__":
