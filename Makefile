@@ -24,8 +24,7 @@ redis-server:
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
 
 demo: setup
-	$(BIN)/python -m fp8rl.tiny --out runs/tiny-model
-	$(BIN)/python bench/weight_sync.py --layers 4
+	$(BIN)/coordinator start --recipe fp8
 
 check: setup
 	$(BIN)/ruff check .

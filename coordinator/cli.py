@@ -232,6 +232,7 @@ def launch_embedded(
         "optimizer.lr": config.lr,
         "seed": config.seed,
         "micro_batch_size": config.micro_batch_size,
+        "optimizer.warmup_steps": config.warmup_steps,
         **config.trainer_overrides,
     }
     trainer_args = [*common, "--port", str(trainer_port), "--compute-dtype", dtype, "--resume"]

@@ -26,14 +26,14 @@ class CoordinatorConfig(BaseModel):
     """JSONL file with `prompt` and `answer` fields (task jsonl)."""
     reward: str | None = None
     """`module:function(prompt, completion, answer) -> float` replacing the task's reward."""
-    steps: int = Field(20, ge=1)
+    steps: int = Field(60, ge=1)
     """GRPO steps to run (a resumed run continues up to this many)."""
     run_id: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]+$")
     """Names the run; the same id again resumes it. Default: a fresh time-stamped id."""
     run_dir: Path | None = None
     """Where metrics, logs, checkpoints and plots go; default runs/<run-id>."""
     seed: int = 0
-    prompts_per_step: int = Field(16, ge=1)
+    prompts_per_step: int = Field(32, ge=1)
     group_size: int = Field(8, ge=1)
     """Samples per prompt (GRPO group)."""
     max_tokens: int = Field(8, ge=1)
@@ -47,10 +47,14 @@ class CoordinatorConfig(BaseModel):
     val_every: int = Field(10, ge=0)
     """Validate (greedy, held-out prompts) every N steps, plus before the first and after the last; 0: only
     those two."""
-    val_size: int = Field(64, ge=1)
+    val_size: int = Field(128, ge=1)
     mult_prob_warn: float = Field(1.05, gt=1)
     """Warn when token_mult_prob_error exceeds this."""
-    lr: float = Field(1e-5, gt=0)
+    lr: float = Field(3e-4, gt=0)
+    """Trainer learning rate (embedded mode). The defaults suit the tiny demo model; a real model wants
+    far less (1e-6 for a 1B model) — set it, and the batch sizes, in a YAML file."""
+    warmup_steps: int = Field(20, ge=0)
+    """Embedded trainer: linear learning-rate warm-up, which keeps Adam's first, noisy steps small."""
     compute_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """Embedded mode: compute dtype of trainer and rollout. `auto`: bf16 on CUDA, float32 on CPU (bf16
     matmuls are slow on CPUs without AMX, and float32 keeps the comparison of recipes clean)."""
