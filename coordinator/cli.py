@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.config import CoordinatorConfig
-from fp8rl.config import ConfigError, config_hash, load_config
+from fp8rl.config import ConfigError, config_from_cli, config_hash, load_config
 from fp8rl.recipes import RECIPE_NAMES
 
 log = logging.getLogger("coordinator")
@@ -93,14 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.command == "start":
-        try:
-            config = load_config(
-                CoordinatorConfig, args.config, {f: getattr(args, f) for f in START_FLAGS}, args.set
-            )
-        except ConfigError as exc:
-            print(f"coordinator: {exc}", file=sys.stderr)
-            raise SystemExit(2) from None
-        raise SystemExit(start(config))
+        raise SystemExit(start(config_from_cli(CoordinatorConfig, "coordinator", args, START_FLAGS)))
     if args.command == "compare":
         raise SystemExit(run_compare(args))
     from coordinator import inspect_run

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -104,3 +105,13 @@ def config_diff(old: Mapping[str, Any], new: Mapping[str, Any], prefix: str = ""
         elif a != b:
             diffs.append(f"{prefix}{key}")
     return diffs
+
+
+def config_from_cli(cls: type[Config], prog: str, args: Any, flags: Iterable[str]) -> Config:
+    """The config of a process from its parsed command line (``--config FILE``, the named ``flags`` and
+    ``--set key=value``); on a bad value, print one line naming the field and exit with status 2."""
+    try:
+        return load_config(cls, args.config, {f: getattr(args, f) for f in flags}, args.set)
+    except ConfigError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None

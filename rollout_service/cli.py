@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 from pathlib import Path
 
-from fp8rl.config import ConfigError, load_config
+from fp8rl.config import config_from_cli
 from fp8rl.recipes import RECIPE_NAMES
 from rollout_service.config import RolloutConfig
 
@@ -48,11 +47,7 @@ def main(argv: list[str] | None = None) -> None:
         "redis_url",
         "advertise",
     )
-    try:
-        config = load_config(RolloutConfig, args.config, {f: getattr(args, f) for f in fields}, args.set)
-    except ConfigError as exc:
-        print(f"rollout-service: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+    config = config_from_cli(RolloutConfig, "rollout-service", args, fields)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rollout %(levelname)s %(message)s")
     serve(config)
 

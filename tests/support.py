@@ -104,3 +104,17 @@ def reference_logprobs(
         logits = model(ids).logits[0, len(prompt) - 1 : -1].double()
     logprobs = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
     return logprobs.gather(1, torch.tensor(completion)[:, None]).squeeze(1)
+
+
+@contextmanager
+def service_process(
+    module: str, model: Path, log: Path, *extra: str, ready: str = r"serving on", port: int | None = None
+) -> Iterator[tuple[subprocess.Popen, str]]:
+    """``python -m <module> serve --model MODEL --port P ...`` as a child; yields it and its address once
+    its log shows ``ready``."""
+    port = port or free_port()
+    args = [sys.executable, "-m", module, "serve", "--model", str(model), "--port", str(port), *extra]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    with child_process(args, log, env) as proc:
+        wait_for_line(proc, log, ready)
+        yield proc, f"127.0.0.1:{port}"

@@ -3,15 +3,13 @@ own samples match the trainer's prev_logprobs (float32 tiny model, real CPU vLLM
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 
 import grpc
 
 from fp8rl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, trainer_pb2
 from tests.conftest import InProcessRollout
-from tests.support import child_process, free_port, wait_for_line
+from tests.support import service_process
 from trainer_service.config import TrainerConfig
 from trainer_service.service import TrainerService
 
@@ -75,32 +73,16 @@ def test_trainer_matches_rollout_per_recipe(
             "fp8-rollout", tiny_model_dir_f32, rollout_fp8.stub, rollout_fp8.server.address
         ),
     }
-    port = free_port()
-    args = [
-        sys.executable,
-        "-m",
-        "rollout_service.cli",
-        "serve",
-        "--model",
-        str(tiny_model_dir_f32),
-        "--recipe",
-        "bf16",
-        "--dtype",
-        "float32",
-        "--port",
-        str(port),
-        "--max-model-len",
-        "256",
-    ]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    bf16 = ("--recipe", "bf16", "--dtype", "float32", "--max-model-len", "256")
     with (
-        child_process(args, tmp_path / "bf16.log", env) as proc,
-        grpc.insecure_channel(f"127.0.0.1:{port}") as ch,
+        service_process("rollout_service.cli", tiny_model_dir_f32, tmp_path / "bf16.log", *bf16) as (
+            _,
+            address,
+        ),
+        grpc.insecure_channel(address) as channel,
     ):
-        wait_for_line(proc, tmp_path / "bf16.log", r"serving on")
-        errors["bf16"] = mult_prob_error(
-            "bf16", tiny_model_dir_f32, rollout_pb2_grpc.RolloutStub(ch), f"127.0.0.1:{port}"
-        )
+        stub = rollout_pb2_grpc.RolloutStub(channel)
+        errors["bf16"] = mult_prob_error("bf16", tiny_model_dir_f32, stub, address)
     print("token_mult_prob_error per recipe:", {k: round(v, 6) for k, v in errors.items()})
     assert errors["fp8"] < 1.01 and errors["bf16"] < 1.01
     # FP8 generation with a high-precision trainer: the mismatch the FP8 trainer removes.

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 from pathlib import Path
 
-from fp8rl.config import ConfigError, load_config
+from fp8rl.config import config_from_cli
 from fp8rl.recipes import RECIPE_NAMES
 from trainer_service.config import TrainerConfig
 
@@ -36,11 +35,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     fields = ("model", "recipe", "host", "port", "compute_dtype", "checkpoint_dir", "resume")
-    try:
-        config = load_config(TrainerConfig, args.config, {f: getattr(args, f) for f in fields}, args.set)
-    except ConfigError as exc:
-        print(f"trainer-service: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+    config = config_from_cli(TrainerConfig, "trainer-service", args, fields)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(levelname)s %(message)s")
     serve(config)
 
