@@ -57,12 +57,12 @@ class CorruptUpdateError(WeightCodecError):
     """Truncated, reordered or corrupted bytes: a size, parse or digest check failed."""
 
 
-def is_block_linear(name: str, tensor: torch.Tensor) -> bool:
+def is_block_linear(name: str, ndim: int) -> bool:
     """True for linear weights inside transformer blocks — the ones FP8 recipes quantize.
 
     Norms are 1-D, biases end in ``.bias``, and embeddings / lm_head live outside ``.layers.``.
     """
-    return tensor.ndim == 2 and name.endswith(".weight") and ".layers." in name
+    return ndim == 2 and name.endswith(".weight") and ".layers." in name
 
 
 def scale_name(weight_name: str) -> str:
@@ -143,7 +143,7 @@ def build_weight_set(
     out: dict[str, torch.Tensor] = {}
     for name, t in state_dict.items():
         t = t.detach().cpu()
-        if weight_format == "fp8-block128" and is_block_linear(name, t):
+        if weight_format == "fp8-block128" and is_block_linear(name, t.ndim):
             out[name], out[scale_name(name)] = quant.quantize_blockwise(t)
         else:
             # Always a copy: a set must never alias live parameters the optimizer keeps changing.

@@ -10,19 +10,59 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from fp8rl.errors import PreconditionFailed
+from fp8rl.errors import InvalidRequest, PreconditionFailed
 from fp8rl.recipes import get_recipe
 from fp8rl.v1 import rollout_pb2, weights_pb2
-from fp8rl.weights import WeightSet, decode_update
+from fp8rl.weights import SCALE_SUFFIX, WeightFormat, WeightSet, decode_update, is_block_linear, scale_name
 from rollout_service.config import RolloutConfig
 from rollout_service.engine import VllmEngine
 from rollout_service.generation import GenerationLoop, Ticket
 from rollout_service.validation import Limits, Slot, parse_generate
 
 log = logging.getLogger(__name__)
+
+
+Schema = dict[str, tuple[tuple[int, ...], bool]]  # name -> (shape, is FP8)
+
+
+def expected_schema(model_dir: Path, weight_format: WeightFormat) -> Schema:
+    """Names and shapes a WeightSet for this checkpoint must have (read from the safetensors headers)."""
+    from safetensors import safe_open
+
+    schema: Schema = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                shape = tuple(f.get_slice(name).get_shape())
+                fp8 = weight_format == "fp8-block128" and is_block_linear(name, len(shape))
+                schema[name] = (shape, fp8)
+                if fp8:
+                    schema[scale_name(name)] = (tuple(-(-d // 128) for d in shape), False)
+    return schema
+
+
+def check_schema(weights: WeightSet, schema: Schema) -> None:
+    """Refuse, before the engine sees it, a set the model cannot take: an engine that fails midway
+    through a refit may not recover without a restart."""
+    if set(weights.tensors) != set(schema):
+        missing, extra = (
+            sorted(set(schema) - set(weights.tensors)),
+            sorted(set(weights.tensors) - set(schema)),
+        )
+        raise InvalidRequest(
+            "weights", f"tensor names differ from the model's: missing {missing[:3]}, extra {extra[:3]}"
+        )
+    for name, (shape, fp8) in schema.items():
+        t = weights.tensors[name]
+        if tuple(t.shape) != shape:
+            raise InvalidRequest("weights", f"{name} has shape {tuple(t.shape)}, the model needs {shape}")
+        wants = torch.float8_e4m3fn if fp8 else (torch.float32 if name.endswith(SCALE_SUFFIX) else None)
+        if (wants is not None and t.dtype != wants) or (wants is None and not t.dtype.is_floating_point):
+            raise InvalidRequest("weights", f"{name} has dtype {t.dtype}")
 
 
 @dataclass
@@ -67,6 +107,7 @@ class RolloutService:
         self.loop = GenerationLoop(engine)
         self.limits = Limits(engine.max_model_len, engine.vocab_size, config.max_n, config.max_request_bytes)
         self.held: WeightSet | None = None  # host copy of the applied set: deltas are XORed against it
+        self.schema = expected_schema(config.model, self.recipe.rollout_weights)
         self._update_lock = threading.Lock()
         self.started = time.time()
 
@@ -102,6 +143,7 @@ class RolloutService:
             decoded = decode_update(blob, self.held, self.version if self.held is not None else None)
             if decoded.version != header.version:
                 raise PreconditionFailed(f"header says version {header.version}, payload {decoded.version}")
+            check_schema(decoded.weights, self.schema)
             start = time.perf_counter()
             self.loop.run_exclusive(lambda: self._apply(decoded.weights, decoded.version))
             self.held = decoded.weights

@@ -225,3 +225,28 @@ def redis_events(run_dir: Path) -> list[dict]:
         client = redis.Redis(port=port)
         key = next(k for k in client.keys("fp8rl:run:*:events"))
         return [{k.decode(): v.decode() for k, v in fields.items()} for _, fields in client.xrange(key)]
+
+
+def test_ctrl_c_stops_every_child(tiny_model_dir_f32: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = coordinator(
+        "start",
+        "--recipe",
+        "fp8",
+        "--model",
+        str(tiny_model_dir_f32),
+        "--steps",
+        "50",
+        "--run-id",
+        "interrupted",
+        "--run-dir",
+        str(run_dir),
+        *FAST,
+    )
+    log = tmp_path / "coordinator.log"
+    with child_process(args, log) as proc:
+        wait_for_line(proc, log, r"step 1/50", timeout=600)
+        os.kill(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=120) == 130
+    assert "resume with --run-id interrupted" in log.read_text()
+    assert_children_gone(run_dir)

@@ -3,6 +3,9 @@ graph, and weight codes identical to the WeightSet's."""
 
 from __future__ import annotations
 
+import copy
+
+import pytest
 import torch
 
 from fp8rl import quant
@@ -70,3 +73,27 @@ def test_forward_codes_are_the_weight_set_codes(gen: torch.Generator) -> None:
     )
     assert torch.equal(scales, ws.tensors["model.layers.1.mlp.down_proj.weight_scale_inv"])
     assert not isinstance(model.lm_head, EmulatedFP8Linear)
+
+
+@pytest.mark.gpu
+def test_te_backend_matches_the_emulation(gen: torch.Generator) -> None:
+    """Transformer Engine's Float8BlockScaling linear against the exact emulation (CUDA, TE >= 2.3)."""
+    pytest.importorskip("transformer_engine.pytorch")
+    from trainer_service.fp8_linear import fp8_context
+
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    emulated = torch.nn.Module()
+    emulated.layers = torch.nn.ModuleList([torch.nn.Linear(512, 256)]).cuda()  # a "block linear"
+    te_model = copy.deepcopy(emulated)
+    assert convert_linears(emulated, "emulated") == 1 and convert_linears(te_model, "te") == 1
+    x = torch.randn(32, 512, device="cuda")
+    y_emulated = emulated.layers[0](x)
+    with fp8_context("te"):
+        y_te = te_model.layers[0](x)
+    # TE rounds the scaled values with its own kernels; the results agree to FP8 precision.
+    torch.testing.assert_close(y_te.float(), y_emulated.float(), rtol=0.1, atol=0.05)
+    y_te.sum().backward()
+    y_emulated.sum().backward()
+    torch.testing.assert_close(
+        te_model.layers[0].weight.grad, emulated.layers[0].weight.grad, rtol=0.1, atol=0.05
+    )

@@ -291,3 +291,26 @@ def test_no_completion_mixes_weight_versions(rollout_fp8: InProcessRollout) -> N
             f"mixed versions at {c.weight_version}"
         )
     print("versions seen by completions:", sorted(versions_seen))
+
+
+def test_a_set_the_model_cannot_take_is_refused_before_the_engine(rollout_fp8: InProcessRollout) -> None:
+    stub = rollout_fp8.stub
+    good = push_keyframe(rollout_fp8, random_state(rollout_fp8.model_dir, 0), version=40)
+    # Digests check out (they were computed over these very bytes), but the model has no room for a
+    # down_proj of this shape: refused before anything reaches the engine.
+    broken = dict(good.tensors)
+    name = "model.layers.1.mlp.down_proj.weight"
+    scale = name.removesuffix("weight") + "weight_scale_inv"
+    broken[name] = broken[name][:, :256].contiguous()
+    broken[scale] = broken[scale][:, :2].contiguous()
+    missing = {k: v for k, v in good.tensors.items() if k != "lm_head.weight"}
+    for bad in (broken, missing):
+        with pytest.raises(grpc.RpcError) as err:
+            push(stub, encode_keyframe(WeightSet(FP8, bad), 41))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith(
+            "weights:"
+        )
+    status = stub.GetStatus(common_pb2.GetStatusRequest(), timeout=10)
+    assert status.weight_version == 40 and not status.needs_keyframe
+    assert_engine_holds(rollout_fp8, good)
+    assert len(stub.Generate(request([[5, 6]], version=40), timeout=60).completions) == 1

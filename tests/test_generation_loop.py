@@ -1,0 +1,134 @@
+"""The rollout's orchestration with a scripted engine (no vLLM: this is pure scheduling and state logic;
+the real engine is exercised in test_rollout.py): updates wait for in-flight requests, a failed apply
+makes the replica refuse work until a keyframe lands."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fp8rl.errors import PreconditionFailed
+from fp8rl.v1 import common_pb2, rollout_pb2
+from fp8rl.weight_stream import header_of
+from fp8rl.weights import build_weight_set, encode_keyframe
+from rollout_service.config import RolloutConfig
+from rollout_service.engine import EngineRequest, FinishedSample
+from rollout_service.generation import GenerationLoop
+from rollout_service.service import RolloutService
+
+
+class ScriptedEngine:
+    """Finishes each request after ``steps`` engine steps; ``fail_loads`` makes the next refits fail."""
+
+    version, device, max_model_len, vocab_size = "scripted", "cpu", 64, 320
+
+    def __init__(self, steps: int = 3) -> None:
+        self.steps, self.fail_loads, self.loads = steps, 0, 0
+        self.running: dict[str, list[Any]] = {}
+        self.events: list[str] = []
+
+    def tokenize(self, text: str) -> list[int]:
+        return [4 + b for b in text.encode()]
+
+    def add(self, request: EngineRequest) -> None:
+        self.running[request.request_id] = [request, 0]
+        self.events.append(f"add {request.request_id}")
+
+    def step(self) -> list[FinishedSample]:
+        time.sleep(0.01)
+        done = []
+        for rid, entry in list(self.running.items()):
+            entry[1] += 1
+            if entry[1] >= self.steps:
+                del self.running[rid]
+                done.append(FinishedSample(rid, [5, 6], [-0.5, -0.5], "ab", "length"))
+                self.events.append(f"finish {rid}")
+        return done
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running)
+
+    def abort(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.running.pop(rid, None)
+
+    def load_weights(self, tensors: Any) -> None:
+        self.events.append("load")
+        self.loads += 1
+        if self.fail_loads:
+            self.fail_loads -= 1
+            raise RuntimeError("engine failed midway through the refit")
+
+
+def engine_request(rid: str) -> EngineRequest:
+    from rollout_service.engine import Sampling
+
+    return EngineRequest(rid, [5], Sampling(1.0, 1.0, 0, 2, (), None))
+
+
+def test_update_waits_for_admitted_requests() -> None:
+    engine = ScriptedEngine(steps=20)
+    loop = GenerationLoop(engine)
+    ticket = loop.submit([engine_request("a"), engine_request("b")], required_version=-1)
+    time.sleep(0.05)
+    loop.run_exclusive(lambda: engine.events.append("update"))
+    assert engine.events.index("update") > max(
+        engine.events.index("finish a"), engine.events.index("finish b")
+    )
+    assert len(list(ticket)) == 2
+    loop.stop()
+
+
+def test_admission_waits_for_an_update_and_checks_the_new_version() -> None:
+    engine = ScriptedEngine()
+    loop = GenerationLoop(engine, version=1)
+    release = threading.Event()
+
+    def slow_update() -> None:
+        release.wait(5)
+        loop.version = 2
+
+    updater = threading.Thread(target=loop.run_exclusive, args=(slow_update,))
+    updater.start()
+    time.sleep(0.05)
+    admitted: list[Any] = []
+    client = threading.Thread(target=lambda: admitted.append(loop.submit([engine_request("c")], 2)))
+    client.start()
+    time.sleep(0.1)
+    assert not admitted  # held back while weights change
+    release.set()
+    updater.join()
+    client.join()
+    assert admitted and admitted[0].version == 2
+    with pytest.raises(PreconditionFailed, match="holds weight version 2, not 1"):
+        loop.submit([engine_request("d")], 1)
+    loop.stop()
+
+
+def test_failed_apply_refuses_work_until_a_keyframe(tiny_model_dir: Path) -> None:
+    engine = ScriptedEngine()
+    service = RolloutService(RolloutConfig(model=tiny_model_dir, recipe="fp8"), engine)  # type: ignore[arg-type]
+    from safetensors.torch import load_file
+
+    weights = build_weight_set(load_file(tiny_model_dir / "model.safetensors"), "fp8-block128")
+    keyframe = encode_keyframe(weights, 1)
+    engine.fail_loads = 1
+    with pytest.raises(RuntimeError, match="midway"):
+        service.update_weights(header_of(keyframe), keyframe.blob)
+    assert service.status().needs_keyframe and service.held is None
+    request = rollout_pb2.GenerateRequest(
+        prompts=[rollout_pb2.Prompt(id="p", text="1+1=")],
+        n=1,
+        weight_version=-1,
+        sampling=common_pb2.SamplingParams(max_tokens=2),
+    )
+    with pytest.raises(PreconditionFailed, match="needs keyframe"):
+        service.generate(request)
+    result = service.update_weights(header_of(keyframe), keyframe.blob)
+    assert (result.version, result.encoding) == (1, "keyframe") and not service.status().needs_keyframe
+    assert [c.weight_version for c in service.generate(request)] == [1]
+    service.loop.stop()

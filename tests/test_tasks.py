@@ -1,0 +1,52 @@
+"""Tasks and rewards: deterministic prompts, a held-out split, JSONL datasets, custom rewards."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from coordinator.tasks import ArithTask, Problem, build_task, normalize_answer
+from fp8rl import arith
+
+
+def test_arith_is_deterministic_and_validation_is_held_out() -> None:
+    task = ArithTask(seed=3, val_size=32)
+    assert task.train_problems(5, 8) == ArithTask(seed=3).train_problems(5, 8)
+    assert task.train_problems(5, 8) != task.train_problems(6, 8)
+    val = {p.prompt for p in task.val_problems()}
+    assert len(val) == 32
+    train = {p.prompt for step in range(50) for p in task.train_problems(step, 64)}
+    assert not val & train
+    # The split is by hash: held-out sums end in every digit, so no pattern separates them.
+    assert {int(p.answer) % 10 for p in task.val_problems()} == set(range(10))
+    assert all(arith.held_out(*map(int, p.prompt[:-1].split("+"))) for p in task.val_problems())
+    p = Problem("x", "37+48=", "85")
+    assert task.reward(p, "85") == 1.0 and task.reward(p, "85\nmore") == 1.0 and task.reward(p, "84") == 0.0
+
+
+def test_jsonl_task_and_custom_reward(tmp_path: Path) -> None:
+    rows = [{"prompt": f"What is {i} times 2?", "answer": str(2 * i)} for i in range(10)]
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    task = build_task("jsonl", seed=0, dataset=path, val_size=3)
+    assert [p.answer for p in task.val_problems()] == ["0", "2", "4"]
+    assert all(p.answer not in ("0", "2", "4") for p in task.train_problems(0, 20))
+    assert task.reward(Problem("r", "q", "1,000"), " 1000. ") == 1.0
+    assert normalize_answer("$12") == "12"
+    (tmp_path / "my_reward.py").write_text(
+        "def score(prompt, completion, answer):\n    return len(completion) / 10\n"
+    )
+    sys.path.insert(0, str(tmp_path))
+    try:
+        custom = build_task("jsonl", seed=0, dataset=path, reward="my_reward:score", val_size=3)
+        assert custom.reward(Problem("r", "q", "x"), "abcde") == 0.5
+    finally:
+        sys.path.remove(str(tmp_path))
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "no answer"}\n')
+    with pytest.raises(ValueError, match="prompt' and 'answer"):
+        build_task("jsonl", seed=0, dataset=tmp_path / "bad.jsonl")
+    with pytest.raises(ValueError, match="no function"):
+        build_task("arith", seed=0, reward="json:nope")
