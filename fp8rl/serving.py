@@ -149,6 +149,18 @@ def shutdown_event() -> threading.Event:
     return stop
 
 
+def exit_deadline(seconds: float = 20.0) -> None:
+    """Once shutdown has begun, end the process after ``seconds`` even if something still blocks."""
+
+    def force() -> None:
+        log.error("shutdown did not finish within %.0fs; exiting now", seconds)
+        os._exit(1)
+
+    timer = threading.Timer(seconds, force)
+    timer.daemon = True
+    timer.start()
+
+
 def _watch_parent(parent: int, stop: threading.Event) -> None:
     while not stop.wait(1.0):
         if os.getppid() != parent:

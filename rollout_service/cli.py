@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def serve(config: RolloutConfig) -> None:
-    from fp8rl.serving import shutdown_event, start_server
+    from fp8rl.serving import exit_deadline, shutdown_event, start_server
     from fp8rl.v1 import rollout_pb2_grpc
     from rollout_service.engine import VllmEngine
     from rollout_service.service import RolloutService
@@ -85,6 +85,7 @@ def serve(config: RolloutConfig) -> None:
     running.set_serving()  # health turns SERVING only now, with the engine loaded
     print(f"rollout-service serving on {config.host}:{running.port}", flush=True)
     stop.wait()
+    exit_deadline()
     if heartbeat:
         heartbeat.stop()
     running.stop(grace=5)

@@ -138,12 +138,16 @@ class GenerationLoop:
                     )
                 )
                 if self._stopped:
+                    job, self._job = self._job, None
                     break
                 admitted, self._pending = self._pending, []
                 aborts, self._aborts = self._aborts, []
                 job = self._job if not admitted and not self._active else None
             self._serve(admitted, aborts, job)
         self._fail_all(NotReady("the rollout service is shutting down"))
+        if job is not None and not job.done.is_set():  # an update that never ran must not wait forever
+            job.error = NotReady("the rollout service is shutting down")
+            job.done.set()
 
     def _serve(
         self, admitted: list[tuple[EngineRequest, Ticket]], aborts: list[str], job: _Job | None

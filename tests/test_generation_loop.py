@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from fp8rl.errors import PreconditionFailed
+from fp8rl.errors import NotReady, PreconditionFailed
 from fp8rl.v1 import common_pb2, rollout_pb2
 from fp8rl.weight_stream import header_of
 from fp8rl.weights import build_weight_set, encode_keyframe
@@ -132,3 +132,23 @@ def test_failed_apply_refuses_work_until_a_keyframe(tiny_model_dir: Path) -> Non
     assert (result.version, result.encoding) == (1, "keyframe") and not service.status().needs_keyframe
     assert [c.weight_version for c in service.generate(request)] == [1]
     service.loop.stop()
+
+
+def test_stopping_releases_an_update_that_never_ran() -> None:
+    engine = ScriptedEngine(steps=1000)
+    loop = GenerationLoop(engine)
+    loop.submit([engine_request("long")], required_version=-1)
+    outcome: list[BaseException] = []
+
+    def update() -> None:
+        try:
+            loop.run_exclusive(lambda: None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    updater = threading.Thread(target=update)
+    updater.start()
+    time.sleep(0.1)  # the update waits for the long request
+    loop.stop()
+    updater.join(timeout=10)
+    assert not updater.is_alive() and isinstance(outcome[0], NotReady)

@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def serve(config: TrainerConfig) -> None:
-    from fp8rl.serving import shutdown_event, start_server
+    from fp8rl.serving import exit_deadline, shutdown_event, start_server
     from fp8rl.v1 import trainer_pb2_grpc
     from trainer_service.service import TrainerService
     from trainer_service.servicer import SERVICE_NAME, TrainerServicer
@@ -63,6 +63,7 @@ def serve(config: TrainerConfig) -> None:
     running.set_serving()  # health turns SERVING only now, with the model loaded (and resumed)
     print(f"trainer-service serving on {config.host}:{running.port} at step {service.step}", flush=True)
     stop.wait()
+    exit_deadline()
     running.stop(grace=5)
     service.publisher.close()
 
