@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import dataclass
@@ -132,15 +133,34 @@ def start_server(
 PARENT_ENV = "FP8RL_PARENT_PID"
 
 
-def shutdown_event() -> threading.Event:
-    """An event set by SIGINT or SIGTERM (call from the main thread), so a server stops cleanly.
+class Shutdown:
+    """Set by SIGINT / SIGTERM or by a watcher thread; ``wait`` returns once either happened.
+
+    The signal handler only flips a flag: setting a ``threading.Event`` from a handler can deadlock, as
+    the handler may interrupt the main thread while it holds that very Event's lock.
+    """
+
+    def __init__(self) -> None:
+        self.signalled = False
+        self._event = threading.Event()
+
+    def request(self) -> None:
+        self._event.set()
+
+    def wait(self) -> None:
+        while not self.signalled and not self._event.wait(0.5):
+            pass
+
+
+def shutdown_event() -> Shutdown:
+    """What a server waits on to stop cleanly (install from the main thread).
 
     A process started by a coordinator (``FP8RL_PARENT_PID`` in its environment) also stops when that
     parent is gone, whatever happened to the signal it was sent meanwhile: no orphan outlives its run.
     """
-    stop = threading.Event()
+    stop = Shutdown()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, lambda *_: setattr(stop, "signalled", True))
     parent = os.environ.get(PARENT_ENV)
     if parent:
         threading.Thread(
@@ -161,8 +181,10 @@ def exit_deadline(seconds: float = 20.0) -> None:
     timer.start()
 
 
-def _watch_parent(parent: int, stop: threading.Event) -> None:
-    while not stop.wait(1.0):
+def _watch_parent(parent: int, stop: Shutdown) -> None:
+    while not stop.signalled:
         if os.getppid() != parent:
             log.warning("parent process %d is gone; shutting down", parent)
-            stop.set()
+            stop.request()
+            return
+        time.sleep(1.0)
