@@ -242,9 +242,6 @@ class RunStore:
             return None
         return raw[b"request"], int(raw[b"version"]), json.loads(raw[b"info"])
 
-    def drop_batch(self, step: int) -> None:
-        self.client.delete(self.key(f"batch:{step}"))
-
     def set_replica_version(self, address: str, version: int) -> None:
         self.client.hset(self.key("replicas"), address, version)
 

@@ -66,10 +66,6 @@ def redis_server(tmp: Path) -> Iterator[str]:
         yield f"redis://127.0.0.1:{port}/0"
 
 
-def python_args(module: str, *args: str) -> list[str]:
-    return [sys.executable, "-m", module, *args]
-
-
 def load_reference(model_dir: Path, fp8: bool, activation_fake_quant: bool = True) -> torch.nn.Module:
     """A float32 transformers model; with ``fp8`` every linear inside the blocks computes with
     fake-quantized weights (and, optionally, fake-quantized 1x128 activations)."""

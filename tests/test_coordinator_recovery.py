@@ -8,8 +8,7 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -19,13 +18,6 @@ from coordinator.state import RunStore
 from tests.support import child_process, free_port, wait_for_line
 
 pytestmark = pytest.mark.slow
-
-
-@contextmanager
-def service(stack: ExitStack, name: str, args: list[str], log: Path, ready: str) -> Iterator[object]:
-    proc = stack.enter_context(child_process(args, log))
-    wait_for_line(proc, log, ready, timeout=300)
-    yield proc
 
 
 def start_redis(stack: ExitStack, data: Path, port: int, log: Path) -> ExitStack:
