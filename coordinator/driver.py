@@ -38,6 +38,23 @@ class Batch:
     info: dict[str, Any]
 
 
+def coordinator_is_dead(holder: str) -> bool:
+    """A lease holder ("host:pid") on this host whose process is gone, or whose PID is ours (an earlier
+    incarnation of this process, e.g. PID 1 of a restarted container)."""
+    host, _, pid = holder.rpartition(":")
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    if int(pid) == os.getpid():
+        return True
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
 class Driver:
     def __init__(
         self,
@@ -62,7 +79,7 @@ class Driver:
 
     # -- the run ------------------------------------------------------------------------------------
     def run(self) -> list[dict[str, Any]]:
-        self.store.acquire(f"{socket.gethostname()}:{os.getpid()}", LEASE_TTL_S)
+        self.store.acquire(f"{socket.gethostname()}:{os.getpid()}", LEASE_TTL_S, coordinator_is_dead)
         renewer = threading.Thread(target=self._renew_lease, name="lease", daemon=True)
         renewer.start()
         try:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,6 +82,13 @@ end
 return false
 """
 
+# KEYS: lease, fence | ARGV: dead holder, owner, ttl_ms -> fence or nil (the holder changed meanwhile)
+_TAKE_OVER = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return false end
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+return redis.call('INCR', KEYS[2])
+"""
+
 # KEYS: lease, fence | ARGV: owner, fence, ttl_ms
 _RENEW = (
     _GUARD
@@ -136,6 +144,7 @@ class RunStore:
         self._transition: Any = client.register_script(_TRANSITION)
         self._commit: Any = client.register_script(_COMMIT)
         self._acquire: Any = client.register_script(_ACQUIRE)
+        self._take_over: Any = client.register_script(_TAKE_OVER)
         self._renew: Any = client.register_script(_RENEW)
         self._hset: Any = client.register_script(_GUARDED_HSET)
         self._rewind: Any = client.register_script(_REWIND)
@@ -164,13 +173,22 @@ class RunStore:
         return False
 
     # -- lease ----------------------------------------------------------------------------------------
-    def acquire(self, owner: str, ttl_s: float) -> None:
+    def acquire(
+        self, owner: str, ttl_s: float, holder_is_dead: Callable[[str], bool] = lambda _: False
+    ) -> None:
+        """Take the lease, or take it over from a holder known to be dead (a crashed coordinator's lease
+        would otherwise block its own resume until it expires)."""
         fence = self._acquire(keys=self._lease_keys, args=[owner, int(ttl_s * 1000)])
         if fence is None:
-            holder = self.client.get(self.key("lease"))
-            raise LeaseLost(
-                f"run {self.run_id} is driven by another coordinator ({(holder or b'?').decode()})"
-            )
+            holder = (self.client.get(self.key("lease")) or b"").decode()
+            if holder and holder_is_dead(holder):
+                fence = self._take_over(keys=self._lease_keys, args=[holder, owner, int(ttl_s * 1000)])
+            if fence is None:
+                left_s = max(self.client.pttl(self.key("lease")), 0) / 1000
+                raise LeaseLost(
+                    f"run {self.run_id} is driven by another coordinator ({holder or '?'}); "
+                    f"its lease expires in {left_s:.0f} s unless it renews it"
+                )
         self.owner, self.fence = owner, str(fence)
 
     def renew(self, ttl_s: float) -> None:

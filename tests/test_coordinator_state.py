@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
 import pytest
 import redis
 
+from coordinator.driver import coordinator_is_dead
 from coordinator.state import ConfigMismatch, LeaseLost, RunState, RunStore
 from tests.support import redis_server
 
@@ -41,6 +46,30 @@ def test_one_coordinator_drives_a_run(client: redis.Redis) -> None:
     first.release()
     second.acquire("second", ttl_s=30)  # free again once released
     second.transition(RunState(0, "train"), RunState(0, "publish"))
+
+
+def test_a_dead_holders_lease_is_taken_over(client: redis.Redis) -> None:
+    crashed, resumed = store(client, "dead"), store(client, "dead")
+    crashed.init_config({}, "h")
+    crashed.acquire("host:1", ttl_s=30)  # then killed: its lease would block the resume for 30 s
+    with pytest.raises(LeaseLost, match=r"\(host:1\); its lease expires in 30 s"):
+        resumed.acquire("host:2", ttl_s=30, holder_is_dead=lambda holder: holder == "host:3")
+    resumed.acquire("host:2", ttl_s=30, holder_is_dead=lambda holder: holder == "host:1")
+    assert int(resumed.fence) > int(crashed.fence)
+    with pytest.raises(LeaseLost):
+        crashed.transition(RunState(0, "generate"), RunState(0, "train"))
+    resumed.transition(RunState(0, "generate"), RunState(0, "train"))
+
+
+def test_coordinator_liveness_from_its_lease_holder_id() -> None:
+    here = socket.gethostname()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    assert coordinator_is_dead(f"{here}:{gone.pid}")
+    assert coordinator_is_dead(f"{here}:{os.getpid()}")  # an earlier incarnation of this very process
+    assert not coordinator_is_dead(f"{here}:{os.getppid()}")
+    assert not coordinator_is_dead(f"elsewhere-{here}:{gone.pid}")  # other hosts: only the TTL tells
+    assert not coordinator_is_dead("garbage")
 
 
 def test_stale_fencing_token_cannot_commit(client: redis.Redis) -> None:
