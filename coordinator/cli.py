@@ -77,6 +77,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     start.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="any other config field"
     )
+    compare = sub.add_parser(
+        "compare", help="run several recipes from the same base and seed; compare.md + plots"
+    )
+    compare.add_argument("--recipes", required=True, help=f"comma-separated, from {', '.join(RECIPE_NAMES)}")
+    compare.add_argument("--steps", type=int)
+    compare.add_argument("--seed", type=int)
+    compare.add_argument("--no-is", action="store_true", help="turn importance sampling off in every run")
+    compare.add_argument("--out", type=Path, help="output directory; default runs/compare-<time>")
+    compare.add_argument("--config", type=Path, help="YAML file with CoordinatorConfig fields")
+    compare.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     for name, text in (
         ("status", "the run's state and last metrics"),
         ("stop", "stop at the next step boundary"),

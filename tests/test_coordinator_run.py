@@ -250,3 +250,43 @@ def test_ctrl_c_stops_every_child(tiny_model_dir_f32: Path, tmp_path: Path) -> N
         assert proc.wait(timeout=120) == 130
     assert "resume with --run-id interrupted" in log.read_text()
     assert_children_gone(run_dir)
+
+
+def test_compare_runs_each_recipe_and_writes_the_table(tiny_model_dir_f32: Path, tmp_path: Path) -> None:
+    out = tmp_path / "compare"
+    sets = [arg for pair in zip(FAST[::2], FAST[1::2], strict=True) for arg in _as_set(*pair)]
+    proc = subprocess.run(
+        coordinator(
+            "compare",
+            "--recipes",
+            "bf16,fp8",
+            "--steps",
+            "2",
+            "--out",
+            str(out),
+            "--set",
+            f"model={tiny_model_dir_f32}",
+            *sets,
+        ),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    table = (out / "compare.md").read_text()
+    rows = [line for line in table.splitlines() if line.startswith("| `")]
+    assert [row.split("|")[1].strip() for row in rows] == ["`bf16`", "`fp8`"]
+    assert all(len(row.split("|")) == len(rows[0].split("|")) and " - |" not in row for row in rows)
+    for recipe in ("bf16", "fp8"):
+        assert [r["step"] for r in records(out / recipe)] == [0, 1, 2]
+    assert (out / "token_mult_prob_error.png").stat().st_size > 0
+    assert (out / "val_accuracy.png").stat().st_size > 0
+    bad = subprocess.run(coordinator("compare", "--recipes", "bf16,fp9"), capture_output=True, text=True)
+    assert bad.returncode == 2 and "fp9" in bad.stderr
+
+
+def _as_set(flag: str, value: str) -> list[str]:
+    """A `start` flag (`--prompts-per-step 4`) as a config override (`--set prompts_per_step=4`)."""
+    if flag == "--set":
+        return ["--set", value]
+    return ["--set", f"{flag.removeprefix('--').replace('-', '_')}={value}"]
