@@ -91,7 +91,7 @@ class Driver:
             while (state := self.store.read()).step < self.config.steps:
                 if self.store.stop_requested():
                     self.store.event("stop", "stopped on request at a step boundary", state.step)
-                    self.sink.say(f"stopped on request before step {state.step}")
+                    self.sink.say(f"stopped on request after step {state.step}/{self.config.steps}")
                     break
                 ahead = self._step(state, ahead)
             return self.store.metrics()

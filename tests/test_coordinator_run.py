@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -227,7 +228,7 @@ def redis_events(run_dir: Path) -> list[dict]:
         return [{k.decode(): v.decode() for k, v in fields.items()} for _, fields in client.xrange(key)]
 
 
-def test_ctrl_c_stops_every_child(tiny_model_dir_f32: Path, tmp_path: Path) -> None:
+def test_stop_then_resume_then_ctrl_c(tiny_model_dir_f32: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     args = coordinator(
         "start",
@@ -243,11 +244,29 @@ def test_ctrl_c_stops_every_child(tiny_model_dir_f32: Path, tmp_path: Path) -> N
         str(run_dir),
         *FAST,
     )
-    log = tmp_path / "coordinator.log"
+    # `coordinator stop` ends the run cleanly at the next step boundary.
+    log = tmp_path / "first.log"
     with child_process(args, log) as proc:
         wait_for_line(proc, log, r"step 1/50", timeout=600)
+        stop = subprocess.run(
+            coordinator("stop", "--run-id", "interrupted", "--run-dir", str(run_dir)),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert stop.returncode == 0 and "stop requested" in stop.stdout
+        assert proc.wait(timeout=300) == 0
+    stopped = re.search(r"stopped on request after step (\d+)/50", log.read_text())
+    assert stopped, log.read_text()[-3000:]
+    assert [r["step"] for r in records(run_dir)] == list(range(int(stopped[1]) + 1))  # 0: base validation
+    assert_children_gone(run_dir)
+    # The same run id resumes after the last committed step; Ctrl-C then stops every child.
+    log = tmp_path / "second.log"
+    with child_process(args, log) as proc:
+        wait_for_line(proc, log, rf"step {int(stopped[1]) + 1}/50", timeout=600)
         os.kill(proc.pid, signal.SIGINT)
         assert proc.wait(timeout=120) == 130
+    assert "resuming run interrupted" in log.read_text()
     assert "resume with --run-id interrupted" in log.read_text()
     assert_children_gone(run_dir)
 
