@@ -236,6 +236,7 @@ def launch_embedded(
         "seed": config.seed,
         "micro_batch_size": config.micro_batch_size,
         "optimizer.warmup_steps": config.warmup_steps,
+        "loss.advantage_norm": config.advantage_norm,
         **config.trainer_overrides,
     }
     trainer_args = [*common, "--port", str(trainer_port), "--compute-dtype", dtype, "--resume"]

@@ -13,22 +13,37 @@ from dataclasses import dataclass
 
 import torch
 
-from fp8rl.recipes import ImportanceSampling
+from fp8rl.recipes import AdvantageNorm, ImportanceSampling
 
 
 def group_advantages(
-    rewards: Sequence[float], groups: Sequence[str], normalize_std: bool = True, eps: float = 1e-6
+    rewards: Sequence[float], groups: Sequence[str], norm: AdvantageNorm = "std", eps: float = 1e-6
 ) -> torch.Tensor:
-    """Reward minus its group's mean, divided by the group's (population) std when ``normalize_std``.
+    """Reward minus its group's mean, then divided by
+
+    * ``std``: the group's (population) std — GRPO;
+    * ``mean``: the group's mean, i.e. ``r / mean - 1``: the policy gradient of log E[r] per prompt
+      (for 0/1 rewards, of the log of the prompt's pass rate), which weights a prompt by 1/p where
+      GRPO's expected gradient weights it by sqrt(p / (1 - p)) — so prompts the policy rarely solves
+      are not drowned by the ones it already solves. Rewards must be non-negative;
+    * ``none``: nothing (Dr. GRPO).
 
     A group whose rewards are all equal gets advantage 0: it carries no learning signal.
     """
     r = torch.tensor(rewards, dtype=torch.float64)
+    if norm == "mean" and bool((r < 0).any()):
+        raise ValueError("advantage normalisation 'mean' needs non-negative rewards")
     out = torch.zeros_like(r)
     for group in dict.fromkeys(groups):
         idx = torch.tensor([i for i, g in enumerate(groups) if g == group])
-        centred = r[idx] - r[idx].mean()
-        out[idx] = centred / (r[idx].std(unbiased=False) + eps) if normalize_std else centred
+        mean = r[idx].mean()
+        centred = r[idx] - mean
+        if norm == "std":
+            out[idx] = centred / (r[idx].std(unbiased=False) + eps)
+        elif norm == "mean":
+            out[idx] = centred / mean if mean > eps else torch.zeros_like(centred)
+        else:
+            out[idx] = centred
     return out.float()
 
 

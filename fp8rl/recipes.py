@@ -19,6 +19,7 @@ from fp8rl.weights import WeightFormat
 RecipeName = Literal["bf16", "fp8-rollout", "fp8", "fp8-kv"]
 RECIPE_NAMES: tuple[RecipeName, ...] = ("bf16", "fp8-rollout", "fp8", "fp8-kv")
 ISMode = Literal["none", "tis", "icepop", "seq-mask-tis"]
+AdvantageNorm = Literal["std", "mean", "none"]  # see fp8rl.grpo.group_advantages
 
 
 class ImportanceSampling(BaseModel):

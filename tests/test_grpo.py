@@ -15,12 +15,34 @@ from fp8rl.recipes import ImportanceSampling
 def test_group_advantages() -> None:
     adv = grpo.group_advantages([1.0, 0.0, 1.0, 0.0, 5.0, 5.0], ["a", "a", "b", "b", "c", "c"])
     assert torch.allclose(adv, torch.tensor([1.0, -1.0, 1.0, -1.0, 0.0, 0.0]), atol=1e-5)
-    centred = grpo.group_advantages([3.0, 1.0, 2.0], ["g", "g", "g"], normalize_std=False)
+    centred = grpo.group_advantages([3.0, 1.0, 2.0], ["g", "g", "g"], norm="none")
     assert torch.allclose(centred, torch.tensor([1.0, -1.0, 0.0]))
     std = math.sqrt(2 / 3)
     assert torch.allclose(
         grpo.group_advantages([3.0, 1.0, 2.0], ["g"] * 3), torch.tensor([1 / std, -1 / std, 0.0])
     )
+    # mean: r / mean - 1; one success in four is worth 3, three in four 1/3; an all-zero group 0.
+    by_mean = grpo.group_advantages([1, 0, 0, 0, 1, 1, 1, 0, 0, 0], ["a"] * 4 + ["b"] * 4 + ["c"] * 2, "mean")
+    assert torch.allclose(by_mean, torch.tensor([3, -1, -1, -1, 1 / 3, 1 / 3, 1 / 3, -1, 0, 0]))
+    with pytest.raises(ValueError, match="non-negative"):
+        grpo.group_advantages([1.0, -1.0], ["a", "a"], "mean")
+
+
+def test_mean_normalised_advantages_ascend_log_pass_rate() -> None:
+    """Against float64 autograd on a softmax policy over outcomes: the expected 'mean' advantage
+    gradient equals the gradient of log E[r]; GRPO's ('std') equals it times sqrt(p (1 - p))."""
+    logits = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    reward = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0], dtype=torch.float64)
+    probs = torch.softmax(logits, 0)
+    p = float((probs * reward).sum())
+    (grad_log_p,) = torch.autograd.grad(torch.log((probs * reward).sum()), logits)
+    score = torch.eye(5, dtype=torch.float64) - probs.detach()  # row y: d log pi(y) / d logits
+    expected = {}
+    for norm, scale in (("mean", p), ("std", math.sqrt(p * (1 - p)))):
+        # Population advantages of each outcome (infinite group): (r - p) / scale.
+        expected[norm] = (probs.detach()[:, None] * ((reward - p) / scale)[:, None] * score).sum(0)
+    assert torch.allclose(expected["mean"], grad_log_p)
+    assert torch.allclose(expected["std"], grad_log_p * math.sqrt(p / (1 - p)))
 
 
 def tokens(*rows: list[float]) -> torch.Tensor:

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from fp8rl.recipes import ISMode, RecipeName
+from fp8rl.recipes import AdvantageNorm, ISMode, RecipeName
 
 
 class OptimizerConfig(BaseModel):
@@ -29,8 +29,9 @@ class LossConfig(BaseModel):
 
     clip_eps: float = Field(0.2, gt=0, lt=1)
     """PPO ratio clip."""
-    normalize_advantage_std: bool = True
-    """Divide group-centred rewards by the group's std."""
+    advantage_norm: AdvantageNorm = "std"
+    """Group-centred rewards divided by the group's std (GRPO), its mean (the gradient of log E[r]; for
+    non-negative rewards) or nothing (`none`, Dr. GRPO). See fp8rl.grpo.group_advantages."""
     kl_coef: float = Field(0.0, ge=0)
     """Weight of a k3 KL penalty to the frozen initial policy; 0 (default) keeps no reference model."""
     is_mode: ISMode | None = None

@@ -199,7 +199,7 @@ class Learner:
 
     def _advantages(self, samples: Sequence[SampleData]) -> torch.Tensor:
         computed = grpo.group_advantages(
-            [s.reward for s in samples], [s.group for s in samples], self.config.loss.normalize_advantage_std
+            [s.reward for s in samples], [s.group for s in samples], self.config.loss.advantage_norm
         )
         given = [s.advantage for s in samples]
         return torch.tensor([computed[i].item() if a is None else a for i, a in enumerate(given)])
