@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -9,6 +10,13 @@ from typing import Any
 import grpc
 import pytest
 import torch
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # A shell starts background jobs with SIGINT ignored, and an ignored signal stays ignored across
+    # exec: the Ctrl-C tests' children would never see theirs. Give them the normal disposition.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -34,7 +34,7 @@ def test_mean_normalised_advantages_ascend_log_pass_rate() -> None:
     logits = torch.randn(5, dtype=torch.float64, requires_grad=True)
     reward = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0], dtype=torch.float64)
     probs = torch.softmax(logits, 0)
-    p = float((probs * reward).sum())
+    p = float((probs * reward).sum().detach())
     (grad_log_p,) = torch.autograd.grad(torch.log((probs * reward).sum()), logits)
     score = torch.eye(5, dtype=torch.float64) - probs.detach()  # row y: d log pi(y) / d logits
     expected = {}

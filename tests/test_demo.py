@@ -1,0 +1,52 @@
+"""The demo's pieces end to end: the trained base model (deterministic, in the accuracy window RL needs)
+and a short fp8 run from it that raises validation accuracy."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from coordinator.model import default_model
+from fp8rl import arith
+
+pytestmark = pytest.mark.slow
+
+
+def greedy_val_accuracy(model_dir: Path, count: int = 256) -> float:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from fp8rl.tiny import greedy_accuracy
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return greedy_accuracy(model, arith.val_pairs(0, count))
+
+
+def test_trained_base_model_is_deterministic_and_leaves_rl_room(tmp_path: Path) -> None:
+    built = tmp_path / "base"
+    proc = subprocess.run(
+        [sys.executable, "-m", "fp8rl.tiny", "--out", str(built), "--trained"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cached = default_model(say=lambda _: None)  # built by the coordinator's own path (or cached)
+    assert (built / "model.safetensors").read_bytes() == (cached / "model.safetensors").read_bytes()
+    assert 0.2 <= greedy_val_accuracy(built) <= 0.6
+
+
+def test_short_fp8_run_raises_validation_accuracy(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = [sys.executable, "-m", "coordinator.cli", "start", "--recipe", "fp8", "--steps", "40"]
+    args += ["--val-every", "0", "--set", "val_size=256", "--run-dir", str(run_dir), "--progress", "plain"]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    base, final = records[0]["val_accuracy"], records[-1]["val_accuracy"]
+    assert final > base, f"val accuracy {base} -> {final}"
+    assert "summary:" in proc.stdout and "final_val_accuracy" in proc.stdout
