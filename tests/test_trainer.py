@@ -10,12 +10,13 @@ import grpc
 import pytest
 import torch
 
+from fp8rl.errors import InvalidRequest
 from fp8rl.serving import start_server
 from fp8rl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from fp8rl.weights import raw_bytes
 from tests.support import load_reference, reference_logprobs
 from trainer_service.config import TrainerConfig
-from trainer_service.service import TrainerService
+from trainer_service.service import TrainerService, parse_samples
 from trainer_service.servicer import SERVICE_NAME, TrainerServicer
 
 
@@ -153,6 +154,16 @@ def test_malformed_samples_are_rejected_and_nothing_changes(trainer, case: str, 
     assert err.value.details().startswith(field + ":"), err.value.details()
     assert weight_bytes(service) == before and service.step == 0
     assert stub.TrainStep(step_request(0, samples(3)), timeout=120).weight_version == 1  # still serving
+
+
+def test_mean_normalised_advantages_need_non_negative_rewards() -> None:
+    batch = samples(3)
+    batch[1].reward = -1.0
+    assert parse_samples(batch, vocab=320, max_positions=512)  # fine under std normalisation
+    with pytest.raises(InvalidRequest, match=r"^samples\[1\]\.reward: must be >= 0"):
+        parse_samples(batch, vocab=320, max_positions=512, rewards_non_negative=True)
+    batch[1].advantage = 0.5  # an explicit advantage needs no normalisation
+    assert parse_samples(batch, vocab=320, max_positions=512, rewards_non_negative=True)
 
 
 def test_compute_logprobs_matches_the_fp8_reference(trainer, tiny_model_dir_f32: Path) -> None:  # type: ignore[no-untyped-def]

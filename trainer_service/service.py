@@ -50,7 +50,10 @@ def check_tokens(field: str, ids: list[int], vocab: int, allow_empty: bool = Fal
         raise InvalidRequest(field, f"token id {bad} outside the vocabulary [0, {vocab})")
 
 
-def parse_samples(samples: Any, vocab: int, max_positions: int) -> list[SampleData]:
+def parse_samples(
+    samples: Any, vocab: int, max_positions: int, rewards_non_negative: bool = False
+) -> list[SampleData]:
+    """Validated samples; ``rewards_non_negative`` when advantages are normalised by the group mean."""
     if not samples:
         raise InvalidRequest("samples", "at least one sample is required")
     out = []
@@ -77,6 +80,10 @@ def parse_samples(samples: Any, vocab: int, max_positions: int) -> list[SampleDa
         if not math.isfinite(s.reward):
             raise InvalidRequest(f"{field}.reward", f"must be finite, got {s.reward}")
         advantage = s.advantage if s.HasField("advantage") else None
+        if rewards_non_negative and advantage is None and s.reward < 0:
+            raise InvalidRequest(
+                f"{field}.reward", f"must be >= 0 with loss.advantage_norm 'mean', got {s.reward}"
+            )
         if advantage is not None and not math.isfinite(advantage):
             raise InvalidRequest(f"{field}.advantage", f"must be finite, got {advantage}")
         out.append(SampleData(prompt, completion, logprobs, s.reward, s.group_id or str(i), advantage))
@@ -112,7 +119,12 @@ class TrainerService:
                 return replay
             if request.step != self.step:
                 raise PreconditionFailed(f"expected step {self.step}, got step {request.step}")
-            samples = parse_samples(request.samples, self.learner.vocab_size, self.learner.max_positions)
+            samples = parse_samples(
+                request.samples,
+                self.learner.vocab_size,
+                self.learner.max_positions,
+                rewards_non_negative=self.config.loss.advantage_norm == "mean",
+            )
             sampling = sampling_settings(request.sampling)
             metrics = self.learner.train(samples, sampling)
             self.run_id = self.run_id or request.run_id
