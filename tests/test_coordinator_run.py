@@ -40,6 +40,12 @@ def coordinator(*args: str) -> list[str]:
     return [sys.executable, "-m", "coordinator.cli", *args]
 
 
+def start_fp8(model: Path, steps: int, run_id: str, run_dir: Path, *extra: str) -> list[str]:
+    """`coordinator start` of a short fp8 run of ``model`` with the FAST settings."""
+    args = ["--model", str(model), "--steps", str(steps), "--run-id", run_id, "--run-dir", str(run_dir)]
+    return coordinator("start", "--recipe", "fp8", *args, *extra, *FAST)
+
+
 def records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -83,20 +89,7 @@ def test_bad_config_fails_before_any_process_starts(tmp_path: Path) -> None:
 def test_embedded_run_writes_metrics_and_leaves_no_child(tiny_model_dir_f32: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = subprocess.run(
-        coordinator(
-            "start",
-            "--recipe",
-            "fp8",
-            "--model",
-            str(tiny_model_dir_f32),
-            "--steps",
-            "3",
-            "--run-id",
-            "embedded",
-            "--run-dir",
-            str(run_dir),
-            *FAST,
-        ),
+        start_fp8(tiny_model_dir_f32, 3, "embedded", run_dir),
         capture_output=True,
         text=True,
         timeout=600,
@@ -134,20 +127,7 @@ def test_embedded_run_writes_metrics_and_leaves_no_child(tiny_model_dir_f32: Pat
 
 def test_kill_9_mid_step_then_resume(tiny_model_dir_f32: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    args = coordinator(
-        "start",
-        "--recipe",
-        "fp8",
-        "--model",
-        str(tiny_model_dir_f32),
-        "--steps",
-        "4",
-        "--run-id",
-        "crash",
-        "--run-dir",
-        str(run_dir),
-        *FAST,
-    )
+    args = start_fp8(tiny_model_dir_f32, 4, "crash", run_dir)
     log = tmp_path / "first.log"
     with child_process(args, log) as proc:
         wait_for_line(proc, log, r"step 2/4", timeout=600)
@@ -174,22 +154,7 @@ def test_kill_9_mid_step_then_resume(tiny_model_dir_f32: Path, tmp_path: Path) -
 def test_max_staleness_one_overlaps_and_never_exceeds_it(tiny_model_dir_f32: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = subprocess.run(
-        coordinator(
-            "start",
-            "--recipe",
-            "fp8",
-            "--model",
-            str(tiny_model_dir_f32),
-            "--steps",
-            "4",
-            "--run-id",
-            "stale",
-            "--run-dir",
-            str(run_dir),
-            "--max-staleness",
-            "1",
-            *FAST,
-        ),
+        start_fp8(tiny_model_dir_f32, 4, "stale", run_dir, "--max-staleness", "1"),
         capture_output=True,
         text=True,
         timeout=600,
@@ -230,20 +195,7 @@ def redis_events(run_dir: Path) -> list[dict]:
 
 def test_stop_then_resume_then_ctrl_c(tiny_model_dir_f32: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    args = coordinator(
-        "start",
-        "--recipe",
-        "fp8",
-        "--model",
-        str(tiny_model_dir_f32),
-        "--steps",
-        "50",
-        "--run-id",
-        "interrupted",
-        "--run-dir",
-        str(run_dir),
-        *FAST,
-    )
+    args = start_fp8(tiny_model_dir_f32, 50, "interrupted", run_dir)
     # `coordinator stop` ends the run cleanly at the next step boundary.
     log = tmp_path / "first.log"
     with child_process(args, log) as proc:
