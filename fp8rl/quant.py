@@ -22,8 +22,9 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _check_finite(x: torch.Tensor, what: str) -> None:
-    if not torch.isfinite(x).all():
+def _check_finite(amax: torch.Tensor, what: str) -> None:
+    # Checked on the block maxima, which NaN and inf propagate to: a fraction of the cost of the input.
+    if not torch.isfinite(amax).all():
         raise ValueError(f"{what} contains NaN or inf; FP8 quantization needs finite values")
 
 
@@ -36,6 +37,38 @@ def _cast(scaled: torch.Tensor) -> torch.Tensor:
     return scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
+def _zero_padded(x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """``x`` as float32, zero-padded at the end of each dim to ``shape`` (no copy when nothing to pad)."""
+    if tuple(x.shape) == shape:
+        return x.float()
+    padded = torch.zeros(shape, dtype=torch.float32, device=x.device)
+    padded[tuple(slice(0, d) for d in x.shape)] = x
+    return padded
+
+
+def _scaled_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w / scale_inv`` as zero-padded blocks [nb, bn, kb, bk] in float32, and ``scale_inv`` [nb, kb]."""
+    if w.ndim != 2:
+        raise ValueError(f"quantize_blockwise expects a 2-D tensor, got shape {tuple(w.shape)}")
+    (n, k), (bn, bk) = w.shape, block
+    nb, kb = _ceil_div(n, bn), _ceil_div(k, bk)
+    blocks = _zero_padded(w, (nb * bn, kb * bk)).view(nb, bn, kb, bk)
+    amax = blocks.abs().amax(dim=(1, 3))
+    _check_finite(amax, "weight")
+    scale_inv = _scale_inv_from_amax(amax)
+    return blocks / scale_inv[:, None, :, None], scale_inv
+
+
+def _scaled_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x / scale_inv`` as zero-padded groups [..., g, group] in float32, and ``scale_inv`` [..., g]."""
+    g = _ceil_div(x.shape[-1], group)
+    groups = _zero_padded(x, (*x.shape[:-1], g * group)).view(*x.shape[:-1], g, group)
+    amax = groups.abs().amax(dim=-1)
+    _check_finite(amax, "activation")
+    scale_inv = _scale_inv_from_amax(amax)
+    return groups / scale_inv[..., None], scale_inv
+
+
 def quantize_blockwise(
     w: torch.Tensor, block: tuple[int, int] = WEIGHT_BLOCK
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,17 +78,9 @@ def quantize_blockwise(
     [ceil(N/bn), ceil(K/bk)]). Edge blocks are the partial blocks at the border; padding never
     changes an amax because it is zero.
     """
-    if w.ndim != 2:
-        raise ValueError(f"quantize_blockwise expects a 2-D tensor, got shape {tuple(w.shape)}")
-    _check_finite(w, "weight")
-    bn, bk = block
+    blocks, scale_inv = _scaled_blocks(w, block)
     n, k = w.shape
-    nb, kb = _ceil_div(n, bn), _ceil_div(k, bk)
-    padded = torch.zeros(nb * bn, kb * bk, dtype=torch.float32, device=w.device)
-    padded[:n, :k] = w
-    blocks = padded.view(nb, bn, kb, bk)
-    scale_inv = _scale_inv_from_amax(blocks.abs().amax(dim=(1, 3)))
-    q = _cast(blocks / scale_inv[:, None, :, None]).view(nb * bn, kb * bk)[:n, :k]
+    q = _cast(blocks).view(scale_inv.shape[0] * block[0], -1)[:n, :k]
     return q.contiguous(), scale_inv
 
 
@@ -81,7 +106,9 @@ def dequantize_blockwise(
             f"scale_inv shape {tuple(scale_inv.shape)} does not match weight "
             f"{tuple(q.shape)} with block {block}: expected {expected}"
         )
-    return (q.float() * expand_block_scales(scale_inv.float(), q.shape, block)).to(dtype)
+    (n, k), (bn, bk) = q.shape, block
+    blocks = _zero_padded(q, (expected[0] * bn, expected[1] * bk)).view(expected[0], bn, expected[1], bk)
+    return (blocks * scale_inv.float()[:, None, :, None]).view(expected[0] * bn, -1)[:n, :k].to(dtype)
 
 
 def quantize_activation(x: torch.Tensor, group: int = ACTIVATION_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,14 +117,9 @@ def quantize_activation(x: torch.Tensor, group: int = ACTIVATION_GROUP) -> tuple
     ``x`` is [..., K]; returns ``q`` float8_e4m3fn [..., K] and ``scale_inv`` float32
     [..., ceil(K/group)]. Used for input activations and for output gradients.
     """
-    _check_finite(x, "activation")
     k = x.shape[-1]
-    g = _ceil_div(k, group)
-    padded = torch.zeros(*x.shape[:-1], g * group, dtype=torch.float32, device=x.device)
-    padded[..., :k] = x
-    groups = padded.view(*x.shape[:-1], g, group)
-    scale_inv = _scale_inv_from_amax(groups.abs().amax(dim=-1))
-    q = _cast(groups / scale_inv[..., None]).view(*x.shape[:-1], g * group)[..., :k]
+    groups, scale_inv = _scaled_groups(x, group)
+    q = _cast(groups).view(*x.shape[:-1], -1)[..., :k]
     return q.contiguous(), scale_inv
 
 
@@ -109,8 +131,9 @@ def dequantize_activation(
 ) -> torch.Tensor:
     """Inverse of :func:`quantize_activation`."""
     k = q.shape[-1]
-    full = scale_inv.float().repeat_interleave(group, dim=-1)[..., :k]
-    return (q.float() * full).to(dtype)
+    g = scale_inv.shape[-1]
+    groups = _zero_padded(q, (*q.shape[:-1], g * group)).view(*q.shape[:-1], g, group)
+    return (groups * scale_inv.float()[..., None]).view(*q.shape[:-1], g * group)[..., :k].to(dtype)
 
 
 def fake_quantize_weight(w: torch.Tensor, block: tuple[int, int] = WEIGHT_BLOCK) -> torch.Tensor:

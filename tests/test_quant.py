@@ -32,6 +32,15 @@ def reference_quantize(x: torch.Tensor, rows: int, cols: int) -> tuple[torch.Ten
     return q, scales
 
 
+def reference_dequantize(q: torch.Tensor, scales: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    out = torch.empty(q.shape, dtype=torch.float32)
+    for i in range(scales.shape[0]):
+        for j in range(scales.shape[1]):
+            tile = (slice(i * rows, (i + 1) * rows), slice(j * cols, (j + 1) * cols))
+            out[tile] = q[tile].float() * scales[i, j]
+    return out
+
+
 def assert_codes_equal(a: torch.Tensor, b: torch.Tensor) -> None:
     assert a.dtype == b.dtype == E4M3
     assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (
@@ -58,6 +67,7 @@ def test_weight_quantization_matches_reference(shape: tuple[int, int], gen: torc
     assert s.dtype == torch.float32
     assert torch.equal(s, rs)
     assert_codes_equal(q, rq)
+    assert torch.equal(quant.dequantize_blockwise(q, s), reference_dequantize(rq, rs, 128, 128))
 
 
 @pytest.mark.parametrize("magnitude", [1e-30, 1e30, 1e-8, 1.0])
@@ -130,6 +140,8 @@ def test_activation_quantization_matches_reference(shape: tuple[int, ...], gen: 
     assert s.shape == (*shape[:-1], math.ceil(shape[-1] / 128))
     assert torch.equal(s.reshape(rs.shape), rs)
     assert_codes_equal(q.reshape(rq.shape), rq)
+    dq = quant.dequantize_activation(q, s)
+    assert torch.equal(dq.reshape(rows.shape), reference_dequantize(rq, rs, 1, 128))
     q2, s2 = quant.quantize_activation(quant.dequantize_activation(q, s))
     assert torch.equal(s, s2)
     assert_codes_equal(q, q2)
