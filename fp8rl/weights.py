@@ -10,9 +10,9 @@ Two encodings, both one safetensors blob with string metadata:
 
 * keyframe (``kind: full``): the whole set, with a digest per tensor.
 * delta (``kind: delta``): for each tensor whose bytes changed, the XOR of its raw bytes with the base
-  version's, zstd-compressed, stored as a uint8 tensor, with the digest of the result; unchanged tensors
-  are omitted. A delta names its base version and the base set's digest, so it is only ever applied to
-  exactly the bytes it was computed against.
+  version's, zstd-compressed, stored as a uint8 tensor, with the digests of the packed bytes and of the
+  result; unchanged tensors are omitted. A delta names its base version and the base set's digest, so it
+  is only ever applied to exactly the bytes it was computed against.
 
 Decoding verifies every digest before it returns, and builds a new set without touching the held one:
 an update is applied whole or not at all.
@@ -35,7 +35,7 @@ import zstandard
 
 from fp8rl import quant
 
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"  # 2: metadata digest and per-tensor packed digests
 WeightFormat = Literal["bf16", "fp8-block128"]
 WEIGHT_FORMATS: tuple[WeightFormat, ...] = ("bf16", "fp8-block128")
 Encoding = Literal["keyframe", "delta"]
@@ -173,6 +173,16 @@ class EncodedUpdate:
         return len(self.blob)
 
 
+def sealed(metadata: dict[str, str]) -> dict[str, str]:
+    """``metadata`` plus a digest of it: the tensor digests cover the data, this covers the rest (a
+    flipped digit in ``version`` would otherwise be read as another version)."""
+    return metadata | {"metadata_digest": _metadata_digest(metadata)}
+
+
+def _metadata_digest(metadata: Mapping[str, str]) -> str:
+    return bytes_digest(json.dumps(dict(metadata), sort_keys=True).encode())
+
+
 def encode_keyframe(weights: WeightSet, version: int, recipe: str = "") -> EncodedUpdate:
     metadata = {
         "format_version": FORMAT_VERSION,
@@ -183,7 +193,7 @@ def encode_keyframe(weights: WeightSet, version: int, recipe: str = "") -> Encod
         "digests": json.dumps(weights.tensor_digests, sort_keys=True),
         "set_digest": weights.digest,
     }
-    blob = safetensors.torch.save(dict(weights.tensors), metadata=metadata)
+    blob = safetensors.torch.save(dict(weights.tensors), metadata=sealed(metadata))
     return EncodedUpdate(
         blob,
         "keyframe",
@@ -220,12 +230,16 @@ def encode_delta(
         else:
             changed += data.size
             encoding = "zstd"
-        payload[name] = torch.frombuffer(bytearray(compressor.compress(data.data)), dtype=torch.uint8)
+        packed = compressor.compress(data.data)
+        payload[name] = torch.frombuffer(bytearray(packed), dtype=torch.uint8)
         entries[name] = {
             "encoding": encoding,
             "dtype": _DTYPE_NAMES[t.dtype],
             "shape": list(t.shape),
             "digest": new.tensor_digests[name],
+            # Some flipped bits in a zstd stream decode to the same bytes: checking the packed bytes too
+            # means no altered update is ever applied, even one that would come out right.
+            "packed_digest": bytes_digest(packed),
         }
     removed = sorted(set(base.tensors) - set(new.tensors))
     metadata = {
@@ -240,7 +254,7 @@ def encode_delta(
         "removed": json.dumps(removed),
         "set_digest": new.digest,
     }
-    blob = safetensors.torch.save(payload, metadata=metadata)
+    blob = safetensors.torch.save(payload, metadata=sealed(metadata))
     return EncodedUpdate(
         blob,
         "delta",
@@ -298,9 +312,14 @@ def read_metadata(blob: bytes) -> dict[str, str]:
         metadata = header["__metadata__"]
     except Exception as exc:
         raise CorruptUpdateError(f"cannot read weight update header: {exc}") from exc
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CorruptUpdateError("weight update metadata is not a map of strings")
+    metadata = dict(metadata)
     if metadata.get("format_version") != FORMAT_VERSION:
         raise CorruptUpdateError(f"unsupported format_version {metadata.get('format_version')!r}")
-    return dict(metadata)
+    if metadata.pop("metadata_digest", None) != _metadata_digest(metadata):
+        raise CorruptUpdateError("weight update metadata digest mismatch")
+    return metadata
 
 
 def _json_field(metadata: Mapping[str, str], key: str) -> object:
@@ -322,6 +341,9 @@ def _decode_full(
     return _checked_set(weight_format, tensors, digests, metadata)
 
 
+_DELTA_ENTRY_FIELDS = {"encoding", "dtype", "shape", "digest", "packed_digest"}
+
+
 def _decode_delta(
     payload: dict[str, torch.Tensor],
     metadata: Mapping[str, str],
@@ -329,7 +351,10 @@ def _decode_delta(
     held_version: int | None,
     weight_format: WeightFormat,
 ) -> tuple[WeightSet, int]:
-    base_version = int(metadata["base_version"])
+    try:
+        base_version = int(metadata["base_version"])
+    except (KeyError, ValueError) as exc:
+        raise CorruptUpdateError(f"bad delta base_version: {exc}") from exc
     if held is None or held_version != base_version:
         raise BaseMismatchError(
             f"delta applies to version {base_version}, receiver holds "
@@ -341,6 +366,9 @@ def _decode_delta(
     removed = _json_field(metadata, "removed")
     if not isinstance(entries, dict) or set(entries) != set(payload) or not isinstance(removed, list):
         raise CorruptUpdateError("delta tensor list does not match its payload")
+    for name, entry in entries.items():
+        if not isinstance(entry, dict) or set(entry) != _DELTA_ENTRY_FIELDS:
+            raise CorruptUpdateError(f"delta entry for tensor {name!r} is malformed")
     decompressor = zstandard.ZstdDecompressor()
     new = {name: t for name, t in held.tensors.items() if name not in removed}
     digests = {name: d for name, d in held.tensor_digests.items() if name not in removed}
@@ -357,6 +385,8 @@ def _decode_tensor(
     old: torch.Tensor | None,
     decompressor: zstandard.ZstdDecompressor,
 ) -> torch.Tensor:
+    if bytes_digest(raw_bytes(packed)) != entry["packed_digest"]:
+        raise CorruptUpdateError(f"digest mismatch for the packed bytes of tensor {name!r}")
     try:
         dtype = _DTYPES[str(entry["dtype"])]
         shape = [int(d) for d in entry["shape"]]  # type: ignore[attr-defined]

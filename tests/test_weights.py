@@ -177,6 +177,22 @@ def test_every_flipped_byte_is_rejected_and_held_set_untouched(gen: torch.Genera
     assert WeightSet(v0.format, dict(v0.tensors)).digest == before
 
 
+def test_every_bit_of_the_header_is_covered(gen: torch.Generator) -> None:
+    """Flip each bit of the safetensors header in turn (names, dtypes, shapes, offsets and the metadata,
+    version numbers included): every one is refused with a codec error, none is read as another update."""
+    sd = model_like_state_dict(gen, layers=1)
+    v0 = build_weight_set(sd, "fp8-block128")
+    v1 = build_weight_set(adam_like_step(sd, gen, 1e-2), "fp8-block128")
+    for blob, held in ((encode_keyframe(v1, 1).blob, None), (encode_delta(v1, v0, 1, 0).blob, v0)):
+        header_end = 8 + int.from_bytes(blob[:8], "little")
+        for pos in range(header_end):
+            for bit in range(8):
+                corrupted = bytearray(blob)
+                corrupted[pos] ^= 1 << bit
+                with pytest.raises(WeightCodecError):
+                    decode_update(bytes(corrupted), held, held_version=0)
+
+
 def test_chunks_reassemble_and_reject_truncation_and_reordering(gen: torch.Generator) -> None:
     blob = torch.randint(0, 256, (10_000,), generator=gen, dtype=torch.uint8).numpy().tobytes()
     chunks = list(split_chunks(blob, chunk_bytes=3000))
