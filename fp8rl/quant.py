@@ -22,13 +22,11 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _check_finite(amax: torch.Tensor, what: str) -> None:
-    # Checked on the block maxima, which NaN and inf propagate to: a fraction of the cost of the input.
+def _scale_inv_from_amax(amax: torch.Tensor, what: str) -> torch.Tensor:
+    # Finiteness is checked on the block maxima, which NaN and inf propagate to: a fraction of the cost
+    # of checking the input.
     if not torch.isfinite(amax).all():
         raise ValueError(f"{what} contains NaN or inf; FP8 quantization needs finite values")
-
-
-def _scale_inv_from_amax(amax: torch.Tensor) -> torch.Tensor:
     scale_inv = amax / FP8_MAX
     return torch.where(scale_inv == 0, torch.ones_like(scale_inv), scale_inv)
 
@@ -46,27 +44,28 @@ def _zero_padded(x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     return padded
 
 
-def _scaled_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w / scale_inv`` as zero-padded blocks [nb, bn, kb, bk] in float32, and ``scale_inv`` [nb, kb]."""
-    if w.ndim != 2:
-        raise ValueError(f"quantize_blockwise expects a 2-D tensor, got shape {tuple(w.shape)}")
-    (n, k), (bn, bk) = w.shape, block
+def _as_blocks(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """A 2-D ``x`` as zero-padded float32 blocks [ceil(N/bn), bn, ceil(K/bk), bk]."""
+    (n, k), (bn, bk) = x.shape, block
     nb, kb = _ceil_div(n, bn), _ceil_div(k, bk)
-    blocks = _zero_padded(w, (nb * bn, kb * bk)).view(nb, bn, kb, bk)
-    amax = blocks.abs().amax(dim=(1, 3))
-    _check_finite(amax, "weight")
-    scale_inv = _scale_inv_from_amax(amax)
-    return blocks / scale_inv[:, None, :, None], scale_inv
+    return _zero_padded(x, (nb * bn, kb * bk)).view(nb, bn, kb, bk)
 
 
-def _scaled_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x / scale_inv`` as zero-padded groups [..., g, group] in float32, and ``scale_inv`` [..., g]."""
+def _from_blocks(blocks: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Inverse of :func:`_as_blocks`: the [N, K] part of the padded blocks."""
+    nb, bn, kb, bk = blocks.shape
+    return blocks.reshape(nb * bn, kb * bk)[: shape[0], : shape[1]]
+
+
+def _as_groups(x: torch.Tensor, group: int) -> torch.Tensor:
+    """``x`` [..., K] as zero-padded float32 groups [..., ceil(K/group), group] along the last dim."""
     g = _ceil_div(x.shape[-1], group)
-    groups = _zero_padded(x, (*x.shape[:-1], g * group)).view(*x.shape[:-1], g, group)
-    amax = groups.abs().amax(dim=-1)
-    _check_finite(amax, "activation")
-    scale_inv = _scale_inv_from_amax(amax)
-    return groups / scale_inv[..., None], scale_inv
+    return _zero_padded(x, (*x.shape[:-1], g * group)).view(*x.shape[:-1], g, group)
+
+
+def _from_groups(groups: torch.Tensor, k: int) -> torch.Tensor:
+    """Inverse of :func:`_as_groups`: the first ``k`` elements of the flattened groups."""
+    return groups.reshape(*groups.shape[:-2], -1)[..., :k]
 
 
 def quantize_blockwise(
@@ -78,9 +77,11 @@ def quantize_blockwise(
     [ceil(N/bn), ceil(K/bk)]). Edge blocks are the partial blocks at the border; padding never
     changes an amax because it is zero.
     """
-    blocks, scale_inv = _scaled_blocks(w, block)
-    n, k = w.shape
-    q = _cast(blocks).view(scale_inv.shape[0] * block[0], -1)[:n, :k]
+    if w.ndim != 2:
+        raise ValueError(f"quantize_blockwise expects a 2-D tensor, got shape {tuple(w.shape)}")
+    blocks = _as_blocks(w, block)
+    scale_inv = _scale_inv_from_amax(blocks.abs().amax(dim=(1, 3)), "weight")
+    q = _from_blocks(_cast(blocks / scale_inv[:, None, :, None]), w.shape)
     return q.contiguous(), scale_inv
 
 
@@ -106,9 +107,8 @@ def dequantize_blockwise(
             f"scale_inv shape {tuple(scale_inv.shape)} does not match weight "
             f"{tuple(q.shape)} with block {block}: expected {expected}"
         )
-    (n, k), (bn, bk) = q.shape, block
-    blocks = _zero_padded(q, (expected[0] * bn, expected[1] * bk)).view(expected[0], bn, expected[1], bk)
-    return (blocks * scale_inv.float()[:, None, :, None]).view(expected[0] * bn, -1)[:n, :k].to(dtype)
+    blocks = _as_blocks(q, block) * scale_inv.float()[:, None, :, None]
+    return _from_blocks(blocks, q.shape).to(dtype)
 
 
 def quantize_activation(x: torch.Tensor, group: int = ACTIVATION_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,9 +117,9 @@ def quantize_activation(x: torch.Tensor, group: int = ACTIVATION_GROUP) -> tuple
     ``x`` is [..., K]; returns ``q`` float8_e4m3fn [..., K] and ``scale_inv`` float32
     [..., ceil(K/group)]. Used for input activations and for output gradients.
     """
-    k = x.shape[-1]
-    groups, scale_inv = _scaled_groups(x, group)
-    q = _cast(groups).view(*x.shape[:-1], -1)[..., :k]
+    groups = _as_groups(x, group)
+    scale_inv = _scale_inv_from_amax(groups.abs().amax(dim=-1), "activation")
+    q = _from_groups(_cast(groups / scale_inv[..., None]), x.shape[-1])
     return q.contiguous(), scale_inv
 
 
@@ -130,10 +130,8 @@ def dequantize_activation(
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Inverse of :func:`quantize_activation`."""
-    k = q.shape[-1]
-    g = scale_inv.shape[-1]
-    groups = _zero_padded(q, (*q.shape[:-1], g * group)).view(*q.shape[:-1], g, group)
-    return (groups * scale_inv.float()[..., None]).view(*q.shape[:-1], g * group)[..., :k].to(dtype)
+    groups = _as_groups(q, group) * scale_inv.float()[..., None]
+    return _from_groups(groups, q.shape[-1]).to(dtype)
 
 
 def fake_quantize_weight(w: torch.Tensor, block: tuple[int, int] = WEIGHT_BLOCK) -> torch.Tensor:
