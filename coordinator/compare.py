@@ -3,13 +3,12 @@ then one table (compare.md) and overlaid plots."""
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
 
 from coordinator.config import CoordinatorConfig
-from coordinator.metrics import summarize
+from coordinator.metrics import read_metrics, summarize
 
 COLUMNS = [
     ("final val accuracy", "final_val_accuracy", "{:.3f}"),
@@ -44,8 +43,7 @@ def compare(base: CoordinatorConfig, recipes: list[str], no_is: bool, out_dir: P
         status = start(CoordinatorConfig.model_validate(config.model_dump()))
         if status != 0:
             return status
-        path = out / recipe / "metrics.jsonl"
-        runs[recipe] = [json.loads(line) for line in path.read_text().splitlines()]
+        runs[recipe] = read_metrics(out / recipe)
     table = render(runs, base, no_is)
     (out / "compare.md").write_text(table)
     plots = write_plots([], out, runs=runs)

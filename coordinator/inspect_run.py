@@ -6,13 +6,15 @@ import json
 from pathlib import Path
 from typing import Any
 
+from coordinator.metrics import METRICS_FILE, read_metrics
+
 
 def _run_dir(run_id: str | None, run_dir: Path | None) -> Path:
     if run_dir is not None:
         return run_dir
     if run_id is not None:
         return Path("runs") / run_id
-    runs = sorted(Path("runs").glob("*/metrics.jsonl"), key=lambda p: p.stat().st_mtime)
+    runs = sorted(Path("runs").glob(f"*/{METRICS_FILE}"), key=lambda p: p.stat().st_mtime)
     if not runs:
         raise SystemExit("coordinator: no runs found under runs/; pass --run-id or --run-dir")
     return runs[-1].parent
@@ -35,24 +37,19 @@ def _store(run_dir: Path, run_id: str | None, redis_url: str | None) -> Any:
     return RunStore(client, run_id or info["run_id"])
 
 
-def _records(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
 def status(run_id: str | None, run_dir: Path | None, redis_url: str | None) -> int:
     from rich.console import Console
     from rich.table import Table
 
     directory = _run_dir(run_id, run_dir)
     store = _store(directory, run_id, redis_url)
-    records = store.metrics() if store is not None else _records(directory)
+    records = store.metrics() if store is not None else read_metrics(directory)
     console = Console()
     if store is not None:
         state = store.read()
         console.print(f"run {store.run_id}: step {state.step}, phase {state.phase} (live, from Redis)")
     else:
-        console.print(f"run {directory.name}: {len(records)} records (from {directory / 'metrics.jsonl'})")
+        console.print(f"run {directory.name}: {len(records)} records (from {directory / METRICS_FILE})")
     table = Table("step", "reward", "val acc", "mult err", "gen kl", "step s", "sync bytes")
     for r in records[-10:]:
         table.add_row(
@@ -94,6 +91,6 @@ def report(run_id: str | None, run_dir: Path | None, redis_url: str | None) -> i
     from coordinator.report import write_plots
 
     directory = _run_dir(run_id, run_dir)
-    for path in write_plots(_records(directory), directory):
+    for path in write_plots(read_metrics(directory), directory):
         print(path)
     return 0

@@ -13,12 +13,13 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+METRICS_FILE = "metrics.jsonl"
 SHOWN = ("reward_mean", "val_accuracy", "token_mult_prob_error", "gen_kl_error", "step_s", "sync_bytes")
 
 
 class MetricsSink:
     def __init__(self, run_dir: Path, steps: int, progress: str = "auto", warn_above: float = 1.05) -> None:
-        self.path = run_dir / "metrics.jsonl"
+        self.path = run_dir / METRICS_FILE
         self.steps, self.warn_above = steps, warn_above
         self.rich = progress == "rich" or (progress == "auto" and sys.stdout.isatty())
         self._console: Any = None
@@ -73,6 +74,12 @@ class MetricsSink:
             self._console.print(text)
         else:
             print(text, flush=True)
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The step records of a run directory, in order; none when it has no metrics file yet."""
+    path = run_dir / METRICS_FILE
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def _fmt(value: Any) -> str:

@@ -4,7 +4,6 @@ temporary directories) and drive a short run; the Dockerfiles install what `make
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -19,6 +18,7 @@ import pytest
 import redis
 import yaml
 
+from coordinator.metrics import read_metrics
 from tests.support import child_process, free_port, wait_for_line
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -156,8 +156,7 @@ def test_compose_wiring_runs_a_short_run(local: LocalCompose, tmp_path: Path) ->
             local.command("coordinator"), env=env, capture_output=True, text=True, timeout=600
         )
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-        metrics = local.volumes["runs"] / "compose-test" / "metrics.jsonl"
-        steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+        steps = [r["step"] for r in read_metrics(local.volumes["runs"] / "compose-test")]
         assert steps == [0, 1, 2]
         # The replica found the run through its Redis registration (no --rollout in the compose file).
         assert "--rollout" not in " ".join(COMPOSE["services"]["coordinator"]["command"])

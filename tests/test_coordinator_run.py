@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from coordinator.metrics import read_metrics
 from tests.support import child_process, wait_for_line
 
 pytestmark = pytest.mark.slow
@@ -44,10 +45,6 @@ def start_fp8(model: Path, steps: int, run_id: str, run_dir: Path, *extra: str) 
     """`coordinator start` of a short fp8 run of ``model`` with the FAST settings."""
     args = ["--model", str(model), "--steps", str(steps), "--run-id", run_id, "--run-dir", str(run_dir)]
     return coordinator("start", "--recipe", "fp8", *args, *extra, *FAST)
-
-
-def records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def assert_children_gone(run_dir: Path) -> None:
@@ -95,7 +92,7 @@ def test_embedded_run_writes_metrics_and_leaves_no_child(tiny_model_dir_f32: Pat
         timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    recs = records(run_dir)
+    recs = read_metrics(run_dir)
     assert [r["step"] for r in recs] == [0, 1, 2, 3]
     for key in (
         "weight_version",
@@ -136,7 +133,7 @@ def test_kill_9_mid_step_then_resume(tiny_model_dir_f32: Path, tmp_path: Path) -
     assert_children_gone(run_dir)  # they die with the coordinator, even on SIGKILL
     again = subprocess.run(args, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    recs = records(run_dir)
+    recs = read_metrics(run_dir)
     assert [r["step"] for r in recs] == [0, 1, 2, 3, 4]  # nothing skipped, nothing twice
     assert "resuming run crash" in again.stdout
     trainer_log = (run_dir / "logs" / "trainer.log").read_text()
@@ -160,7 +157,7 @@ def test_max_staleness_one_overlaps_and_never_exceeds_it(tiny_model_dir_f32: Pat
         timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    trained = records(run_dir)[1:]
+    trained = read_metrics(run_dir)[1:]
     assert trained[0]["staleness"] == 0
     assert all(0 <= r["staleness"] <= 1 for r in trained)
     assert any(r["staleness"] == 1 for r in trained), "generation never overlapped training"
@@ -210,7 +207,8 @@ def test_stop_then_resume_then_ctrl_c(tiny_model_dir_f32: Path, tmp_path: Path) 
         assert proc.wait(timeout=300) == 0
     stopped = re.search(r"stopped on request after step (\d+)/50", log.read_text())
     assert stopped, log.read_text()[-3000:]
-    assert [r["step"] for r in records(run_dir)] == list(range(int(stopped[1]) + 1))  # 0: base validation
+    steps = [r["step"] for r in read_metrics(run_dir)]
+    assert steps == list(range(int(stopped[1]) + 1))  # 0: base validation
     assert_children_gone(run_dir)
     # The same run id resumes after the last committed step; Ctrl-C then stops every child.
     log = tmp_path / "second.log"
@@ -249,7 +247,7 @@ def test_compare_runs_each_recipe_and_writes_the_table(tiny_model_dir_f32: Path,
     assert [row.split("|")[1].strip() for row in rows] == ["`bf16`", "`fp8`"]
     assert all(len(row.split("|")) == len(rows[0].split("|")) and " - |" not in row for row in rows)
     for recipe in ("bf16", "fp8"):
-        assert [r["step"] for r in records(out / recipe)] == [0, 1, 2]
+        assert [r["step"] for r in read_metrics(out / recipe)] == [0, 1, 2]
     assert (out / "token_mult_prob_error.png").stat().st_size > 0
     assert (out / "val_accuracy.png").stat().st_size > 0
     bad = subprocess.run(coordinator("compare", "--recipes", "bf16,fp9"), capture_output=True, text=True)

@@ -3,13 +3,13 @@ and a short fp8 run from it that raises validation accuracy."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from coordinator.metrics import read_metrics
 from coordinator.model import default_model
 from fp8rl import arith
 
@@ -46,7 +46,7 @@ def test_short_fp8_run_raises_validation_accuracy(tmp_path: Path) -> None:
     args += ["--val-every", "0", "--set", "val_size=256", "--run-dir", str(run_dir), "--progress", "plain"]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(run_dir)
     base, final = records[0]["val_accuracy"], records[-1]["val_accuracy"]
     assert final > base, f"val accuracy {base} -> {final}"
     assert "summary:" in proc.stdout and "final_val_accuracy" in proc.stdout
