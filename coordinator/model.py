@@ -13,7 +13,7 @@ def cache_dir() -> Path:
 
 
 def default_model(seed: int = 0, say: Callable[[str], None] = print) -> Path:
-    """The tiny Qwen2 warm-started on arith (built on first use, about 100 s on 2 cores; then cached)."""
+    """The tiny Qwen2 warm-started on arith (built on first use, about 90 s on 2 cores; then cached)."""
     from fp8rl.tiny import write_tiny_model
 
     path = cache_dir() / f"tiny-arith-seed{seed}-{builder_digest()}"

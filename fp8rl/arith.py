@@ -22,6 +22,14 @@ def answer(a: int, b: int) -> str:
     return str(a + b)
 
 
+def hedged_answer(a: int, b: int, rng: random.Random) -> str:
+    """The warm start's last teacher: the right sum, often hedged with a trailing "?" (on 70% of sums of
+    100 or more, 30% of the rest), which the verifier rejects. A base model that imitates it knows more
+    sums than its greedy answers show: the format flaw RL is quick to fix, as it is in real models."""
+    hedge = rng.random() < (0.7 if a + b >= 100 else 0.3)
+    return answer(a, b) + ("?" if hedge else "")
+
+
 def train_pairs(rng: random.Random, count: int) -> list[tuple[int, int]]:
     out: list[tuple[int, int]] = []
     while len(out) < count:

@@ -12,6 +12,7 @@ loadable by transformers and vLLM alike.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -101,21 +102,32 @@ def encode(text: str) -> list[int]:
     return [len(SPECIAL_TOKENS) + b for b in text.encode()]
 
 
+def decode(ids: list[int]) -> str:
+    """The text of byte tokens ``ids`` (special and padding ids are skipped)."""
+    first = len(SPECIAL_TOKENS)
+    return bytes(t - first for t in ids if first <= t < first + 256).decode(errors="replace")
+
+
 def warm_start(
     model: torch.nn.Module,
     seed: int = 0,
     steps: int = 1000,
     batch: int = 64,
     lr: float = 2e-3,
-    target_accuracy: float = 0.4,
+    target_accuracy: float = 0.6,
+    hedge_steps: int = 60,
     check_every: int = 50,
 ) -> int:
-    """Supervised warm start on the arith task ("37+48=" -> "85" then newline), loss on the answer only.
+    """Supervised warm start on the arith task, loss on the answer only, in two stages.
 
-    Stops as soon as the greedy accuracy on a fixed monitor set of training pairs reaches
-    ``target_accuracy``, so the base model lands in the same place whatever the luck of the run: good
-    enough to earn rewards, far enough from 100% that RL has room (at most about 100 s on 2 CPU cores).
-    Deterministic for a seed. Returns the number of steps taken.
+    1. Right answers ("37+48=" -> "85" then newline) until the greedy accuracy on a fixed monitor set of
+       training pairs reaches ``target_accuracy`` (or ``steps`` run out), so the base model's skill lands in
+       the same place whatever the luck of the run.
+    2. ``hedge_steps`` more on ``arith.hedged_answer``, a teacher who often appends "?": the model keeps its
+       skill but hedges most sums of 100 or more, so its greedy validation accuracy is about half of what
+       it knows. That format flaw is the room RL has, as with real models; RL also improves the skill.
+
+    About 90 s on 2 CPU cores, deterministic for a seed. Returns the number of steps taken.
     """
     import math
     import random
@@ -124,52 +136,76 @@ def warm_start(
 
     torch.manual_seed(seed)
     rng = random.Random(f"warm-start:{seed}")
+    hedge_rng = random.Random(f"warm-start-hedge:{seed}")
     monitor = arith.train_pairs(random.Random(f"warm-start-monitor:{seed}"), 64)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    for step in range(1, steps + 1):
-        model.train()
-        pairs = arith.train_pairs(rng, batch)
-        prompts = [encode(arith.prompt(a, b)) for a, b in pairs]
-        answers = [encode(arith.answer(a, b) + "\n") for a, b in pairs]
-        length = max(len(p) + len(a) for p, a in zip(prompts, answers, strict=True))
-        ids = torch.full((batch, length), PAD_ID)
-        weight = torch.zeros(batch, length)
-        for i, (p, a) in enumerate(zip(prompts, answers, strict=True)):
-            ids[i, : len(p) + len(a)] = torch.tensor(p + a)
-            weight[i, len(p) : len(p) + len(a)] = 1
-        logits = model(input_ids=ids).logits[:, :-1]
-        losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
-        loss = (losses * weight[:, 1:]).sum() / weight[:, 1:].sum()
-        # Linear warm-up, then cosine decay to a tenth of the peak.
-        scale = min(1.0, step / 50) * (0.1 + 0.45 * (1 + math.cos(math.pi * step / steps)))
+
+    def train_step(step: int, teacher: Callable[[int, int], str]) -> None:
+        # Linear warm-up, then cosine decay to a tenth of the peak (held there past ``steps``).
+        decay = 0.1 + 0.45 * (1 + math.cos(math.pi * min(step, steps) / steps))
         for group in optimizer.param_groups:
-            group["lr"] = lr * scale
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+            group["lr"] = lr * min(1.0, step / 50) * decay
+        pairs = arith.train_pairs(rng, batch)
+        supervised_step(
+            model.train(),
+            optimizer,
+            [arith.prompt(a, b) for a, b in pairs],
+            [teacher(a, b) + "\n" for a, b in pairs],
+        )
+
+    step = 0
+    while step < steps:
+        step += 1
+        train_step(step, arith.answer)
         if step % check_every == 0 and greedy_accuracy(model.eval(), monitor) >= target_accuracy:
             break
+    for _ in range(hedge_steps):
+        step += 1
+        train_step(step, lambda a, b: arith.hedged_answer(a, b, hedge_rng))
     model.eval()
     return step
 
 
-@torch.no_grad()
-def greedy_accuracy(model: torch.nn.Module, pairs: list[tuple[int, int]], max_tokens: int = 4) -> float:
-    """Fraction of ``pairs`` whose greedy completion (up to a newline) is the right sum."""
+def supervised_step(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, prompts: list[str], answers: list[str]
+) -> None:
+    """One optimizer step on the mean cross-entropy of the ``answers`` tokens following their ``prompts``."""
+    encoded = [(encode(p), encode(a)) for p, a in zip(prompts, answers, strict=True)]
+    length = max(len(p) + len(a) for p, a in encoded)
+    ids = torch.full((len(encoded), length), PAD_ID)
+    weight = torch.zeros(len(encoded), length)
+    for i, (p, a) in enumerate(encoded):
+        ids[i, : len(p) + len(a)] = torch.tensor(p + a)
+        weight[i, len(p) : len(p) + len(a)] = 1
+    logits = model(input_ids=ids).logits[:, :-1]
+    losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+    loss = (losses * weight[:, 1:]).sum() / weight[:, 1:].sum()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+
+
+def greedy_accuracy(model: torch.nn.Module, pairs: list[tuple[int, int]]) -> float:
+    """Fraction of ``pairs`` whose greedy answer is exactly the right sum."""
     from fp8rl import arith
 
-    correct = 0
-    for a, b in pairs:
-        ids = torch.tensor([encode(arith.prompt(a, b))])
-        out: list[int] = []
-        for _ in range(max_tokens):
-            token = int(model(input_ids=ids).logits[0, -1].argmax())
-            if token in (encode("\n")[0], EOS_ID):
-                break
-            out.append(token)
-            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
-        correct += out == encode(arith.answer(a, b))
-    return correct / len(pairs)
+    return sum(greedy_answer(model, a, b) == arith.answer(a, b) for a, b in pairs) / len(pairs)
+
+
+@torch.no_grad()
+def greedy_answer(model: torch.nn.Module, a: int, b: int, max_tokens: int = 5) -> str:
+    """The model's greedy completion of "a+b=", up to a newline or end of sequence."""
+    from fp8rl import arith
+
+    ids = torch.tensor([encode(arith.prompt(a, b))])
+    out: list[int] = []
+    for _ in range(max_tokens):
+        token = int(model(input_ids=ids).logits[0, -1].argmax())
+        if token in (encode("\n")[0], EOS_ID):
+            break
+        out.append(token)
+        ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+    return decode(out)
 
 
 def write_tiny_model(out: str | Path, seed: int = 0, dtype: str = "bfloat16", trained: bool = False) -> Path:
@@ -192,7 +228,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True, type=Path, help="directory to write the model to")
     parser.add_argument("--seed", type=int, default=0, help="initialisation seed")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
-    parser.add_argument("--trained", action="store_true", help="warm-start on the arith task (about 100 s)")
+    parser.add_argument("--trained", action="store_true", help="warm-start on the arith task (about 90 s)")
     args = parser.parse_args(argv)
     print(write_tiny_model(args.out, args.seed, args.dtype, args.trained))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import sys
 from pathlib import Path
 
@@ -25,6 +26,21 @@ def test_arith_is_deterministic_and_validation_is_held_out() -> None:
     assert all(arith.held_out(*map(int, p.prompt[:-1].split("+"))) for p in task.val_problems())
     p = Problem("x", "37+48=", "85")
     assert task.reward(p, "85") == 1.0 and task.reward(p, "85\nmore") == 1.0 and task.reward(p, "84") == 0.0
+
+
+def test_hedging_teacher_is_right_and_hedges_big_sums_more() -> None:
+    rng = random.Random()  # fresh pairs and draws each run
+    pairs = [(rng.randint(0, 99), rng.randint(0, 99)) for _ in range(4000)]
+    hedged = {True: [], False: []}  # keyed by "sum >= 100"
+    for a, b in pairs:
+        text = arith.hedged_answer(a, b, rng)
+        assert text.removesuffix("?") == arith.answer(a, b)
+        hedged[a + b >= 100].append(text.endswith("?"))
+    # 4 standard errors of a rate measured on ~2000 draws is under 0.045.
+    assert abs(sum(hedged[True]) / len(hedged[True]) - 0.7) < 0.045
+    assert abs(sum(hedged[False]) / len(hedged[False]) - 0.3) < 0.045
+    # The verifier rejects a hedged answer.
+    assert ArithTask(seed=0).reward(Problem("x", "60+48=", "108"), "108?") == 0.0
 
 
 def test_jsonl_task_and_custom_reward(tmp_path: Path) -> None:

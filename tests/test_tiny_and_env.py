@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from fp8rl.tiny import write_tiny_model
+from fp8rl.tiny import decode, encode, write_tiny_model
 
 
 def test_venv_imports_vllm_transformers_and_fp8rl() -> None:
@@ -52,7 +52,8 @@ def test_tokenizer_is_byte_level_and_lossless(tiny_model_dir: Path) -> None:
     for text in ["37+48=85", "a  b\n\tc", "naïve 日本"]:
         ids = tok(text)["input_ids"]
         assert tok.decode(ids) == text
-    assert tok("0+9=")["input_ids"] == [4 + ord(c) for c in "0+9="]
+    assert tok("0+9=")["input_ids"] == [4 + ord(c) for c in "0+9="] == encode("0+9=")
+    assert decode(tok("naïve 日本")["input_ids"]) == "naïve 日本"
     assert tok.eos_token_id == 2 and tok.pad_token_id == 0
 
 
