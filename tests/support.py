@@ -57,12 +57,18 @@ def wait_for_line(proc: subprocess.Popen, log: Path, pattern: str, timeout: floa
 
 
 @contextmanager
-def redis_server(tmp: Path) -> Iterator[str]:
-    """A private redis-server on a free loopback port; yields its URL."""
-    port = free_port()
-    args = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", str(tmp)]
-    with child_process(args, tmp / "redis.log") as proc:
-        wait_for_line(proc, tmp / "redis.log", r"Ready to accept connections", timeout=30)
+def redis_server(
+    data: Path, port: int | None = None, aof: bool = False, log: str = "redis.log"
+) -> Iterator[str]:
+    """A private redis-server on a loopback port (free unless given) keeping its files in ``data``; with
+    ``aof`` every write is fsynced to an append-only file, so a restart on the same ``data`` resumes.
+    Yields its URL."""
+    port = port or free_port()
+    args = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", str(data)]
+    if aof:
+        args += ["--appendonly", "yes", "--appendfsync", "always"]
+    with child_process(args, data / log) as proc:
+        wait_for_line(proc, data / log, r"Ready to accept connections", timeout=30)
         yield f"redis://127.0.0.1:{port}/0"
 
 

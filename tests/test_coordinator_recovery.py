@@ -8,125 +8,43 @@ import json
 import subprocess
 import sys
 import time
-from contextlib import ExitStack
+from contextlib import AbstractContextManager, ExitStack
 from pathlib import Path
 
 import pytest
 import redis
 
 from coordinator.state import RunStore
-from tests.support import child_process, free_port, wait_for_line
+from tests.support import free_port, redis_server, service_process
 
 pytestmark = pytest.mark.slow
 
 
-def start_redis(stack: ExitStack, data: Path, port: int, log: Path) -> ExitStack:
-    inner = ExitStack()
-    args = [
-        "redis-server",
-        "--port",
-        str(port),
-        "--bind",
-        "127.0.0.1",
-        "--dir",
-        str(data),
-        "--appendonly",
-        "yes",
-        "--appendfsync",
-        "always",
-        "--save",
-        "",
-    ]
-    proc = inner.enter_context(child_process(args, log))
-    wait_for_line(proc, log, r"Ready to accept connections", timeout=30)
-    stack.push(inner)
-    return inner
-
-
-def start_trainer(model: Path, port: int, ckpt: Path, log: Path) -> ExitStack:
+def restartable(service: AbstractContextManager[object]) -> ExitStack:
+    """``service`` entered in a stack of its own, which the test closes to stop it (and the outer stack
+    closes again, harmlessly, on the way out)."""
     stack = ExitStack()
-    args = [
-        sys.executable,
-        "-m",
-        "trainer_service.cli",
-        "serve",
-        "--model",
-        str(model),
-        "--recipe",
-        "fp8",
-        "--port",
-        str(port),
-        "--compute-dtype",
-        "float32",
-        "--checkpoint-dir",
-        str(ckpt),
-        "--resume",
-        "--set",
-        "checkpoint_every=4",
-        "--set",
-        "optimizer.lr=1e-4",
-    ]
-    proc = stack.enter_context(child_process(args, log))
-    wait_for_line(proc, log, r"serving on", timeout=120)
+    stack.enter_context(service)
     return stack
 
 
-def start_rollout(model: Path, port: int, redis_url: str, log: Path) -> ExitStack:
-    stack = ExitStack()
-    args = [
-        sys.executable,
-        "-m",
-        "rollout_service.cli",
-        "serve",
-        "--model",
-        str(model),
-        "--recipe",
-        "fp8",
-        "--dtype",
-        "float32",
-        "--port",
-        str(port),
-        "--redis-url",
-        redis_url,
-        "--advertise",
-        f"127.0.0.1:{port}",
-        "--set",
-        "heartbeat_s=0.5",
-    ]
-    proc = stack.enter_context(child_process(args, log))
-    wait_for_line(proc, log, r"serving on", timeout=300)
-    return stack
+def serve_trainer(model: Path, port: int, ckpt: Path, log: Path) -> AbstractContextManager[object]:
+    args = ["--recipe", "fp8", "--compute-dtype", "float32", "--checkpoint-dir", str(ckpt), "--resume"]
+    args += ["--set", "checkpoint_every=4", "--set", "optimizer.lr=1e-4"]
+    return service_process("trainer_service.cli", model, log, *args, port=port)
+
+
+def serve_rollout(model: Path, port: int, redis_url: str, log: Path) -> AbstractContextManager[object]:
+    args = ["--recipe", "fp8", "--dtype", "float32", "--redis-url", redis_url]
+    args += ["--advertise", f"127.0.0.1:{port}", "--set", "heartbeat_s=0.5"]
+    return service_process("rollout_service.cli", model, log, *args, port=port)
 
 
 def run_coordinator(redis_url: str, trainer: str, steps: int, log: Path) -> subprocess.CompletedProcess[str]:
-    args = [
-        sys.executable,
-        "-m",
-        "coordinator.cli",
-        "start",
-        "--redis-url",
-        redis_url,
-        "--trainer",
-        trainer,
-        "--run-id",
-        "dist",
-        "--run-dir",
-        str(log.parent / "run"),
-        "--steps",
-        str(steps),
-        "--prompts-per-step",
-        "4",
-        "--group-size",
-        "4",
-        "--max-tokens",
-        "4",
-        "--val-every",
-        "0",
-        "--set",
-        "val_size=8",
-        "--progress",
-        "plain",
-    ]
+    args = [sys.executable, "-m", "coordinator.cli", "start", "--redis-url", redis_url, "--trainer", trainer]
+    args += ["--run-id", "dist", "--run-dir", str(log.parent / "run"), "--steps", str(steps)]
+    args += ["--prompts-per-step", "4", "--group-size", "4", "--max-tokens", "4", "--val-every", "0"]
+    args += ["--set", "val_size=8", "--progress", "plain"]
     return subprocess.run(args, capture_output=True, text=True, timeout=600)
 
 
@@ -135,13 +53,14 @@ def test_recovery_from_every_service_restart(tiny_model_dir_f32: Path, tmp_path:
     redis_url, trainer = f"redis://127.0.0.1:{redis_port}/0", f"127.0.0.1:{trainer_port}"
     data, ckpt = tmp_path / "redis", tmp_path / "ckpt"
     data.mkdir()
+    model = tiny_model_dir_f32
     with ExitStack() as stack:
-        redis_stack = start_redis(stack, data, redis_port, tmp_path / "redis.log")
+        redis_stack = stack.enter_context(restartable(redis_server(data, redis_port, aof=True)))
         trainer_stack = stack.enter_context(
-            start_trainer(tiny_model_dir_f32, trainer_port, ckpt, tmp_path / "t1.log")
+            restartable(serve_trainer(model, trainer_port, ckpt, tmp_path / "t1.log"))
         )
         rollout_stack = stack.enter_context(
-            start_rollout(tiny_model_dir_f32, rollout_port, redis_url, tmp_path / "r1.log")
+            restartable(serve_rollout(model, rollout_port, redis_url, tmp_path / "r1.log"))
         )
         # Discovery: no --rollout given; the replica registered itself.
         first = run_coordinator(redis_url, trainer, 6, tmp_path / "c1.log")
@@ -159,9 +78,9 @@ def test_recovery_from_every_service_restart(tiny_model_dir_f32: Path, tmp_path:
         trainer_stack.close()
         rollout_stack.close()
         redis_stack.close()
-        start_redis(stack, data, redis_port, tmp_path / "redis2.log")
-        stack.enter_context(start_trainer(tiny_model_dir_f32, trainer_port, ckpt, tmp_path / "t2.log"))
-        stack.enter_context(start_rollout(tiny_model_dir_f32, rollout_port, redis_url, tmp_path / "r2.log"))
+        stack.enter_context(redis_server(data, redis_port, aof=True, log="redis2.log"))
+        stack.enter_context(serve_trainer(model, trainer_port, ckpt, tmp_path / "t2.log"))
+        stack.enter_context(serve_rollout(model, rollout_port, redis_url, tmp_path / "r2.log"))
         time.sleep(1.5)  # the old replica's registration has expired; the new one's is fresh
         third = run_coordinator(redis_url, trainer, 8, tmp_path / "c3.log")
         assert third.returncode == 0, third.stdout[-3000:] + third.stderr[-3000:]
