@@ -85,15 +85,6 @@ def quantize_blockwise(
     return q.contiguous(), scale_inv
 
 
-def expand_block_scales(
-    scale_inv: torch.Tensor, shape: torch.Size | tuple[int, int], block: tuple[int, int] = WEIGHT_BLOCK
-) -> torch.Tensor:
-    """Broadcast block scales [ceil(N/bn), ceil(K/bk)] to one scale per element of ``shape``."""
-    n, k = shape
-    full = scale_inv.repeat_interleave(block[0], dim=0).repeat_interleave(block[1], dim=1)
-    return full[:n, :k]
-
-
 def dequantize_blockwise(
     q: torch.Tensor,
     scale_inv: torch.Tensor,
