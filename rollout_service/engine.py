@@ -84,7 +84,7 @@ class VllmEngine:
                 model_dir = str(fp8_checkpoint(config.model))
             else:
                 quantization = NAME
-        self.llm = vllm.LLM(
+        self._llm_args: dict[str, Any] = dict(
             model=model_dir,
             tokenizer=str(config.model),
             dtype=config.dtype,
@@ -99,6 +99,7 @@ class VllmEngine:
             gpu_memory_utilization=config.gpu_memory_utilization,
             tensor_parallel_size=config.tensor_parallel_size,
         )
+        self.llm = vllm.LLM(**self._llm_args)
         self.version = vllm.__version__
         self._engine = self.llm.llm_engine
         self.tokenizer = self.llm.get_tokenizer()
@@ -106,6 +107,24 @@ class VllmEngine:
         self.max_model_len: int = model_config.max_model_len
         self.vocab_size: int = model_config.get_vocab_size()
         self.eos_token_id = self.tokenizer.eos_token_id
+
+    def restart(self) -> None:
+        """A fresh engine on the checkpoint the replica started from. vLLM's in-place reload cannot be
+        resumed or undone once a layer has failed part-way (its loaders are left unwrapped), so the only
+        way back to an engine that takes a keyframe is a new one; nothing may be in flight."""
+        import gc
+
+        import vllm
+
+        core = getattr(self._engine, "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+        del self.llm, self._engine
+        gc.collect()
+        if self.device == "cuda":
+            torch.cuda.empty_cache()
+        self.llm = vllm.LLM(**self._llm_args)
+        self._engine = self.llm.llm_engine
 
     def tokenize(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])

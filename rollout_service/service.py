@@ -128,7 +128,8 @@ class RolloutService:
         """Verify, decode and apply one update; concurrent updates are serialized.
 
         Nothing touches the engine before every digest checked out. Generation pauses while the engine
-        changes; if the engine fails midway the replica refuses to generate until a keyframe lands.
+        changes; if the engine fails midway it is restarted, and the replica refuses to generate until a
+        keyframe lands.
         """
         with self._update_lock:
             if header.format != self.recipe.rollout_weights:
@@ -158,7 +159,11 @@ class RolloutService:
         except BaseException:
             self.loop.needs_keyframe = True
             self.held = None
-            log.exception("weight update to version %d failed; replica needs a keyframe", version)
+            log.exception("weight update to version %d failed midway; restarting the engine", version)
+            try:
+                self.engine.restart()
+            except Exception:
+                log.exception("engine restart failed: this replica cannot recover; restart the process")
             raise
         self.loop.version = version
         self.loop.needs_keyframe = False

@@ -56,6 +56,9 @@ class ScriptedEngine:
         for rid in request_ids:
             self.running.pop(rid, None)
 
+    def restart(self) -> None:
+        self.events.append("restart")
+
     def load_weights(self, tensors: Any) -> None:
         self.events.append("load")
         self.loads += 1
@@ -120,6 +123,7 @@ def test_failed_apply_refuses_work_until_a_keyframe(tiny_model_dir: Path) -> Non
     with pytest.raises(RuntimeError, match="midway"):
         service.update_weights(header_of(keyframe), keyframe.blob)
     assert service.status().needs_keyframe and service.held is None
+    assert engine.events[-2:] == ["load", "restart"]  # a half-refitted engine is replaced at once
     request = rollout_pb2.GenerateRequest(
         prompts=[rollout_pb2.Prompt(id="p", text="1+1=")],
         n=1,

@@ -314,3 +314,45 @@ def test_a_set_the_model_cannot_take_is_refused_before_the_engine(rollout_fp8: I
     assert status.weight_version == 40 and not status.needs_keyframe
     assert_engine_holds(rollout_fp8, good)
     assert len(stub.Generate(request([[5, 6]], version=40), timeout=60).completions) == 1
+
+
+def test_an_engine_that_fails_midway_is_healed_by_a_keyframe(rollout_fp8: InProcessRollout) -> None:
+    stub, service = rollout_fp8.stub, rollout_fp8.service
+    good = push_keyframe(rollout_fp8, random_state(rollout_fp8.model_dir, 0), version=50)
+    # A set vLLM itself refuses partway through the refit: layer 0 loads, then layer 1's down_proj has no
+    # room. The replica's own shape check would refuse it first, so the test widens that check.
+    other = build_weight_set(random_state(rollout_fp8.model_dir, 3), FP8, hp_dtype=torch.float32)
+    broken = dict(other.tensors)
+    name = "model.layers.1.mlp.down_proj.weight"
+    scale = name.removesuffix("weight") + "weight_scale_inv"
+    broken[name] = broken[name][:, :256].contiguous()
+    broken[scale] = broken[scale][:, :2].contiguous()
+    schema = dict(service.schema)
+    service.schema = {**schema, name: ((256, 256), True), scale: ((2, 2), False)}
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            push(stub, encode_keyframe(WeightSet(FP8, broken), 51))
+    finally:
+        service.schema = schema
+    print("engine failure:", err.value.code(), err.value.details()[:300])
+    assert stub.GetStatus(common_pb2.GetStatusRequest(), timeout=10).needs_keyframe
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Generate(request([[5, 6]]), timeout=60)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "needs keyframe" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:  # a delta has nothing to apply to
+        push(stub, encode_delta(other, good, version=51, base_version=50))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+    healed = push_keyframe(rollout_fp8, random_state(rollout_fp8.model_dir, 4, scale=0.1), version=52)
+    assert not stub.GetStatus(common_pb2.GetStatusRequest(), timeout=10).needs_keyframe
+    assert_engine_holds(rollout_fp8, healed)
+    prompt = [4 + (i * 5) % 90 for i in range(40)]
+    after = stub.Generate(request([prompt], max_tokens=6, temperature=0.0, version=52), timeout=120)
+    completion = after.completions[0]
+    reference = load_reference(rollout_fp8.model_dir, fp8=True)
+    set_weights(reference, random_state(rollout_fp8.model_dir, 4, scale=0.1), fp8=True)
+    error = (
+        reference_logprobs(reference, prompt, list(completion.token_ids))
+        - torch.tensor(list(completion.logprobs))
+    ).abs()
+    assert error.mean() < 1e-2 and error.max() < 0.1
