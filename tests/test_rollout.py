@@ -170,6 +170,18 @@ def assert_engine_holds(rollout: InProcessRollout, ws: WeightSet) -> None:
         assert torch.equal(held[name].view(torch.uint8), t.view(torch.uint8)), name
 
 
+def logprob_error_vs_reference(
+    model_dir: Path, state: dict[str, torch.Tensor], prompt: list[int], completion: rollout_pb2.Completion
+) -> torch.Tensor:
+    """|engine logprob - float64 fake-quant reference| per token of a greedy ``completion``. Greedy logprobs
+    are those of the unscaled distribution. FP8 rounding turns 1e-7 differences of kernel arithmetic into
+    the odd flipped code (~1e-3 in a logprob); stale KV or stale weights would be far off."""
+    reference = load_reference(model_dir, fp8=True)
+    set_weights(reference, state, fp8=True)
+    got = torch.tensor(list(completion.logprobs))
+    return (reference_logprobs(reference, prompt, list(completion.token_ids)) - got).abs()
+
+
 def test_keyframe_then_deltas_reach_the_engine_bit_exact(rollout_fp8: InProcessRollout) -> None:
     stub, model_dir = rollout_fp8.stub, rollout_fp8.model_dir
     state = random_state(model_dir, 0)
@@ -191,14 +203,7 @@ def test_keyframe_then_deltas_reach_the_engine_bit_exact(rollout_fp8: InProcessR
         ).completions[0]
         assert after.weight_version == version
         assert list(after.logprobs) != list(before.logprobs)
-        reference = load_reference(model_dir, fp8=True)
-        set_weights(reference, state, fp8=True)
-        error = (
-            reference_logprobs(reference, long_prompt, list(after.token_ids))
-            - torch.tensor(list(after.logprobs))
-        ).abs()
-        # Greedy logprobs are those of the unscaled distribution. FP8 rounding turns 1e-7 differences
-        # of kernel arithmetic into the odd flipped code (~1e-3 in a logprob); stale KV would be far off.
+        error = logprob_error_vs_reference(model_dir, state, long_prompt, after)
         print(f"version {version}: |logprob - reference| mean {error.mean():.1e} max {error.max():.1e}")
         assert error.mean() < 1e-2 and error.max() < 0.1
         before = after
@@ -293,16 +298,24 @@ def test_no_completion_mixes_weight_versions(rollout_fp8: InProcessRollout) -> N
     print("versions seen by completions:", sorted(versions_seen))
 
 
+NARROWED = "model.layers.1.mlp.down_proj.weight"
+NARROWED_SCALE = NARROWED.removesuffix("weight") + "weight_scale_inv"
+
+
+def with_narrow_down_proj(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` with layer 1's down_proj (and its scales) cut to 256 of its 512 input columns."""
+    return tensors | {
+        NARROWED: tensors[NARROWED][:, :256].contiguous(),
+        NARROWED_SCALE: tensors[NARROWED_SCALE][:, :2].contiguous(),
+    }
+
+
 def test_a_set_the_model_cannot_take_is_refused_before_the_engine(rollout_fp8: InProcessRollout) -> None:
     stub = rollout_fp8.stub
     good = push_keyframe(rollout_fp8, random_state(rollout_fp8.model_dir, 0), version=40)
     # Digests check out (they were computed over these very bytes), but the model has no room for a
     # down_proj of this shape: refused before anything reaches the engine.
-    broken = dict(good.tensors)
-    name = "model.layers.1.mlp.down_proj.weight"
-    scale = name.removesuffix("weight") + "weight_scale_inv"
-    broken[name] = broken[name][:, :256].contiguous()
-    broken[scale] = broken[scale][:, :2].contiguous()
+    broken = with_narrow_down_proj(good.tensors)
     missing = {k: v for k, v in good.tensors.items() if k != "lm_head.weight"}
     for bad in (broken, missing):
         with pytest.raises(grpc.RpcError) as err:
@@ -322,13 +335,9 @@ def test_an_engine_that_fails_midway_is_healed_by_a_keyframe(rollout_fp8: InProc
     # A set vLLM itself refuses partway through the refit: layer 0 loads, then layer 1's down_proj has no
     # room. The replica's own shape check would refuse it first, so the test widens that check.
     other = build_weight_set(random_state(rollout_fp8.model_dir, 3), FP8, hp_dtype=torch.float32)
-    broken = dict(other.tensors)
-    name = "model.layers.1.mlp.down_proj.weight"
-    scale = name.removesuffix("weight") + "weight_scale_inv"
-    broken[name] = broken[name][:, :256].contiguous()
-    broken[scale] = broken[scale][:, :2].contiguous()
+    broken = with_narrow_down_proj(other.tensors)
     schema = dict(service.schema)
-    service.schema = {**schema, name: ((256, 256), True), scale: ((2, 2), False)}
+    service.schema = {**schema, NARROWED: ((256, 256), True), NARROWED_SCALE: ((2, 2), False)}
     try:
         with pytest.raises(grpc.RpcError) as err:
             push(stub, encode_keyframe(WeightSet(FP8, broken), 51))
@@ -343,16 +352,11 @@ def test_an_engine_that_fails_midway_is_healed_by_a_keyframe(rollout_fp8: InProc
         push(stub, encode_delta(other, good, version=51, base_version=50))
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
-    healed = push_keyframe(rollout_fp8, random_state(rollout_fp8.model_dir, 4, scale=0.1), version=52)
+    state = random_state(rollout_fp8.model_dir, 4, scale=0.1)
+    healed = push_keyframe(rollout_fp8, state, version=52)
     assert not stub.GetStatus(common_pb2.GetStatusRequest(), timeout=10).needs_keyframe
     assert_engine_holds(rollout_fp8, healed)
     prompt = [4 + (i * 5) % 90 for i in range(40)]
     after = stub.Generate(request([prompt], max_tokens=6, temperature=0.0, version=52), timeout=120)
-    completion = after.completions[0]
-    reference = load_reference(rollout_fp8.model_dir, fp8=True)
-    set_weights(reference, random_state(rollout_fp8.model_dir, 4, scale=0.1), fp8=True)
-    error = (
-        reference_logprobs(reference, prompt, list(completion.token_ids))
-        - torch.tensor(list(completion.logprobs))
-    ).abs()
+    error = logprob_error_vs_reference(rollout_fp8.model_dir, state, prompt, after.completions[0])
     assert error.mean() < 1e-2 and error.max() < 0.1
