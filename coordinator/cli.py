@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.config import CoordinatorConfig
+from fp8rl import models
 from fp8rl.config import ConfigError, config_from_cli, config_hash, load_config
 from fp8rl.recipes import RECIPE_NAMES
 
@@ -144,6 +145,9 @@ def start(config: CoordinatorConfig) -> int:
     except KeyboardInterrupt:
         print(f"coordinator: interrupted; resume with --run-id {run_id}", file=sys.stderr)
         return 130
+    except models.ShippedModelError as exc:
+        print(f"coordinator: {exc}", file=sys.stderr)
+        return 2
 
 
 def _interrupt(*_: object) -> None:
@@ -220,12 +224,11 @@ def launch_embedded(
     config: CoordinatorConfig, run_dir: Path, stack: ExitStack, children: dict[str, int]
 ) -> tuple[str, str, list[str]]:
     """Start redis-server, the trainer and one rollout replica; ``children`` gets their PIDs."""
-    from coordinator.model import default_model
     from coordinator.processes import Child, free_port, python_module, start_redis, wait_healthy
     from fp8rl.serving import PARENT_ENV
 
     logs = run_dir / "logs"
-    model = config.model or default_model()
+    model = config.model or models.verified(models.TINY_ARITH)
     redis_url, children["redis-server"] = start_redis(stack, run_dir / "redis", logs)
     trainer_port, rollout_port = free_port(), free_port()
     dtype = resolve_dtype(config.compute_dtype)

@@ -20,7 +20,7 @@ class CoordinatorConfig(BaseModel):
     recipe: RecipeName = "fp8"
     """Precision recipe for rollout and trainer."""
     model: Path | None = None
-    """HF checkpoint directory; default: the tiny arith model (built and cached on first use)."""
+    """HF checkpoint directory; default: the tiny arith model shipped with fp8rl (fp8rl/models/tiny-arith)."""
     task: Literal["arith", "jsonl"] = "arith"
     dataset: Path | None = None
     """JSONL file with `prompt` and `answer` fields (task jsonl)."""
@@ -50,7 +50,7 @@ class CoordinatorConfig(BaseModel):
     val_size: int = Field(128, ge=1)
     mult_prob_warn: float = Field(1.05, gt=1)
     """Warn when token_mult_prob_error exceeds this."""
-    lr: float = Field(3e-4, gt=0)
+    lr: float = Field(1e-4, gt=0)
     """Trainer learning rate (embedded mode). The defaults suit the tiny demo model; a real model wants
     far less (1e-6 for a 1B model) — set it, and the batch sizes, in a YAML file."""
     warmup_steps: int = Field(20, ge=0)

@@ -12,11 +12,17 @@ loadable by transformers and vLLM alike.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from fp8rl import models
 
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(4)
@@ -34,6 +40,13 @@ ARCHITECTURE: dict[str, Any] = dict(
     tie_word_embeddings=False,
 )
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+# What the demo needs of the trained base model, on greedy answers to validation pairs: RL has room (the
+# hedge hides sums the model knows) on top of a real skill.
+SKILL_TARGET = 0.6  # stage 1 trains until this greedy accuracy on training pairs
+GREEDY_WINDOW = (0.2, 0.6)
+MIN_HEDGE_GAP = 0.2  # known - greedy
+VALIDATION_PAIRS = 256
 
 
 def byte_symbols() -> list[str]:
@@ -108,28 +121,46 @@ def decode(ids: list[int]) -> str:
     return bytes(t - first for t in ids if first <= t < first + 256).decode(errors="replace")
 
 
+@dataclass(frozen=True)
+class WarmStart:
+    """What a warm start did: steps per stage and where its monitors stood when each stage ended."""
+
+    seed: int
+    skill_steps: int
+    skill_accuracy: float  # greedy accuracy on the monitor pairs when stage 1 ended
+    hedge_steps: int
+    hedge_selectivity: float  # min(hedged share of monitor sums >= 100, unhedged share of the rest)
+
+
 def warm_start(
     model: torch.nn.Module,
     seed: int = 0,
-    steps: int = 1000,
+    *,
+    lr: float = 5e-4,
     batch: int = 64,
-    lr: float = 2e-3,
-    target_accuracy: float = 0.6,
-    hedge_steps: int = 60,
-    check_every: int = 50,
-) -> int:
-    """Supervised warm start on the arith task, loss on the answer only, in two stages.
+    skill_target: float = SKILL_TARGET,
+    skill_budget: int = 2000,
+    hedge_target: float = 0.9,
+    hedge_budget: int = 400,
+    check_every: int = 25,
+    say: Callable[[str], None] = print,
+) -> WarmStart:
+    """Supervised warm start on the arith task, loss on the answer only, in two stages that each train
+    until a greedy check on a fixed monitor set of training pairs says they did their job.
 
-    1. Right answers ("37+48=" -> "85" then newline) until the greedy accuracy on a fixed monitor set of
-       training pairs reaches ``target_accuracy`` (or ``steps`` run out), so the base model's skill lands in
-       the same place whatever the luck of the run.
-    2. ``hedge_steps`` more on ``arith.hedged_answer``, a teacher who often appends "?": the model keeps its
-       skill but hedges most sums of 100 or more, so its greedy validation accuracy is about half of what
-       it knows. That format flaw is the room RL has, as with real models; RL also improves the skill.
+    1. Right answers ("37+48=" -> "85" then newline) until the monitor accuracy reaches ``skill_target``
+       (at most ``skill_budget`` steps), so the base model's skill lands in the same place whatever the
+       luck of the run.
+    2. ``arith.hedged_answer``, a teacher who appends "?" to 70% of sums of 100 or more and 30% of the
+       rest, until the greedy answers hedge ``hedge_target`` of the monitor's large sums and leave as
+       large a share of the small ones unhedged (at most ``hedge_budget`` steps; early on the model hedges
+       everything): it keeps its skill but its greedy validation accuracy is about half of what it knows.
+       That format flaw is the room RL has, as with real models; RL also improves the skill.
 
-    About 90 s on 2 CPU cores, deterministic for a seed. Returns the number of steps taken.
+    AdamW at a constant ``lr`` after a 50-step warm-up: at 2e-3 with a decay, whether stage 1 learned
+    addition in its budget hung on the CPU's float kernels. Deterministic for a seed on one machine
+    (kernels and thread count decide the float rounding); about a minute on 2 CPU cores.
     """
-    import math
     import random
 
     from fp8rl import arith
@@ -138,32 +169,44 @@ def warm_start(
     rng = random.Random(f"warm-start:{seed}")
     hedge_rng = random.Random(f"warm-start-hedge:{seed}")
     monitor = arith.train_pairs(random.Random(f"warm-start-monitor:{seed}"), 64)
+    large = [(a, b) for a, b in monitor if a + b >= 100]
+    small = [(a, b) for a, b in monitor if a + b < 100]
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-
-    def train_step(step: int, teacher: Callable[[int, int], str]) -> None:
-        # Linear warm-up, then cosine decay to a tenth of the peak (held there past ``steps``).
-        decay = 0.1 + 0.45 * (1 + math.cos(math.pi * min(step, steps) / steps))
-        for group in optimizer.param_groups:
-            group["lr"] = lr * min(1.0, step / 50) * decay
-        pairs = arith.train_pairs(rng, batch)
-        supervised_step(
-            model.train(),
-            optimizer,
-            [arith.prompt(a, b) for a, b in pairs],
-            [teacher(a, b) + "\n" for a, b in pairs],
-        )
-
     step = 0
-    while step < steps:
-        step += 1
-        train_step(step, arith.answer)
-        if step % check_every == 0 and greedy_accuracy(model.eval(), monitor) >= target_accuracy:
-            break
-    for _ in range(hedge_steps):
-        step += 1
-        train_step(step, lambda a, b: arith.hedged_answer(a, b, hedge_rng))
-    model.eval()
-    return step
+
+    def train(
+        teacher: Callable[[int, int], str], budget: int, done: Callable[[], float], target: float
+    ) -> tuple[int, float]:
+        nonlocal step
+        first, score = step, 0.0
+        while step - first < budget:
+            step += 1
+            for group in optimizer.param_groups:
+                group["lr"] = lr * min(1.0, step / 50)
+            pairs = arith.train_pairs(rng, batch)
+            answers = [teacher(a, b) + "\n" for a, b in pairs]
+            supervised_step(model.train(), optimizer, [arith.prompt(a, b) for a, b in pairs], answers)
+            if (step - first) % check_every == 0:
+                score = done()
+                if score >= target:
+                    break
+        model.eval()
+        return step - first, score
+
+    skill_steps, skill = train(
+        arith.answer, skill_budget, lambda: greedy_accuracy(model.eval(), monitor), skill_target
+    )
+    say(f"seed {seed}: stage 1 (skill) {skill_steps} steps, monitor accuracy {skill:.2f}")
+    if skill < skill_target:
+        return WarmStart(seed, skill_steps, skill, 0, 0.0)
+    hedge_steps, hedged = train(
+        lambda a, b: arith.hedged_answer(a, b, hedge_rng),
+        hedge_budget,
+        lambda: min(hedge_rate(model.eval(), large), 1 - hedge_rate(model, small)),
+        hedge_target,
+    )
+    say(f"seed {seed}: stage 2 (hedge) {hedge_steps} steps, selectivity {hedged:.2f}")
+    return WarmStart(seed, skill_steps, skill, hedge_steps, hedged)
 
 
 def supervised_step(
@@ -192,6 +235,11 @@ def greedy_accuracy(model: torch.nn.Module, pairs: list[tuple[int, int]]) -> flo
     return sum(greedy_answer(model, a, b) == arith.answer(a, b) for a, b in pairs) / len(pairs)
 
 
+def hedge_rate(model: torch.nn.Module, pairs: list[tuple[int, int]]) -> float:
+    """Fraction of ``pairs`` whose greedy answer ends with the hedge "?"."""
+    return sum(greedy_answer(model, a, b).endswith("?") for a, b in pairs) / len(pairs)
+
+
 @torch.no_grad()
 def greedy_answer(model: torch.nn.Module, a: int, b: int, max_tokens: int = 5) -> str:
     """The model's greedy completion of "a+b=", up to a newline or end of sequence."""
@@ -208,18 +256,101 @@ def greedy_answer(model: torch.nn.Module, a: int, b: int, max_tokens: int = 5) -
     return decode(out)
 
 
-def write_tiny_model(out: str | Path, seed: int = 0, dtype: str = "bfloat16", trained: bool = False) -> Path:
-    """Write the tiny model (random, or warm-started on arith) and its tokenizer to ``out``."""
+@dataclass(frozen=True)
+class BaseScore:
+    """A base model's greedy answers on validation pairs (float32 compute)."""
+
+    greedy: float  # fraction answered exactly right
+    known: float  # fraction right once a trailing "?" is stripped
+
+    def misses(self) -> list[str]:
+        """The demo's postconditions this score breaks: empty when RL has room on a real skill."""
+        low, high = GREEDY_WINDOW
+        out = []
+        if not low <= self.greedy <= high:
+            out.append(f"greedy accuracy {self.greedy:.3f} outside [{low}, {high}]")
+        if self.known - self.greedy < MIN_HEDGE_GAP:
+            out.append(f"known {self.known:.3f} - greedy {self.greedy:.3f} < {MIN_HEDGE_GAP}")
+        return out
+
+
+def score_base_model(model: torch.nn.Module, count: int = VALIDATION_PAIRS) -> BaseScore:
+    """Greedy answers of a float32 copy of ``model`` (its weights as stored) on ``count`` validation pairs."""
+    import copy
+
+    from fp8rl import arith
+
+    model = copy.deepcopy(model).float().eval()
+    answers = [(greedy_answer(model, a, b), arith.answer(a, b)) for a, b in arith.val_pairs(0, count)]
+    return BaseScore(
+        greedy=sum(got == right for got, right in answers) / count,
+        known=sum(got.removesuffix("?") == right for got, right in answers) / count,
+    )
+
+
+class BaseModelError(RuntimeError):
+    """No seed gave a base model that meets the demo's postconditions."""
+
+
+def train_base_model(
+    seed: int = 0,
+    dtype: str = "bfloat16",
+    attempts: int = 3,
+    say: Callable[[str], None] = print,
+    **warm_start_options: Any,
+) -> tuple[Any, WarmStart, BaseScore]:  # (transformers.Qwen2ForCausalLM, ...)
+    """The warm-started arith model for ``seed``, in ``dtype``, checked against the postconditions
+    (``BaseScore.misses``) as stored; a seed that misses them gives way to the next, up to ``attempts``
+    seeds, then :class:`BaseModelError` lists what each missed. ``warm_start_options`` go to
+    :func:`warm_start`."""
+    failures = []
+    for candidate in range(seed, seed + attempts):
+        model = build_model(candidate, "float32")
+        run = warm_start(model, candidate, say=say, **warm_start_options)
+        if run.skill_accuracy < SKILL_TARGET:
+            failures.append(f"seed {candidate}: monitor accuracy {run.skill_accuracy:.2f} < {SKILL_TARGET}")
+            continue
+        model = model.to(DTYPES[dtype])
+        score = score_base_model(model)
+        say(f"seed {candidate}: validation greedy {score.greedy:.3f}, known {score.known:.3f}")
+        if not score.misses():
+            return model, run, score
+        failures.append(f"seed {candidate}: " + "; ".join(score.misses()))
+    raise BaseModelError("no base model met the postconditions: " + " | ".join(failures))
+
+
+def write_tiny_model(
+    out: str | Path,
+    seed: int = 0,
+    dtype: str = "bfloat16",
+    trained: bool = False,
+    say: Callable[[str], None] = print,
+) -> Path:
+    """Write the tiny model (random, or warm-started on arith) and its tokenizer to ``out``; a trained
+    model gets a ``manifest.json`` (how it was built, its scores, the sha256 of each file)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    model = build_model(seed, "float32" if trained else dtype)
-    if trained:
-        warm_start(model, seed)
-        model = model.to(DTYPES[dtype])
+    if not trained:
+        build_model(seed, dtype).save_pretrained(out)
+        build_tokenizer().save_pretrained(out)
+        return out
+    model, run, score = train_base_model(seed, dtype, say=say)
     model.save_pretrained(out)
     build_tokenizer().save_pretrained(out)
+    manifest = {
+        "built_by": f"python -m fp8rl.tiny --out DIR --trained --seed {seed} --dtype {dtype}",
+        "warm_start": dataclasses.asdict(run),
+        "validation": {"pairs": VALIDATION_PAIRS, **dataclasses.asdict(score)},
+        "built_on": {
+            "torch": torch.__version__,
+            "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "threads": torch.get_num_threads(),
+        },
+        "files": models.file_digests(out),
+    }
+    (out / models.MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return out
 
 
@@ -228,9 +359,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True, type=Path, help="directory to write the model to")
     parser.add_argument("--seed", type=int, default=0, help="initialisation seed")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
-    parser.add_argument("--trained", action="store_true", help="warm-start on the arith task (about 90 s)")
+    parser.add_argument(
+        "--trained", action="store_true", help="warm-start on the arith task (about a minute)"
+    )
     args = parser.parse_args(argv)
-    print(write_tiny_model(args.out, args.seed, args.dtype, args.trained))
+    try:
+        print(write_tiny_model(args.out, args.seed, args.dtype, args.trained))
+    except BaseModelError as exc:
+        print(f"python -m fp8rl.tiny: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

@@ -7,14 +7,15 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from fp8rl.models import TINY_ARITH
 from fp8rl.recipes import RecipeName
 
 
 class RolloutConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: Path
-    """HF checkpoint directory (config.json, safetensors, tokenizer)."""
+    model: Path = TINY_ARITH
+    """HF checkpoint directory (config.json, safetensors, tokenizer); default: the shipped tiny arith."""
     recipe: RecipeName = "fp8"
     """Precision recipe: decides the weight format and the KV-cache dtype."""
     host: str = "127.0.0.1"

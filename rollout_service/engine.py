@@ -73,6 +73,12 @@ class VllmEngine:
             "VLLM_ENABLE_V1_MULTIPROCESSING", "0" if config.tensor_parallel_size == 1 else "1"
         )
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(config.kv_cache_gib))))
+        if self.device == "cpu" and torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+            # vLLM's sampler compiles a small kernel with inductor even under enforce_eager, and
+            # inductor's C++ for ATen's scalar path does not compile (torch 2.13: `at::vec` undeclared):
+            # on a CPU without AVX2 (or under ATEN_CPU_CAPABILITY=default) run it eagerly.
+            os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # worker processes, if any
+            torch._dynamo.config.disable = True
         from rollout_service.vllm_fp8 import NAME, register
 
         register()

@@ -115,13 +115,20 @@ class LocalCompose:
 
 
 @pytest.fixture
-def local(tmp_path: Path, tiny_model_dir_f32: Path) -> Iterator[LocalCompose]:
+def local(tmp_path: Path) -> Iterator[LocalCompose]:
     env = {"REDIS_PASSWORD": "compose-secret", "FP8RL_STEPS": "2", "FP8RL_RUN_ID": "compose-test"}
-    compose = LocalCompose(tmp_path, env)
-    # The model service builds the warm-started model when it is missing; seed the volume so the test
-    # exercises the service's skip path instead of a 90-second build.
-    shutil.copytree(tiny_model_dir_f32, compose.volumes["models"] / "tiny-arith")
-    yield compose
+    yield LocalCompose(tmp_path, env)
+
+
+@pytest.mark.parametrize("service", ["trainer", "rollout"])
+def test_services_use_the_shipped_model_unless_told_otherwise(local: LocalCompose, service: str) -> None:
+    shell, flag, script = local.command(service)
+    argv_of = script.replace("exec ", "printf '%s\\n' ", 1)  # the argv the service would get
+    for model in ("", "/models/my model"):
+        env = {**local.environment(service), "FP8RL_MODEL": model}
+        argv = subprocess.run([shell, flag, argv_of], env=env, capture_output=True, text=True).stdout
+        expected = ["--model", model] if model else []
+        assert [a for a in argv.splitlines() if a in ("--model", model)] == expected, argv
 
 
 @pytest.mark.slow
@@ -138,14 +145,6 @@ def test_compose_wiring_runs_a_short_run(local: LocalCompose, tmp_path: Path) ->
         with pytest.raises(redis.AuthenticationError):  # nothing works without the password
             redis.Redis(port=int(local.ports["6379"])).set("x", 1)
 
-        model = subprocess.run(
-            local.command("model"),
-            env={**local.environment("model"), "PATH": path_env},
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert model.returncode == 0, model.stderr
         for service in ("trainer", "rollout"):
             env = {**local.environment(service), "PATH": path_env}
             stack.enter_context(child_process(local.command(service), tmp_path / f"{service}.log", env))

@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from fp8rl.models import TINY_ARITH
 from fp8rl.recipes import AdvantageNorm, ISMode, RecipeName
 
 
@@ -44,8 +45,8 @@ class LossConfig(BaseModel):
 class TrainerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: Path
-    """HF checkpoint directory (Qwen2, Qwen3, Llama families)."""
+    model: Path = TINY_ARITH
+    """HF checkpoint directory (Qwen2, Qwen3, Llama families); default: the shipped tiny arith model."""
     recipe: RecipeName = "fp8"
     host: str = "127.0.0.1"
     port: int = Field(50052, ge=0, le=65535)

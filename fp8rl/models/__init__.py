@@ -1,0 +1,49 @@
+"""Models shipped with fp8rl, as data: each directory is an HF checkpoint with a ``manifest.json`` that
+records how it was built, what it scored and the sha256 of every file. Shipped bytes are the same on
+every machine, where a rebuild depends on the CPU's float kernels (see ``fp8rl.tiny``).
+
+Light on purpose (no torch): configs name the default model before anything heavy is imported."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+TINY_ARITH = Path(__file__).resolve().parent / "tiny-arith"
+"""The demo's base model: the tiny Qwen2 warm-started on arith (``python -m fp8rl.tiny --trained``)."""
+
+MANIFEST = "manifest.json"
+
+
+class ShippedModelError(RuntimeError):
+    """A shipped model's files are missing or differ from its manifest."""
+
+
+def file_digests(directory: Path) -> dict[str, str]:
+    """sha256 (hex) of every file in ``directory`` but the manifest, by file name."""
+    return {
+        path.name: hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(directory.iterdir())
+        if path.is_file() and path.name != MANIFEST
+    }
+
+
+def read_manifest(directory: Path) -> dict[str, Any]:
+    return json.loads((directory / MANIFEST).read_text())
+
+
+def verified(directory: Path = TINY_ARITH) -> Path:
+    """``directory``, once its files match the digests of its manifest exactly (no file missing or extra)."""
+    if not (directory / MANIFEST).is_file():
+        raise ShippedModelError(f"{directory}: no {MANIFEST}; is the checkout complete?")
+    expected = read_manifest(directory)["files"]
+    found = file_digests(directory)
+    wrong = sorted(name for name in expected.keys() | found.keys() if expected.get(name) != found.get(name))
+    if wrong:
+        raise ShippedModelError(
+            f"{directory}: {', '.join(wrong)} differ from {MANIFEST} (a damaged checkout, e.g. a Git LFS "
+            "pointer or a line-ending conversion?); restore it with git, or pass --model DIR"
+        )
+    return directory
