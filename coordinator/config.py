@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from fp8rl.models import ModelDir
 from fp8rl.recipes import AdvantageNorm, RecipeName
 
 # Fields that say where and how long things run, not what the run is: they may differ when a run is
@@ -19,7 +20,7 @@ class CoordinatorConfig(BaseModel):
 
     recipe: RecipeName = "fp8"
     """Precision recipe for rollout and trainer."""
-    model: Path | None = None
+    model: ModelDir | None = None
     """HF checkpoint directory; default: the tiny arith model shipped with fp8rl (fp8rl/models/tiny-arith)."""
     task: Literal["arith", "jsonl"] = "arith"
     dataset: Path | None = None

@@ -14,7 +14,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +25,7 @@ from typing import Any
 
 import torch
 
-from fp8rl import models
+from fp8rl.models import MANIFEST, file_digests
 
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(4)
@@ -47,6 +50,11 @@ SKILL_TARGET = 0.6  # stage 1 trains until this greedy accuracy on training pair
 GREEDY_WINDOW = (0.2, 0.6)
 MIN_HEDGE_GAP = 0.2  # known - greedy
 VALIDATION_PAIRS = 256
+
+
+def progress(message: str) -> None:
+    """Where the builder reports its stages: stderr, so stdout carries only the written path."""
+    print(message, file=sys.stderr, flush=True)
 
 
 def byte_symbols() -> list[str]:
@@ -128,6 +136,7 @@ class WarmStart:
     seed: int
     skill_steps: int
     skill_accuracy: float  # greedy accuracy on the monitor pairs when stage 1 ended
+    skill_reached: bool  # stage 2 runs only when stage 1 reached its target
     hedge_steps: int
     hedge_selectivity: float  # min(hedged share of monitor sums >= 100, unhedged share of the rest)
 
@@ -143,7 +152,7 @@ def warm_start(
     hedge_target: float = 0.9,
     hedge_budget: int = 400,
     check_every: int = 25,
-    say: Callable[[str], None] = print,
+    say: Callable[[str], None] = progress,
 ) -> WarmStart:
     """Supervised warm start on the arith task, loss on the answer only, in two stages that each train
     until a greedy check on a fixed monitor set of training pairs says they did their job.
@@ -186,7 +195,7 @@ def warm_start(
             pairs = arith.train_pairs(rng, batch)
             answers = [teacher(a, b) + "\n" for a, b in pairs]
             supervised_step(model.train(), optimizer, [arith.prompt(a, b) for a, b in pairs], answers)
-            if (step - first) % check_every == 0:
+            if (step - first) % check_every == 0 or step - first == budget:
                 score = done()
                 if score >= target:
                     break
@@ -198,7 +207,7 @@ def warm_start(
     )
     say(f"seed {seed}: stage 1 (skill) {skill_steps} steps, monitor accuracy {skill:.2f}")
     if skill < skill_target:
-        return WarmStart(seed, skill_steps, skill, 0, 0.0)
+        return WarmStart(seed, skill_steps, skill, False, 0, 0.0)
     hedge_steps, hedged = train(
         lambda a, b: arith.hedged_answer(a, b, hedge_rng),
         hedge_budget,
@@ -206,7 +215,7 @@ def warm_start(
         hedge_target,
     )
     say(f"seed {seed}: stage 2 (hedge) {hedge_steps} steps, selectivity {hedged:.2f}")
-    return WarmStart(seed, skill_steps, skill, hedge_steps, hedged)
+    return WarmStart(seed, skill_steps, skill, True, hedge_steps, hedged)
 
 
 def supervised_step(
@@ -296,7 +305,7 @@ def train_base_model(
     seed: int = 0,
     dtype: str = "bfloat16",
     attempts: int = 3,
-    say: Callable[[str], None] = print,
+    say: Callable[[str], None] = progress,
     **warm_start_options: Any,
 ) -> tuple[Any, WarmStart, BaseScore]:  # (transformers.Qwen2ForCausalLM, ...)
     """The warm-started arith model for ``seed``, in ``dtype``, checked against the postconditions
@@ -307,8 +316,8 @@ def train_base_model(
     for candidate in range(seed, seed + attempts):
         model = build_model(candidate, "float32")
         run = warm_start(model, candidate, say=say, **warm_start_options)
-        if run.skill_accuracy < SKILL_TARGET:
-            failures.append(f"seed {candidate}: monitor accuracy {run.skill_accuracy:.2f} < {SKILL_TARGET}")
+        if not run.skill_reached:
+            failures.append(f"seed {candidate}: stage 1 ended at monitor accuracy {run.skill_accuracy:.2f}")
             continue
         model = model.to(DTYPES[dtype])
         score = score_base_model(model)
@@ -324,19 +333,37 @@ def write_tiny_model(
     seed: int = 0,
     dtype: str = "bfloat16",
     trained: bool = False,
-    say: Callable[[str], None] = print,
+    say: Callable[[str], None] = progress,
 ) -> Path:
     """Write the tiny model (random, or warm-started on arith) and its tokenizer to ``out``; a trained
     model gets a ``manifest.json`` (how it was built, its scores, the sha256 of each file)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     if not trained:
+        out.mkdir(parents=True, exist_ok=True)
         build_model(seed, dtype).save_pretrained(out)
         build_tokenizer().save_pretrained(out)
         return out
+    # The manifest lists every file of the directory: build in a fresh one, then rename it into place.
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"{out} is not empty: a trained model goes into an empty or new directory")
+    out.parent.mkdir(parents=True, exist_ok=True)
     model, run, score = train_base_model(seed, dtype, say=say)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        _save_with_manifest(model, tmp, seed, dtype, run, score)
+        tmp.chmod(0o755)  # mkdtemp's 0700 would travel with the rename
+        os.replace(tmp, out)  # an empty `out` is replaced whole
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _save_with_manifest(
+    model: Any, out: Path, seed: int, dtype: str, run: WarmStart, score: BaseScore
+) -> None:
     model.save_pretrained(out)
     build_tokenizer().save_pretrained(out)
     manifest = {
@@ -348,10 +375,9 @@ def write_tiny_model(
             "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "threads": torch.get_num_threads(),
         },
-        "files": models.file_digests(out),
+        "files": file_digests(out),
     }
-    (out / models.MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-    return out
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -365,7 +391,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         print(write_tiny_model(args.out, args.seed, args.dtype, args.trained))
-    except BaseModelError as exc:
+    except (BaseModelError, FileExistsError) as exc:
         print(f"python -m fp8rl.tiny: {exc}", file=sys.stderr)
         raise SystemExit(1) from None
 

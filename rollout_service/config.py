@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from fp8rl.models import TINY_ARITH
+from fp8rl.models import TINY_ARITH, ModelDir
 from fp8rl.recipes import RecipeName
 
 
 class RolloutConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: Path = TINY_ARITH
+    model: ModelDir = Field(TINY_ARITH, validate_default=True)
     """HF checkpoint directory (config.json, safetensors, tokenizer); default: the shipped tiny arith."""
     recipe: RecipeName = "fp8"
     """Precision recipe: decides the weight format and the KV-cache dtype."""

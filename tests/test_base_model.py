@@ -11,11 +11,17 @@ import torch
 from safetensors.torch import load_file
 
 from fp8rl import models
-from fp8rl.tiny import BaseModelError, BaseScore, score_base_model, train_base_model
+from fp8rl.tiny import BaseModelError, BaseScore, score_base_model, train_base_model, write_tiny_model
 
 
-def test_shipped_model_matches_its_manifest() -> None:
+def test_shipped_model_matches_its_manifest_and_is_every_process_default() -> None:
+    from coordinator.config import CoordinatorConfig
+    from rollout_service.config import RolloutConfig
+    from trainer_service.config import TrainerConfig
+
     path = models.verified(models.TINY_ARITH)
+    assert RolloutConfig().model == TrainerConfig().model == path
+    assert CoordinatorConfig().model is None  # embedded runs launch the services on the shipped model
     manifest = models.read_manifest(path)
     assert {"model.safetensors", "config.json", "tokenizer.json"} <= manifest["files"].keys()
     assert manifest["built_by"].startswith("python -m fp8rl.tiny --out DIR --trained --seed 0")
@@ -80,5 +86,53 @@ def test_builder_tries_other_seeds_then_fails_with_the_numbers() -> None:
     with pytest.raises(BaseModelError) as failure:
         train_base_model(0, attempts=2, say=said.append, skill_budget=25, check_every=25)
     message = str(failure.value)
-    assert "seed 0: monitor accuracy" in message and "seed 1: monitor accuracy" in message, message
+    assert "seed 0: stage 1 ended at monitor accuracy" in message, message
+    assert "seed 1: stage 1 ended at monitor accuracy" in message, message
     assert [line.split(":")[0] for line in said] == ["seed 0", "seed 1"]
+
+
+def test_a_build_that_misses_the_postconditions_writes_nothing_and_exits_1(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Orchestration only: each seed's warm start 'succeeds' but scores outside the window, so every seed
+    is tried, the CLI exits 1 naming each seed's figures, and no half-written model is left behind."""
+    from fp8rl import tiny
+
+    trained: list[int] = []
+
+    def fake_warm_start(model: torch.nn.Module, seed: int, **_: object) -> tiny.WarmStart:
+        trained.append(seed)
+        return tiny.WarmStart(seed, 100, 0.7, True, 50, 0.95)
+
+    monkeypatch.setattr(tiny, "warm_start", fake_warm_start)
+    monkeypatch.setattr(tiny, "score_base_model", lambda model: BaseScore(greedy=0.7, known=0.75))
+    with pytest.raises(SystemExit) as exit_:
+        tiny.main(["--out", str(tmp_path / "base"), "--trained", "--seed", "5"])
+    assert exit_.value.code == 1 and trained == [5, 6, 7]
+    err = capsys.readouterr().err
+    assert all(f"seed {s}: greedy accuracy 0.700 outside [0.2, 0.6]" in err for s in (5, 6, 7)), err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_trained_build_refuses_a_non_empty_directory(tmp_path: Path) -> None:
+    (tmp_path / "keep.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="not empty"):
+        write_tiny_model(tmp_path, trained=True)
+    assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
+
+
+def test_services_refuse_a_damaged_shipped_model_at_config_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fp8rl.config import ConfigError, load_config
+    from rollout_service.config import RolloutConfig
+    from trainer_service.config import TrainerConfig
+
+    copy = Path(shutil.copytree(models.TINY_ARITH, tmp_path / "tiny-arith"))
+    monkeypatch.setattr(models, "TINY_ARITH", copy)  # stands in for the shipped directory
+    for config in (RolloutConfig, TrainerConfig):
+        assert load_config(config, overrides={"model": str(copy)}).model == copy
+    (copy / "tokenizer.json").write_text("{}")
+    for config in (RolloutConfig, TrainerConfig):
+        with pytest.raises(ConfigError, match=r"model: .*tokenizer.json differ"):
+            load_config(config, overrides={"model": str(copy)})

@@ -74,6 +74,8 @@ def test_vllm_and_transformers_agree_on_the_tiny_model(tiny_model_dir_f32: Path)
 
     prompt = [4 + ord(c) for c in "12+34="]
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    if torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+        env["TORCHDYNAMO_DISABLE"] = "1"  # as the rollout engine does: see rollout_service/engine.py
     proc = subprocess.run(
         [sys.executable, "-c", VLLM_PROBE, str(tiny_model_dir_f32), json.dumps(prompt)],
         capture_output=True,

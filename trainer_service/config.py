@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from fp8rl.models import TINY_ARITH
+from fp8rl.models import TINY_ARITH, ModelDir
 from fp8rl.recipes import AdvantageNorm, ISMode, RecipeName
 
 
@@ -45,7 +45,7 @@ class LossConfig(BaseModel):
 class TrainerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: Path = TINY_ARITH
+    model: ModelDir = Field(TINY_ARITH, validate_default=True)
     """HF checkpoint directory (Qwen2, Qwen3, Llama families); default: the shipped tiny arith model."""
     recipe: RecipeName = "fp8"
     host: str = "127.0.0.1"

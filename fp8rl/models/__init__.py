@@ -9,7 +9,9 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import AfterValidator
 
 TINY_ARITH = Path(__file__).resolve().parent / "tiny-arith"
 """The demo's base model: the tiny Qwen2 warm-started on arith (``python -m fp8rl.tiny --trained``)."""
@@ -17,7 +19,7 @@ TINY_ARITH = Path(__file__).resolve().parent / "tiny-arith"
 MANIFEST = "manifest.json"
 
 
-class ShippedModelError(RuntimeError):
+class ShippedModelError(ValueError):
     """A shipped model's files are missing or differ from its manifest."""
 
 
@@ -47,3 +49,12 @@ def verified(directory: Path = TINY_ARITH) -> Path:
             "pointer or a line-ending conversion?); restore it with git, or pass --model DIR"
         )
     return directory
+
+
+def intact(path: Path) -> Path:
+    """``path``, verified first when it is the shipped model (a config validator)."""
+    return verified(path) if path.resolve() == TINY_ARITH else path
+
+
+ModelDir = Annotated[Path, AfterValidator(intact)]
+"""A checkpoint directory in a config: the shipped model is checked against its manifest on load."""
