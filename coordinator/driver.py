@@ -297,7 +297,7 @@ class Driver:
         version: int,
         replicas: list[str],
     ) -> list[rollout_pb2.Completion]:
-        prompts = [rollout_pb2.Prompt(id=p.id, text=p.prompt) for p in problems]
+        prompts = [wire_prompt(p) for p in problems]
 
         def failed(address: str, exc: grpc.RpcError) -> None:
             self.store.event("replica-failed", f"{address}: {rpc_code(exc)} {exc.details()}")
@@ -354,3 +354,10 @@ class Driver:
                 self.store.event("heal", detail, version)
                 self.sink.say(f"recovery: {detail}")
         return list(reply.results)
+
+
+def wire_prompt(problem: Problem) -> rollout_pb2.Prompt:
+    if problem.messages is None:
+        return rollout_pb2.Prompt(id=problem.id, text=problem.prompt)
+    turns = [rollout_pb2.ChatMessage(role=role, content=content) for role, content in problem.messages]
+    return rollout_pb2.Prompt(id=problem.id, messages=rollout_pb2.ChatMessages(messages=turns))

@@ -2,7 +2,8 @@
 
 * ``arith``: "37+48=" -> "85" (operands 0..99), the tiny model's task.
 * ``jsonl``: a file of {"prompt": ..., "answer": ...} lines; scored by ``math-verify`` when installed,
-  else by exact match after normalisation.
+  else by exact match after normalisation. A prompt is text, or a conversation (a list of
+  {"role": ..., "content": ...}) that the replica renders with the model's chat template.
 * ``--reward module:function``: ``function(prompt, completion, answer) -> float`` replaces the reward.
 """
 
@@ -22,11 +23,32 @@ from fp8rl import arith
 RewardFn = Callable[[str, str, str], float]
 
 
+Messages = tuple[tuple[str, str], ...]  # (role, content) per turn
+
+
 @dataclass(frozen=True)
 class Problem:
     id: str
-    prompt: str
+    prompt: str  # the text sent, or a conversation's last message (what a reward function sees)
     answer: str
+    messages: Messages | None = None  # a chat-format prompt, sent instead of ``prompt``
+
+
+def parse_prompt(value: object, where: str) -> tuple[str, Messages | None]:
+    """A dataset row's prompt: text, or a list of {"role", "content"} messages (chat format)."""
+    if isinstance(value, str):
+        return value, None
+    if (
+        isinstance(value, list)
+        and value
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in value
+        )
+    ):
+        messages = tuple((m["role"], m["content"]) for m in value)
+        return messages[-1][1], messages
+    raise ValueError(f"{where}: 'prompt' must be text or a non-empty list of {{role, content}} messages")
 
 
 class Task(Protocol):
@@ -73,10 +95,12 @@ class JsonlTask:
 
     def __init__(self, path: Path, seed: int, val_size: int = 64) -> None:
         rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+        problems = []
         for i, row in enumerate(rows):
             if not isinstance(row, dict) or "prompt" not in row or "answer" not in row:
                 raise ValueError(f"{path}:{i + 1}: each line needs 'prompt' and 'answer'")
-        problems = [Problem(f"row-{i}", str(r["prompt"]), str(r["answer"])) for i, r in enumerate(rows)]
+            text, messages = parse_prompt(row["prompt"], f"{path}:{i + 1}")
+            problems.append(Problem(f"row-{i}", text, str(row["answer"]), messages))
         if len(problems) <= val_size:
             raise ValueError(
                 f"{path}: {len(problems)} rows leave nothing to train on after {val_size} for validation"

@@ -99,6 +99,26 @@ class RunningServer:
         self.server.stop(grace).wait()
 
 
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+
+
+def enable_reflection(server: grpc.Server, service_names: Sequence[str]) -> None:
+    """Server reflection as v1alpha and v1 (some clients try v1 first). grpcio-reflection ships only
+    v1alpha; v1's messages are the same on the wire, so one servicer answers both method paths."""
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    servicer = reflection.ReflectionServicer([*service_names, reflection.SERVICE_NAME, REFLECTION_V1])
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
+    v1 = grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo,
+        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(REFLECTION_V1, {"ServerReflectionInfo": v1}),)
+    )
+
+
 def start_server(
     register: Callable[[grpc.Server], None],
     service_names: Sequence[str],
@@ -118,9 +138,7 @@ def start_server(
     register(server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
-    )
+    enable_reflection(server, [*service_names, health.SERVICE_NAME])
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot bind gRPC server to {host}:{port}")

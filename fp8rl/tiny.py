@@ -72,6 +72,14 @@ def byte_symbols() -> list[str]:
     return [chr(b) if b in printable else chr(next(shifted)) for b in range(256)]
 
 
+# A minimal chat format, so chat prompts are tested for real: "user: 12+34=\nassistant: ". Plain text
+# (no special tokens): the byte-level tokenizer spells it out.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
 def build_tokenizer():  # -> transformers.PreTrainedTokenizerFast
     """One token per byte (one per character for ASCII text): byte b has id ``4 + b``.
 
@@ -93,6 +101,7 @@ def build_tokenizer():  # -> transformers.PreTrainedTokenizerFast
         pad_token="<pad>",
         unk_token="<unk>",
         model_max_length=ARCHITECTURE["max_position_embeddings"],
+        chat_template=CHAT_TEMPLATE,
     )
 
 

@@ -27,6 +27,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     serve.add_argument("--tensor-parallel-size", type=int)
     serve.add_argument("--redis-url")
     serve.add_argument("--advertise", help="host:port other processes use to reach this replica")
+    serve.add_argument("--http-port", type=int, help="serve the OpenAI-compatible HTTP API on this port")
     serve.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="any other config field"
     )
@@ -46,6 +47,7 @@ def main(argv: list[str] | None = None) -> None:
         "tensor_parallel_size",
         "redis_url",
         "advertise",
+        "http_port",
     )
     config = config_from_cli(RolloutConfig, "rollout-service", args, fields)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rollout %(levelname)s %(message)s")
@@ -82,12 +84,20 @@ def serve(config: RolloutConfig) -> None:
         heartbeat = Heartbeat(
             redis.Redis.from_url(config.redis_url), str(config.advertise), info, config.heartbeat_s
         )
+    http = None
+    if config.http_port is not None:
+        from rollout_service.openai_api import HttpServer, build_app
+
+        http = HttpServer(build_app(service, config.model_name), config.host, config.http_port)
+        print(f"rollout-service OpenAI-compatible HTTP on {config.host}:{http.port}", flush=True)
     running.set_serving()  # health turns SERVING only now, with the engine loaded
     print(f"rollout-service serving on {config.host}:{running.port}", flush=True)
     stop.wait()
     exit_deadline()
     if heartbeat:
         heartbeat.stop()
+    if http:
+        http.stop()
     running.stop(grace=5)
     service.loop.stop()
 

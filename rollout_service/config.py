@@ -27,6 +27,13 @@ class RolloutConfig(BaseModel):
     """Context length (prompt + completion); default: the model's."""
     max_n: int = Field(64, ge=1)
     """Largest accepted number of samples per prompt."""
+    http_port: int | None = Field(None, ge=0, le=65535)
+    """OpenAI-compatible HTTP endpoint (/v1/completions, /v1/chat/completions, /v1/models) on
+    host:http_port; 0 picks a free port (printed at start-up); unset: off."""
+    served_model_name: str | None = None
+    """The model name the HTTP endpoint serves and expects in requests; default: the model directory's."""
+    default_max_tokens: int = Field(16, ge=1)
+    """Completion tokens for a request that leaves max_tokens unset (capped by the context left)."""
     max_request_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     """Largest accepted Generate request, in serialized bytes."""
     kv_cache_gib: float = Field(1.0, gt=0)
@@ -49,3 +56,7 @@ class RolloutConfig(BaseModel):
         if self.redis_url and not self.advertise:
             raise ValueError("advertise (host:port) is required when redis_url is set")
         return self
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model.name

@@ -135,6 +135,17 @@ class VllmEngine:
     def tokenize(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def tokenize_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """``messages`` rendered by the model's chat template, generation prompt added."""
+        ids: Any = self.tokenizer.apply_chat_template(
+            cast(Any, messages), add_generation_prompt=True, tokenize=True
+        )
+        return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
+
     def add(self, request: EngineRequest) -> None:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind

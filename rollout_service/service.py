@@ -21,7 +21,7 @@ from fp8rl.weights import SCALE_SUFFIX, WeightFormat, WeightSet, decode_update, 
 from rollout_service.config import RolloutConfig
 from rollout_service.engine import VllmEngine
 from rollout_service.generation import GenerationLoop, Ticket
-from rollout_service.validation import Limits, Slot, parse_generate
+from rollout_service.validation import Limits, Slot, Tokenizer, parse_generate, required_version
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,16 @@ class RolloutService:
         self.engine = engine
         self.recipe = get_recipe(config.recipe)
         self.loop = GenerationLoop(engine)
-        self.limits = Limits(engine.max_model_len, engine.vocab_size, config.max_n, config.max_request_bytes)
+        self.limits = Limits(
+            engine.max_model_len,
+            engine.vocab_size,
+            config.max_n,
+            config.max_request_bytes,
+            config.default_max_tokens,
+        )
+        self.tokenizer = Tokenizer(
+            engine.tokenize, engine.tokenize_chat if engine.has_chat_template else None
+        )
         self.held: WeightSet | None = None  # host copy of the applied set: deltas are XORed against it
         self.schema = expected_schema(config.model, self.recipe.rollout_weights)
         self._update_lock = threading.Lock()
@@ -118,8 +127,8 @@ class RolloutService:
     def generate(self, request: rollout_pb2.GenerateRequest) -> Generation:
         """Validate and admit a request; raises before anything runs if it is malformed or asks for a
         version this replica does not hold."""
-        engine_requests, slots = parse_generate(request, self.limits, self.engine.tokenize)
-        ticket = self.loop.submit(engine_requests, request.weight_version)
+        engine_requests, slots = parse_generate(request, self.limits, self.tokenizer)
+        ticket = self.loop.submit(engine_requests, required_version(request))
         return Generation(
             self.loop, ticket, {r.request_id: s for r, s in zip(engine_requests, slots, strict=True)}
         )

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from fp8rl.errors import InvalidRequest
 from fp8rl.v1 import common_pb2, rollout_pb2
 from rollout_service.engine import EngineRequest, Sampling
+from rollout_service.generation import ANY_VERSION
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,7 @@ class Limits:
     vocab_size: int
     max_n: int
     max_request_bytes: int
+    default_max_tokens: int = 16  # for a request that leaves sampling.max_tokens unset
 
 
 @dataclass(frozen=True)
@@ -35,7 +37,9 @@ def sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-def parse_sampling(s: common_pb2.SamplingParams, max_model_len: int) -> Sampling:
+def parse_sampling(
+    s: common_pb2.SamplingParams, max_model_len: int, default_max_tokens: int = 16
+) -> Sampling:
     temperature = s.temperature if s.HasField("temperature") else 1.0
     top_p = s.top_p if s.HasField("top_p") else 1.0
     top_k = s.top_k if s.HasField("top_k") else 0
@@ -45,21 +49,44 @@ def parse_sampling(s: common_pb2.SamplingParams, max_model_len: int) -> Sampling
         raise InvalidRequest("sampling.top_p", f"must lie in (0, 1], got {top_p}")
     if top_k < 0:
         raise InvalidRequest("sampling.top_k", f"must be >= 0 (0 = off), got {top_k}")
-    if not 0 < s.max_tokens <= max_model_len:
-        raise InvalidRequest("sampling.max_tokens", f"must lie in [1, {max_model_len}], got {s.max_tokens}")
+    max_tokens = s.max_tokens if s.HasField("max_tokens") else min(default_max_tokens, max_model_len)
+    if not 0 < max_tokens <= max_model_len:
+        raise InvalidRequest("sampling.max_tokens", f"must lie in [1, {max_model_len}], got {max_tokens}")
     if any(not stop for stop in s.stop):
         raise InvalidRequest("sampling.stop", "stop strings must not be empty")
     seed = s.seed if s.HasField("seed") else None
-    return Sampling(temperature, top_p, top_k, s.max_tokens, tuple(s.stop), seed)
+    return Sampling(temperature, top_p, top_k, max_tokens, tuple(s.stop), seed)
+
+
+@dataclass(frozen=True)
+class Tokenizer:
+    """The engine's tokenizer as validation needs it."""
+
+    text: Callable[[str], list[int]]
+    chat: Callable[[list[dict[str, str]]], list[int]] | None  # None: the model has no chat template
 
 
 def prompt_token_ids(
-    prompt: rollout_pb2.Prompt, index: int, limits: Limits, tokenize: Callable[[str], list[int]]
+    prompt: rollout_pb2.Prompt, index: int, limits: Limits, tokenize: Tokenizer
 ) -> list[int]:
     field = f"prompts[{index}]"
     kind = prompt.WhichOneof("input")
     if kind == "text":
-        ids = tokenize(prompt.text)
+        ids = tokenize.text(prompt.text)
+    elif kind == "messages":
+        field += ".messages"
+        messages = prompt.messages.messages
+        if not messages:
+            raise InvalidRequest(field, "at least one message is required")
+        for j, m in enumerate(messages):
+            if not m.role:
+                raise InvalidRequest(f"{field}[{j}].role", "got (unset)")
+        if tokenize.chat is None:
+            raise InvalidRequest(field, "this model has no chat template; send text or token_ids")
+        try:
+            ids = tokenize.chat([{"role": m.role, "content": m.content} for m in messages])
+        except Exception as exc:  # the template rejected the conversation (a role it does not know, ...)
+            raise InvalidRequest(field, f"the chat template refused it: {exc}") from None
     elif kind == "token_ids":
         ids = list(prompt.token_ids.ids)
         field += ".token_ids"
@@ -67,7 +94,7 @@ def prompt_token_ids(
         if bad:
             raise InvalidRequest(field, f"token id {bad[0]} outside the vocabulary [0, {limits.vocab_size})")
     else:
-        raise InvalidRequest(field, "set either text or token_ids")
+        raise InvalidRequest(field, "set one of text, token_ids or messages, got (unset)")
     if not ids:
         raise InvalidRequest(field, "empty prompt")
     if len(ids) >= limits.max_model_len:
@@ -75,22 +102,32 @@ def prompt_token_ids(
     return ids
 
 
+def required_version(request: rollout_pb2.GenerateRequest) -> int:
+    """The weight version the request requires; ANY_VERSION (-1) when it leaves the field unset."""
+    if not request.HasField("weight_version"):
+        return ANY_VERSION
+    if request.weight_version < ANY_VERSION:
+        raise InvalidRequest(
+            "weight_version", f"must be a version >= 0 or -1 (any), got {request.weight_version}"
+        )
+    return request.weight_version
+
+
 def parse_generate(
-    request: rollout_pb2.GenerateRequest, limits: Limits, tokenize: Callable[[str], list[int]]
+    request: rollout_pb2.GenerateRequest, limits: Limits, tokenize: Tokenizer
 ) -> tuple[list[EngineRequest], list[Slot]]:
-    """Validate a request and expand it into one engine request per sample."""
+    """Validate a request and expand it into one engine request per sample; unset fields take their
+    defaults (n 1, max_tokens ``limits.default_max_tokens``, any weight version)."""
     size = request.ByteSize()
     if size > limits.max_request_bytes:
         raise InvalidRequest("request", f"{size} bytes exceed the limit of {limits.max_request_bytes}")
     if not request.prompts:
         raise InvalidRequest("prompts", "at least one prompt is required")
-    if not 1 <= request.n <= limits.max_n:
-        raise InvalidRequest("n", f"must lie in [1, {limits.max_n}], got {request.n}")
-    if request.weight_version < -1:
-        raise InvalidRequest(
-            "weight_version", f"must be a version >= 0 or -1 (any), got {request.weight_version}"
-        )
-    sampling = parse_sampling(request.sampling, limits.max_model_len)
+    n = request.n if request.HasField("n") else 1
+    if not 1 <= n <= limits.max_n:
+        raise InvalidRequest("n", f"must lie in [1, {limits.max_n}], got {n}")
+    required_version(request)
+    sampling = parse_sampling(request.sampling, limits.max_model_len, limits.default_max_tokens)
     tag = request.request_id or "req"
     batch = f"{tag}-{uuid.uuid4().hex[:12]}"
     engine_requests, slots = [], []
@@ -103,7 +140,7 @@ def parse_generate(
         ids = prompt_token_ids(prompt, i, limits, tokenize)
         # The context bounds prompt + completion: a long prompt leaves fewer completion tokens.
         max_tokens = min(sampling.max_tokens, limits.max_model_len - len(ids))
-        for j in range(request.n):
+        for j in range(n):
             seed = None if sampling.seed is None else sample_seed(sampling.seed, i, j)
             per_sample = Sampling(
                 sampling.temperature, sampling.top_p, sampling.top_k, max_tokens, sampling.stop, seed

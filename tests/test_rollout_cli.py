@@ -3,9 +3,12 @@ status, bf16 numerics, Redis registration with an expiring heartbeat, clean exit
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import sys
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -41,6 +44,8 @@ def test_serve_bf16_with_registration(tiny_model_dir_f32: Path, tmp_path: Path) 
             redis_url,
             "--advertise",
             address,
+            "--http-port",
+            "0",
         ]
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
         log = tmp_path / "rollout.log"
@@ -54,6 +59,9 @@ def test_serve_bf16_with_registration(tiny_model_dir_f32: Path, tmp_path: Path) 
                 ).status
                 assert status == health_pb2.HealthCheckResponse.NOT_SERVING
             wait_for_line(proc, log, r"serving on")
+            http_port = re.search(r"OpenAI-compatible HTTP on 127.0.0.1:(\d+)", log.read_text()).group(1)  # type: ignore[union-attr]
+            with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v1/models", timeout=10) as models:
+                assert [m["id"] for m in json.load(models)["data"]] == [tiny_model_dir_f32.name]
             assert (
                 health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
                 == health_pb2.HealthCheckResponse.SERVING

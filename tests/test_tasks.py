@@ -66,3 +66,31 @@ def test_jsonl_task_and_custom_reward(tmp_path: Path) -> None:
         build_task("jsonl", seed=0, dataset=tmp_path / "bad.jsonl")
     with pytest.raises(ValueError, match="no function"):
         build_task("arith", seed=0, reward="json:nope")
+
+
+def test_jsonl_task_takes_chat_format_prompts(tmp_path: Path) -> None:
+    from coordinator.driver import wire_prompt
+
+    rows = [
+        {
+            "prompt": [
+                {"role": "system", "content": "Answer briefly."},
+                {"role": "user", "content": f"{i}*2?"},
+            ],
+            "answer": str(2 * i),
+        }
+        for i in range(6)
+    ] + [{"prompt": "plain text", "answer": "1"}]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    task = build_task("jsonl", seed=0, dataset=path, val_size=2)
+    first = task.val_problems()[0]
+    assert first.messages == (("system", "Answer briefly."), ("user", "0*2?")) and first.prompt == "0*2?"
+    wire = wire_prompt(first)
+    assert wire.WhichOneof("input") == "messages" and wire.id == first.id
+    assert [(m.role, m.content) for m in wire.messages.messages] == list(first.messages)
+    plain = wire_prompt(Problem("p", "plain text", "1"))
+    assert plain.WhichOneof("input") == "text" and plain.text == "plain text"
+    (tmp_path / "bad.jsonl").write_text('{"prompt": [{"role": "user"}], "answer": "1"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: 'prompt' must be text or a non-empty list"):
+        build_task("jsonl", seed=0, dataset=tmp_path / "bad.jsonl")

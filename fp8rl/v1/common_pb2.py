@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x66p8rl/v1/common.proto\x12\x08\x66p8rl.v1\"\xb4\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x03\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\x12\n\x10GetStatusRequestb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x66p8rl/v1/common.proto\x12\x08\x66p8rl.v1\"\xc8\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x04\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\r\n\x0b_max_tokensB\x07\n\x05_seed\"\x12\n\x10GetStatusRequestb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,7 +32,7 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'fp8rl.v1.common_pb2', _glob
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS']._serialized_start=36
-  _globals['_SAMPLINGPARAMS']._serialized_end=216
-  _globals['_GETSTATUSREQUEST']._serialized_start=218
-  _globals['_GETSTATUSREQUEST']._serialized_end=236
+  _globals['_SAMPLINGPARAMS']._serialized_end=236
+  _globals['_GETSTATUSREQUEST']._serialized_start=238
+  _globals['_GETSTATUSREQUEST']._serialized_end=256
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,211 @@
+"""Rollout.Generate as a newcomer meets it, against the real replica (vLLM on CPU): a minimal request
+works, unset fields take documented defaults, chat prompts go through the model's template, and the
+OpenAI-compatible HTTP endpoint answers the official `openai` client with the gRPC path's samples."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from fp8rl.tiny import decode
+from fp8rl.v1 import common_pb2, rollout_pb2
+from rollout_service.openai_api import VERSION_HEADER, HttpServer, build_app
+from tests.conftest import InProcessRollout
+
+MODEL_NAME = "tiny"
+
+
+def generate(rollout: InProcessRollout, **fields: Any) -> rollout_pb2.GenerateResponse:
+    return rollout.stub.Generate(rollout_pb2.GenerateRequest(**fields), timeout=120)
+
+
+def invalid(rollout: InProcessRollout, **fields: Any) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as failure:
+        generate(rollout, **fields)
+    return failure.value
+
+
+def test_a_minimal_request_gets_one_completion_under_the_held_version(rollout_fp8: InProcessRollout) -> None:
+    response = generate(rollout_fp8, prompts=[rollout_pb2.Prompt(text="12+34=")])
+    [completion] = response.completions
+    # n = 1; max_tokens = the server default (16); any version: the one held, reported.
+    assert completion.prompt_token_ids and 1 <= len(completion.token_ids) <= 16
+    assert completion.finish_reason == "stop" or len(completion.token_ids) == 16
+    assert completion.weight_version == response.weight_version == rollout_fp8.service.version
+
+
+def test_explicit_bad_values_are_still_refused_naming_the_field(rollout_fp8: InProcessRollout) -> None:
+    prompt = [rollout_pb2.Prompt(text="1+1=")]
+    cases = {
+        "n: must lie in [1, 64], got 0": dict(n=0),
+        "sampling.max_tokens: must lie in [1, 256], got 0": dict(
+            sampling=common_pb2.SamplingParams(max_tokens=0)
+        ),
+        "weight_version: must be a version >= 0 or -1 (any), got -2": dict(weight_version=-2),
+    }
+    for message, fields in cases.items():
+        error = invalid(rollout_fp8, prompts=prompt, **fields)
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and error.details() == message
+    error = invalid(rollout_fp8, prompts=[rollout_pb2.Prompt(id="p")])
+    assert error.details() == "prompts[0]: set one of text, token_ids or messages, got (unset)"
+    held = rollout_fp8.service.version
+    error = invalid(rollout_fp8, prompts=prompt, weight_version=held + 1)
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_chat_prompts_are_rendered_with_the_models_template(rollout_fp8: InProcessRollout) -> None:
+    turns = [("system", "add"), ("user", "12+34=")]
+    messages = rollout_pb2.ChatMessages(
+        messages=[rollout_pb2.ChatMessage(role=r, content=c) for r, c in turns]
+    )
+    response = generate(
+        rollout_fp8,
+        prompts=[rollout_pb2.Prompt(messages=messages)],
+        sampling=common_pb2.SamplingParams(max_tokens=3),
+    )
+    tokenizer = AutoTokenizer.from_pretrained(rollout_fp8.model_dir)
+    expected = tokenizer.apply_chat_template(
+        [{"role": r, "content": c} for r, c in turns], add_generation_prompt=True, tokenize=True
+    )
+    assert list(response.completions[0].prompt_token_ids) == list(expected["input_ids"])
+    assert decode(list(expected["input_ids"])) == "system: add\nuser: 12+34=\nassistant: "
+    empty = invalid(rollout_fp8, prompts=[rollout_pb2.Prompt(messages=rollout_pb2.ChatMessages())])
+    assert empty.details() == "prompts[0].messages: at least one message is required"
+
+
+def test_a_stop_string_is_cut_from_text_but_its_tokens_stay(rollout_fp8: InProcessRollout) -> None:
+    """The contract the trainer relies on: what was sampled is in token_ids and logprobs."""
+    greedy = common_pb2.SamplingParams(temperature=0.0, max_tokens=12)
+    free = generate(rollout_fp8, prompts=[rollout_pb2.Prompt(text="7+8=")], sampling=greedy).completions[0]
+    text = decode(list(free.token_ids))
+    stop = next(ch for ch in text[1:] if ch.isprintable() and ch != text[0])  # a later character
+    greedy.stop.append(stop)
+    cut = generate(rollout_fp8, prompts=[rollout_pb2.Prompt(text="7+8=")], sampling=greedy).completions[0]
+    assert cut.finish_reason == "stop" and stop not in cut.text
+    assert decode(list(cut.token_ids)) == cut.text + stop
+    assert len(cut.logprobs) == len(cut.token_ids)
+    assert list(cut.token_ids) == list(free.token_ids)[: len(cut.token_ids)]
+
+
+def test_server_reflection_answers_v1_and_v1alpha(rollout_fp8: InProcessRollout) -> None:
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    request = reflection_pb2.ServerReflectionRequest(list_services="")
+    for version in ("v1", "v1alpha"):
+        call = rollout_fp8.channel.stream_stream(
+            f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+            request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+            response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+        )
+        [reply] = list(call(iter([request]), timeout=30))
+        names = {s.name for s in reply.list_services_response.service}
+        assert {
+            "fp8rl.v1.Rollout",
+            "grpc.health.v1.Health",
+            f"grpc.reflection.{version}.ServerReflection",
+        } <= names
+
+
+# -- the OpenAI-compatible endpoint, through the official client -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def client(rollout_fp8: InProcessRollout) -> Iterator[openai.OpenAI]:
+    http = HttpServer(build_app(rollout_fp8.service, MODEL_NAME), "127.0.0.1", 0)
+    try:
+        yield openai.OpenAI(base_url=f"http://127.0.0.1:{http.port}/v1", api_key="unused", max_retries=0)
+    finally:
+        http.stop()
+
+
+def error_body(exc: openai.APIStatusError) -> dict[str, Any]:
+    body = exc.body if isinstance(exc.body, dict) else {}
+    return body.get("error", body)
+
+
+def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list()] == [MODEL_NAME]
+
+
+def test_completion_matches_the_grpc_path_with_logprobs_and_version(
+    client: openai.OpenAI, rollout_fp8: InProcessRollout
+) -> None:
+    raw = client.completions.with_raw_response.create(
+        model=MODEL_NAME, prompt="12+34=", max_tokens=6, temperature=1.0, seed=7, n=2, logprobs=0
+    )
+    answer = raw.parse()
+    version = rollout_fp8.service.version
+    assert raw.headers[VERSION_HEADER] == str(version) and answer.weight_version == version  # type: ignore[attr-defined]
+    sampling = common_pb2.SamplingParams(temperature=1.0, max_tokens=6, seed=7)
+    reference = generate(rollout_fp8, prompts=[rollout_pb2.Prompt(text="12+34=")], n=2, sampling=sampling)
+    assert [c.index for c in answer.choices] == [0, 1]
+    for choice, expected in zip(answer.choices, reference.completions, strict=True):
+        assert choice.token_ids == list(expected.token_ids)  # type: ignore[attr-defined]
+        assert choice.prompt_token_ids == list(expected.prompt_token_ids)  # type: ignore[attr-defined]
+        assert choice.text == expected.text and choice.logprobs is not None
+        assert choice.logprobs.token_logprobs == pytest.approx(list(expected.logprobs), abs=1e-4)
+        assert "".join(choice.logprobs.tokens or []) == decode(list(expected.token_ids))
+    assert answer.usage is not None and answer.usage.completion_tokens == sum(
+        len(c.token_ids) for c in reference.completions
+    )
+
+
+def test_chat_completion_renders_the_template_and_reports_logprobs(
+    client: openai.OpenAI, rollout_fp8: InProcessRollout
+) -> None:
+    answer = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "12+34="}], max_tokens=4, logprobs=True
+    )
+    [choice] = answer.choices
+    assert decode(choice.prompt_token_ids) == "user: 12+34=\nassistant: "  # type: ignore[attr-defined]
+    assert choice.message.role == "assistant" and choice.message.content == decode(choice.token_ids)  # type: ignore[attr-defined]
+    assert choice.logprobs is not None and choice.logprobs.content is not None
+    assert len(choice.logprobs.content) == len(choice.token_ids)  # type: ignore[attr-defined]
+    assert all(t.logprob <= 0 for t in choice.logprobs.content)
+    assert answer.weight_version == rollout_fp8.service.version  # type: ignore[attr-defined]
+
+
+def test_streams_send_every_completion_then_end(client: openai.OpenAI) -> None:
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": "1+2="}], max_tokens=3, n=2, stream=True
+        )
+    )
+    assert sorted(choice.index for chunk in chunks for choice in chunk.choices) == [0, 1]
+    assert all(chunk.choices[0].finish_reason in ("stop", "length") for chunk in chunks)
+    assert all(chunk.choices[0].token_ids for chunk in chunks)  # type: ignore[attr-defined]
+    pieces = list(
+        client.completions.create(model=MODEL_NAME, prompt=["1+2=", "3+4="], max_tokens=3, stream=True)
+    )
+    assert sorted(choice.index for piece in pieces for choice in piece.choices) == [0, 1]
+
+
+def test_version_rules_and_errors_in_openais_shape(
+    client: openai.OpenAI, rollout_fp8: InProcessRollout
+) -> None:
+    held = rollout_fp8.service.version
+    ok = client.completions.create(
+        model=MODEL_NAME, prompt="1+1=", max_tokens=2, extra_headers={VERSION_HEADER: str(held)}
+    )
+    assert ok.weight_version == held  # type: ignore[attr-defined]
+    with pytest.raises(openai.ConflictError) as conflict:  # 409: the replica holds another version
+        client.completions.create(
+            model=MODEL_NAME, prompt="1+1=", max_tokens=2, extra_body={"weight_version": held + 1}
+        )
+    assert f"not {held + 1}" in error_body(conflict.value)["message"]
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model=MODEL_NAME, prompt="1+1=", max_tokens=0)
+    assert error_body(bad.value)["param"] == "max_tokens"
+    assert error_body(bad.value)["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": "x"}], top_logprobs=3, logprobs=True
+        )
+    assert error_body(bad.value)["param"] == "top_logprobs"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="1+1=", max_tokens=2)
