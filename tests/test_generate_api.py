@@ -39,6 +39,18 @@ def test_a_minimal_request_gets_one_completion_under_the_held_version(rollout_fp
     assert completion.weight_version == response.weight_version == rollout_fp8.service.version
 
 
+def test_unset_max_tokens_is_the_server_default_capped_by_the_context(rollout_fp8: InProcessRollout) -> None:
+    greedy = common_pb2.SamplingParams(temperature=0.0)
+    prompt = [rollout_pb2.Prompt(text="12+34=")]
+    default = generate(rollout_fp8, prompts=prompt, sampling=greedy).completions[0]
+    greedy.max_tokens = 16
+    explicit = generate(rollout_fp8, prompts=prompt, sampling=greedy).completions[0]
+    assert list(default.token_ids) == list(explicit.token_ids)
+    long = [rollout_pb2.Prompt(token_ids=rollout_pb2.TokenIds(ids=[40] * 250))]  # 6 tokens of room in 256
+    capped = generate(rollout_fp8, prompts=long, sampling=common_pb2.SamplingParams(temperature=0.0))
+    assert len(capped.completions[0].token_ids) <= 6
+
+
 def test_explicit_bad_values_are_still_refused_naming_the_field(rollout_fp8: InProcessRollout) -> None:
     prompt = [rollout_pb2.Prompt(text="1+1=")]
     cases = {
