@@ -20,9 +20,10 @@ from pathlib import Path
 
 from fp8rl import arith
 from fp8rl.recipes import get_recipe
+from fp8rl.sampling import SamplingSettings
 from fp8rl.tiny import encode, write_tiny_model
 from trainer_service.config import TrainerConfig
-from trainer_service.learner import Learner, SampleData, SamplingSettings
+from trainer_service.learner import Learner, SampleData
 
 
 def arith_samples(count: int) -> list[SampleData]:

@@ -36,12 +36,19 @@ def with_retries(call: Callable[[], T], what: str, retries: int = RETRIES) -> T:
     raise AssertionError("unreachable")
 
 
+# Batches and replies of real runs (hundreds of samples x thousands of tokens) outgrow gRPC's default
+# 4 MiB receive limit; both directions of every channel take up to this.
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
 class TrainerClient:
     def __init__(self, address: str) -> None:
         self.address = address
-        self.channel = grpc.insecure_channel(
-            address, options=[("grpc.max_send_message_length", 256 * 1024 * 1024)]
-        )
+        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = trainer_pb2_grpc.TrainerStub(self.channel)
 
     def status(self) -> trainer_pb2.TrainerStatus:
@@ -81,7 +88,7 @@ class RolloutPool:
 
     def stub(self, address: str) -> rollout_pb2_grpc.RolloutStub:
         if address not in self._stubs:
-            self._channels[address] = grpc.insecure_channel(address)
+            self._channels[address] = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
             self._stubs[address] = rollout_pb2_grpc.RolloutStub(self._channels[address])
         return self._stubs[address]
 

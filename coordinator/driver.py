@@ -205,6 +205,7 @@ class Driver:
             "is_weight_max": m.is_weight_max,
             "is_clipped_fraction": m.is_clipped_fraction,
             "max_seq_mult_prob_error": m.max_seq_mult_prob_error,
+            "out_of_support_fraction": m.out_of_support_fraction,
             "loss": m.loss,
             "grad_norm": m.grad_norm,
             "learning_rate": m.learning_rate,

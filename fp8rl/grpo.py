@@ -4,6 +4,10 @@ trainer mismatch, divergence metrics, and the PPO-clipped token-level loss.
 Shapes: per-token tensors are [B, T] with a float ``mask`` (1 for completion tokens, 0 for padding);
 ``gen`` are the rollout's logprobs, ``prev`` the trainer's logprobs of the same tokens under the same
 weights (no grad), ``cur`` the trainer's logprobs under the weights being optimized.
+
+Outside the mask, logprobs may be -inf (with top-k / top-p, a prompt or padding token can lie outside
+the sampling set), so masking is always by selection (``torch.where``), never by multiplication:
+-inf * 0 is NaN, and so is the gradient of an unselected NaN branch.
 """
 
 from __future__ import annotations
@@ -47,8 +51,24 @@ def group_advantages(
     return out.float()
 
 
+def masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``x`` where ``mask`` is set, 0 elsewhere (whatever ``x`` holds there, inf and NaN included)."""
+    return torch.where(mask > 0, x, torch.zeros_like(x))
+
+
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (x * mask).sum() / mask.sum().clamp(min=1)
+    return masked(x, mask).sum() / (mask > 0).sum().clamp(min=1)
+
+
+def sampling_support(prev: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The mask of valid tokens that the trainer's own sampling set contains (float, like ``mask``).
+
+    With top-k / top-p the two engines can disagree at the boundary of the set: a token the rollout
+    sampled may have probability 0 (logprob -inf) under the trainer's processed distribution. Such a
+    token carries no gradient for the policy the trainer computes and an infinite mismatch; it is left
+    out of the loss and of the divergence metrics, and counted (``out_of_support_fraction``).
+    """
+    return ((mask > 0) & torch.isfinite(prev)).to(mask.dtype)
 
 
 @dataclass(frozen=True)
@@ -69,22 +89,22 @@ def importance_weights(
       outside [low, high]; the kept tokens get TIS weights (clamped to cap);
     * ``none``: 1.
     """
-    log_ratio = (prev - gen).detach() * mask
+    log_ratio = masked((prev - gen).detach(), mask)
     raw = torch.exp(log_ratio)
     valid = mask > 0
     if config.mode == "none":
-        return ISWeights(torch.ones_like(raw) * mask, torch.zeros_like(valid), raw)
+        return ISWeights(masked(torch.ones_like(raw), mask), torch.zeros_like(valid), raw)
     if config.mode == "tis":
-        return ISWeights(raw.clamp(max=config.cap) * mask, valid & (raw > config.cap), raw)
+        return ISWeights(masked(raw.clamp(max=config.cap), mask), valid & (raw > config.cap), raw)
     if config.mode == "icepop":
         outside = (raw < config.low) | (raw > config.high)
-        return ISWeights(torch.where(outside, 0.0, raw) * mask, valid & outside, raw)
+        return ISWeights(masked(torch.where(outside, 0.0, raw), mask), valid & outside, raw)
     if config.mode == "seq-mask-tis":
         seq_mean = log_ratio.sum(-1) / mask.sum(-1).clamp(min=1)
         geometric = torch.exp(seq_mean)
         dropped = ((geometric < config.low) | (geometric > config.high))[:, None].expand_as(raw)
         clipped = raw > config.cap
-        weights = torch.where(dropped, 0.0, raw.clamp(max=config.cap)) * mask
+        weights = masked(torch.where(dropped, 0.0, raw.clamp(max=config.cap)), mask)
         return ISWeights(weights, valid & (dropped | clipped), raw)
     raise ValueError(f"unknown importance sampling mode {config.mode!r}")
 
@@ -93,10 +113,10 @@ def divergence_metrics(
     prev: torch.Tensor, gen: torch.Tensor, mask: torch.Tensor, weights: ISWeights
 ) -> dict[str, float]:
     """Mismatch between trainer and rollout over valid tokens (1.0 / 0.0 when they agree exactly)."""
-    d = (prev - gen).double()
     m = mask.double()
+    d = masked((prev - gen).double(), m)
     mult_error = torch.exp(d.abs())
-    per_sequence = (mult_error * m).sum(-1) / m.sum(-1).clamp(min=1)
+    per_sequence = masked(mult_error, m).sum(-1) / m.sum(-1).clamp(min=1)
     valid = mask > 0
     raw = weights.raw[valid].double()
     return {
@@ -135,13 +155,17 @@ def ppo_loss(
     token mean). ``advantages`` is [B] (one per sequence) or [B, T].
     """
     adv = advantages[:, None] if advantages.ndim == 1 else advantages
-    ratio = torch.exp(cur - prev.detach())
+    # Select before any arithmetic: an unselected -inf would turn into a NaN gradient.
+    cur, prev = masked(cur, mask), masked(prev.detach(), mask)
+    ratio = torch.exp(cur - prev)
     unclipped = ratio * adv
     clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv
     per_token = -torch.minimum(unclipped, clipped) * is_weights.detach()
     if ref is not None and kl_coef > 0:
-        d = ref.detach() - cur
-        per_token = per_token + kl_coef * (torch.exp(d) - d - 1)
-    loss = (per_token * mask).sum() / normalizer
+        # A token outside the reference's own sampling set (ref = -inf) has no finite KL: left out.
+        kl_mask = masked(torch.isfinite(ref).to(mask.dtype), mask)
+        d = masked(ref.detach(), kl_mask) - masked(cur, kl_mask)
+        per_token = per_token + kl_coef * masked(torch.exp(d) - d - 1, kl_mask)
+    loss = masked(per_token, mask).sum() / normalizer
     clip_active = ((unclipped > clipped) & (mask > 0)).float().sum() / max(mask.sum().item(), 1)
     return LossTerms(loss, clip_active)

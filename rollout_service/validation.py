@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from fp8rl.errors import InvalidRequest
+from fp8rl.sampling import sampling_settings
 from fp8rl.v1 import common_pb2, rollout_pb2
 from rollout_service.engine import EngineRequest, Sampling
 from rollout_service.generation import ANY_VERSION
@@ -40,15 +41,8 @@ def sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
 def parse_sampling(
     s: common_pb2.SamplingParams, max_model_len: int, default_max_tokens: int = 16
 ) -> Sampling:
-    temperature = s.temperature if s.HasField("temperature") else 1.0
-    top_p = s.top_p if s.HasField("top_p") else 1.0
-    top_k = s.top_k if s.HasField("top_k") else 0
-    if not temperature >= 0:  # also rejects NaN
-        raise InvalidRequest("sampling.temperature", f"must be >= 0, got {temperature}")
-    if not 0 < top_p <= 1:
-        raise InvalidRequest("sampling.top_p", f"must lie in (0, 1], got {top_p}")
-    if top_k < 0:
-        raise InvalidRequest("sampling.top_k", f"must be >= 0 (0 = off), got {top_k}")
+    distribution = sampling_settings(s)
+    temperature, top_p, top_k = distribution.temperature, distribution.top_p, distribution.top_k
     max_tokens = s.max_tokens if s.HasField("max_tokens") else min(default_max_tokens, max_model_len)
     if not 0 < max_tokens <= max_model_len:
         raise InvalidRequest("sampling.max_tokens", f"must lie in [1, {max_model_len}], got {max_tokens}")

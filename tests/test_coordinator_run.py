@@ -4,6 +4,7 @@ bounded staleness, config errors before anything starts, and no child process le
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -259,3 +260,19 @@ def _as_set(flag: str, value: str) -> list[str]:
     if flag == "--set":
         return ["--set", value]
     return ["--set", f"{flag.removeprefix('--').replace('-', '_')}={value}"]
+
+
+def test_a_run_with_top_k_and_top_p_stays_finite(tiny_model_dir_f32: Path, tmp_path: Path) -> None:
+    """Top-k / top-p put -inf logprobs on prompt tokens outside the sampling set: the loss, gradient
+    and divergence metrics must stay finite (they were NaN), and the excluded share is reported."""
+    run_dir = tmp_path / "run"
+    top = ["--set", "top_k=8", "--set", "top_p=0.9"]
+    proc = subprocess.run(
+        start_fp8(tiny_model_dir_f32, 2, "top-k", run_dir, *top), capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for record in read_metrics(run_dir)[1:]:
+        for key in ("loss", "grad_norm", "token_mult_prob_error", "gen_kl_error", "is_weight_min"):
+            assert math.isfinite(record[key]), (key, record)
+        assert 0 <= record["out_of_support_fraction"] < 0.5
+        assert record["token_mult_prob_error"] < 1.05

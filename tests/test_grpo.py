@@ -139,3 +139,59 @@ def test_is_corrected_loss_gradient_matches_finite_differences(gen: torch.Genera
             return grpo.ppo_loss(c, prev, adv, mask, w.weights, 0.2, mask.sum().item(), ref, 0.05).loss
 
         assert torch.autograd.gradcheck(loss, (cur,), eps=1e-6, atol=1e-6), mode
+
+
+def _top_k_case(gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """Fresh logits [B, T, V]; prompt positions (mask 0) hold tokens outside the top-k set, completion
+    positions the most likely token except one, which the rollout sampled outside the trainer's top-k."""
+    from fp8rl.logprobs import token_logprobs
+
+    logits = torch.randn(3, 7, 40, generator=gen, dtype=torch.float64)
+    ranked = logits.argsort(-1, descending=True)
+    targets = ranked[..., -1].clone()  # the least likely token: outside top-k
+    mask = torch.zeros(3, 7, dtype=torch.float64)
+    mask[:, 3:] = 1
+    targets[:, 3:] = ranked[:, 3:, 0]
+    targets[1, 5] = ranked[1, 5, 10]  # valid, but rank 10 under the trainer: outside its top-5
+    prev = token_logprobs(logits, targets, 1.0, top_k=5)
+    noise = 0.05 * torch.randn(3, 7, generator=gen, dtype=torch.float64)
+    gen_lp = torch.where(mask > 0, torch.nan_to_num(prev, neginf=-3.0) + noise, 0.0)
+    return logits, targets, mask, prev, gen_lp
+
+
+def test_top_k_logprobs_outside_the_mask_or_the_support_never_make_nan(gen: torch.Generator) -> None:
+    """-inf logprobs at prompt/padding positions and at a valid token outside the trainer's top-k set
+    (the engines disagree at its boundary): the support leaves the latter out, every metric, the loss
+    and its gradient stay finite, and nothing depends on what the excluded positions hold."""
+    from fp8rl.logprobs import token_logprobs
+
+    logits, targets, mask, prev, gen_lp = _top_k_case(gen)
+    assert torch.isinf(prev[:, :3]).all() and torch.isinf(prev[1, 5])
+    support = grpo.sampling_support(prev, mask)
+    assert support.sum() == mask.sum() - 1 and support[1, 5] == 0
+    config = ImportanceSampling(mode="tis", cap=2.0)
+
+    def step(prev: torch.Tensor) -> tuple[dict[str, float], torch.Tensor, torch.Tensor]:
+        weights = grpo.importance_weights(prev, gen_lp, support, config)
+        metrics = grpo.divergence_metrics(prev, gen_lp, support, weights)
+        leaf = logits.clone().requires_grad_()
+        cur = token_logprobs(leaf, targets, 1.0, top_k=5)
+        ref = token_logprobs(logits + 0.1, targets, 1.0, top_k=5)
+        adv = torch.tensor([1.0, -0.5, 2.0], dtype=torch.float64)
+        terms = grpo.ppo_loss(cur, prev, adv, support, weights.weights, 0.2, support.sum().item(), ref, 0.1)
+        terms.loss.backward()
+        assert leaf.grad is not None
+        return metrics, terms.loss.detach(), leaf.grad
+
+    metrics, loss, grad = step(prev)
+    assert all(math.isfinite(v) for v in metrics.values()), metrics
+    assert torch.isfinite(loss) and torch.isfinite(grad).all() and grad.abs().sum() > 0
+    junk = torch.where(support > 0, prev, torch.full_like(prev, 123.0))  # anything outside the support
+    metrics_junk, loss_junk, grad_junk = step(junk)
+    assert metrics_junk == metrics and torch.equal(loss_junk, loss) and torch.equal(grad_junk, grad)
+
+
+def test_masked_mean_and_metrics_ignore_excluded_values() -> None:
+    x = torch.tensor([[1.0, float("-inf"), float("nan")], [3.0, 5.0, float("inf")]])
+    mask = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 0.0]])
+    assert grpo.masked_mean(x, mask).item() == 3.0

@@ -18,6 +18,7 @@ import torch
 from fp8rl import grpo
 from fp8rl.logprobs import token_logprobs
 from fp8rl.recipes import ImportanceSampling, Recipe
+from fp8rl.sampling import SamplingSettings
 from trainer_service.config import TrainerConfig
 from trainer_service.fp8_linear import Backend, convert_linears, fp8_context, resolve_backend
 
@@ -30,13 +31,6 @@ class SampleData:
     reward: float = 0.0
     group: str = ""
     advantage: float | None = None
-
-
-@dataclass(frozen=True)
-class SamplingSettings:
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
 
 
 @dataclass
@@ -146,15 +140,17 @@ class Learner:
         start = time.perf_counter()
         batch = collate(samples, self.pad_id).to(self.device)
         prev = self.score(batch, sampling)
-        weights = grpo.importance_weights(prev, batch.gen, batch.mask, self.is_config)
-        metrics = grpo.divergence_metrics(prev, batch.gen, batch.mask, weights)
+        support = grpo.sampling_support(prev, batch.mask)  # the tokens the loss and metrics cover
+        weights = grpo.importance_weights(prev, batch.gen, support, self.is_config)
+        metrics = grpo.divergence_metrics(prev, batch.gen, support, weights)
+        metrics["out_of_support_fraction"] = 1 - support.sum().item() / max(batch.mask.sum().item(), 1)
         advantages = self._advantages(samples).to(self.device)
         ref = self._reference_logprobs(batch, sampling)
         lr = self.learning_rate()
         losses, norms, clip_fractions = [], [], []
         for mini in split(len(samples), self.config.mini_batches):
             self.optimizer.zero_grad(set_to_none=True)
-            normalizer = batch.mask[mini].sum().item()
+            normalizer = max(support[mini].sum().item(), 1)
             loss_sum = 0.0
             for micro in mini.split(self.config.micro_batch_size):
                 rows = batch.rows(micro)
@@ -163,7 +159,7 @@ class Learner:
                     cur,
                     prev[micro],
                     advantages[micro],
-                    rows.mask,
+                    support[micro],
                     weights.weights[micro],
                     self.config.loss.clip_eps,
                     normalizer,

@@ -19,27 +19,15 @@ from google.protobuf import json_format
 from fp8rl.config import config_hash
 from fp8rl.errors import InvalidRequest, PreconditionFailed
 from fp8rl.recipes import get_recipe
-from fp8rl.v1 import common_pb2, trainer_pb2
+from fp8rl.sampling import sampling_settings
+from fp8rl.v1 import trainer_pb2
 from trainer_service import checkpoint
 from trainer_service.config import TrainerConfig
-from trainer_service.learner import Learner, SampleData, SamplingSettings
+from trainer_service.learner import Learner, SampleData
 from trainer_service.publisher import Publisher, Target
 
 log = logging.getLogger(__name__)
 KEPT_RESULTS = 64  # replayable TrainStep results (the last ones; also saved with each checkpoint)
-
-
-def sampling_settings(s: common_pb2.SamplingParams) -> SamplingSettings:
-    temperature = s.temperature if s.HasField("temperature") else 1.0
-    top_k = s.top_k if s.HasField("top_k") else 0
-    top_p = s.top_p if s.HasField("top_p") else 1.0
-    if not temperature >= 0:
-        raise InvalidRequest("sampling.temperature", f"must be >= 0, got {temperature}")
-    if top_k < 0:
-        raise InvalidRequest("sampling.top_k", f"must be >= 0, got {top_k}")
-    if not 0 < top_p <= 1:
-        raise InvalidRequest("sampling.top_p", f"must lie in (0, 1], got {top_p}")
-    return SamplingSettings(temperature, top_k, top_p)
 
 
 def check_tokens(field: str, ids: list[int], vocab: int, allow_empty: bool = False) -> None:

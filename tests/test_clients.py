@@ -1,0 +1,64 @@
+"""The coordinator's gRPC clients against a stand-in replica (a real gRPC server on port 0 whose Generate
+returns a canned reply): replies of real runs exceed gRPC's default 4 MiB receive limit."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from coordinator.clients import RolloutPool
+from fp8rl.serving import start_server
+from fp8rl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+
+
+class LargeReplies(rollout_pb2_grpc.RolloutServicer):
+    """Stand-in replica: every prompt gets one completion of ``tokens`` tokens."""
+
+    def __init__(self, tokens: int) -> None:
+        self.tokens = tokens
+
+    def Generate(self, request, context):  # type: ignore[no-untyped-def]
+        completions = [
+            rollout_pb2.Completion(
+                prompt_id=p.id,
+                token_ids=[1000 + i % 1000 for i in range(self.tokens)],
+                logprobs=[-0.5] * self.tokens,
+                text="x" * self.tokens,
+                finish_reason="length",
+            )
+            for p in request.prompts
+        ]
+        return rollout_pb2.GenerateResponse(completions=completions)
+
+
+@pytest.fixture
+def replica() -> Iterator[str]:
+    running = start_server(
+        lambda s: rollout_pb2_grpc.add_RolloutServicer_to_server(LargeReplies(300_000), s),
+        ["fp8rl.v1.Rollout"],
+        port=0,
+    )
+    try:
+        yield running.address
+    finally:
+        running.stop(0)
+
+
+def test_a_generate_reply_over_4_mib_reaches_the_coordinator(replica: str) -> None:
+    pool = RolloutPool(lambda: [replica])
+    failures: list[str] = []
+    try:
+        prompts = [rollout_pb2.Prompt(id=str(i), text="1+1=") for i in range(4)]
+        sampling = common_pb2.SamplingParams(max_tokens=8)
+        completions = pool.generate(prompts, 1, sampling, 0, [replica], lambda a, e: failures.append(a))
+    finally:
+        pool.close()
+    reply_bytes = rollout_pb2.GenerateResponse(completions=completions).ByteSize()
+    assert failures == [] and len(completions) == 4 and reply_bytes > 8 * 1024 * 1024
+    with grpc.insecure_channel(replica) as plain:  # what gRPC's default limit does with the same reply
+        stub = rollout_pb2_grpc.RolloutStub(plain)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Generate(rollout_pb2.GenerateRequest(prompts=prompts), timeout=30)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
