@@ -76,6 +76,7 @@ class ISWeights:
     weights: torch.Tensor  # [B, T], detached; 0 where masked
     altered: torch.Tensor  # [B, T] bool: clipped or masked
     raw: torch.Tensor  # [B, T] exp(prev - gen)
+    altered_fraction: float  # of valid tokens (tis, icepop), of sequences with any (seq-mask-tis)
 
 
 def importance_weights(
@@ -85,27 +86,33 @@ def importance_weights(
 
     * ``tis``: clamp to [0, cap];
     * ``icepop``: zero tokens with w outside [low, high];
-    * ``seq-mask-tis``: drop whole sequences whose geometric-mean w (exp of the mean log ratio) lies
-      outside [low, high]; the kept tokens get TIS weights (clamped to cap);
+    * ``seq-mask-tis`` (as in NeMo RL and OpenRLHF): drop whole sequences whose geometric-mean w (exp of
+      the mean log ratio) lies outside [low, high]; the kept tokens keep their raw, untruncated w
+      (``cap`` plays no part). Its ``altered_fraction`` counts sequences, not tokens;
     * ``none``: 1.
     """
     log_ratio = masked((prev - gen).detach(), mask)
     raw = torch.exp(log_ratio)
     valid = mask > 0
+
+    def token_share(altered: torch.Tensor) -> float:
+        return (altered & valid).sum().item() / max(valid.sum().item(), 1)
+
     if config.mode == "none":
-        return ISWeights(masked(torch.ones_like(raw), mask), torch.zeros_like(valid), raw)
+        return ISWeights(masked(torch.ones_like(raw), mask), torch.zeros_like(valid), raw, 0.0)
     if config.mode == "tis":
-        return ISWeights(masked(raw.clamp(max=config.cap), mask), valid & (raw > config.cap), raw)
+        clipped = valid & (raw > config.cap)
+        return ISWeights(masked(raw.clamp(max=config.cap), mask), clipped, raw, token_share(clipped))
     if config.mode == "icepop":
-        outside = (raw < config.low) | (raw > config.high)
-        return ISWeights(masked(torch.where(outside, 0.0, raw), mask), valid & outside, raw)
+        outside = valid & ((raw < config.low) | (raw > config.high))
+        return ISWeights(masked(torch.where(outside, 0.0, raw), mask), outside, raw, token_share(outside))
     if config.mode == "seq-mask-tis":
-        seq_mean = log_ratio.sum(-1) / mask.sum(-1).clamp(min=1)
-        geometric = torch.exp(seq_mean)
-        dropped = ((geometric < config.low) | (geometric > config.high))[:, None].expand_as(raw)
-        clipped = raw > config.cap
-        weights = masked(torch.where(dropped, 0.0, raw.clamp(max=config.cap)), mask)
-        return ISWeights(weights, valid & (dropped | clipped), raw)
+        has_tokens = valid.any(-1)
+        geometric = torch.exp(log_ratio.sum(-1) / valid.sum(-1).clamp(min=1))
+        dropped_sequences = has_tokens & ((geometric < config.low) | (geometric > config.high))
+        dropped = valid & dropped_sequences[:, None]
+        share = dropped_sequences.sum().item() / max(has_tokens.sum().item(), 1)
+        return ISWeights(masked(torch.where(dropped, 0.0, raw), mask), dropped, raw, share)
     raise ValueError(f"unknown importance sampling mode {config.mode!r}")
 
 
@@ -126,7 +133,7 @@ def divergence_metrics(
         "is_weight_mean": raw.mean().item(),
         "is_weight_min": raw.min().item(),
         "is_weight_max": raw.max().item(),
-        "is_clipped_fraction": weights.altered[valid].double().mean().item(),
+        "is_clipped_fraction": weights.altered_fraction,
     }
 
 

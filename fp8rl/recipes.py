@@ -29,7 +29,8 @@ class ImportanceSampling(BaseModel):
 
     mode: ISMode = "none"
     """`tis` clamps w to [0, cap]; `icepop` zeroes tokens with w outside [low, high]; `seq-mask-tis`
-    drops sequences whose geometric-mean w lies outside [low, high]; `none` uses w = 1."""
+    drops sequences whose geometric-mean w lies outside [low, high] and keeps the others' raw w (NeMo
+    RL's definition); `none` uses w = 1."""
     cap: float = Field(2.0, gt=0)
     """Upper clamp of `tis`."""
     low: float = Field(0.5, ge=0)

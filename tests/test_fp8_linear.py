@@ -97,3 +97,22 @@ def test_te_backend_matches_the_emulation(gen: torch.Generator) -> None:
     torch.testing.assert_close(
         te_model.layers[0].weight.grad, emulated.layers[0].weight.grad, rtol=0.1, atol=0.05
     )
+
+
+@pytest.mark.gpu
+def test_te_recipe_has_fp32_scales_whatever_the_environment_said() -> None:
+    """TE reads NVTE_FP8_BLOCK_SCALING_FP32_SCALES only at import: the recipe object itself must say
+    FP32 scales (power_2_scale False, no amax epsilon) for inputs, weights and gradients."""
+    pytest.importorskip("transformer_engine.pytorch")
+    from trainer_service.fp8_linear import QUANTIZERS, block_scaling_recipe
+
+    for pow2 in (False, True):
+        recipe = block_scaling_recipe(pow2)
+        for name in QUANTIZERS:
+            assert getattr(recipe, name).power_2_scale is pow2 and getattr(recipe, name).amax_epsilon == 0.0
+    recipe = block_scaling_recipe()
+    assert (recipe.x_block_scaling_dim, recipe.w_block_scaling_dim, recipe.grad_block_scaling_dim) == (
+        1,
+        2,
+        1,
+    )

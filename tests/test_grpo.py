@@ -57,27 +57,33 @@ MASK = tokens([1, 1, 1], [1, 1])
 
 
 @pytest.mark.parametrize(
-    ("config", "weights", "altered"),
+    ("config", "weights", "altered", "fraction"),
     [
-        (ImportanceSampling(mode="none"), [[1, 1, 1], [1, 1, 0]], 0),
-        (ImportanceSampling(mode="tis", cap=2.0), [[2, 1, 0.25], [1.5, 0.5, 0]], 1 / 5),
-        (ImportanceSampling(mode="icepop", low=0.45, high=2.0), [[0, 1, 0], [1.5, 0.5, 0]], 2 / 5),
-        # geometric means: (3 * 1 * 0.25)^(1/3) = 0.909 (kept), (1.5 * 0.5)^(1/2) = 0.866 (kept) with
-        # [0.9, 2] the second is dropped.
+        (ImportanceSampling(mode="none"), [[1, 1, 1], [1, 1, 0]], 0, 0),
+        (ImportanceSampling(mode="tis", cap=2.0), [[2, 1, 0.25], [1.5, 0.5, 0]], 1 / 5, 1 / 5),
+        (ImportanceSampling(mode="icepop", low=0.45, high=2.0), [[0, 1, 0], [1.5, 0.5, 0]], 2 / 5, 2 / 5),
+        # geometric means: (3 * 1 * 0.25)^(1/3) = 0.909 (kept), (1.5 * 0.5)^(1/2) = 0.866 (dropped with
+        # [0.9, 2]). Kept sequences keep their raw weights (3 stays 3: no cap); the fraction counts
+        # sequences (1 of 2), as NeMo RL's does.
         (
             ImportanceSampling(mode="seq-mask-tis", cap=2.0, low=0.9, high=2.0),
-            [[2, 1, 0.25], [0, 0, 0]],
-            3 / 5,
+            [[3, 1, 0.25], [0, 0, 0]],
+            2 / 5,
+            1 / 2,
         ),
     ],
 )
-def test_importance_weights(config: ImportanceSampling, weights: list[list[float]], altered: float) -> None:
+def test_importance_weights(
+    config: ImportanceSampling, weights: list[list[float]], altered: float, fraction: float
+) -> None:
     mask = tokens([1, 1, 1], [1, 1, 0])
     gen, prev = GEN.clone(), PREV.clone()
     gen[1, 2] = prev[1, 2] = 0.0
     w = grpo.importance_weights(prev, gen, mask, config)
     assert torch.allclose(w.weights, torch.tensor(weights, dtype=torch.float64))
     assert w.altered[mask > 0].double().mean().item() == pytest.approx(altered)
+    assert w.altered_fraction == pytest.approx(fraction)
+    assert grpo.divergence_metrics(prev, gen, mask, w)["is_clipped_fraction"] == pytest.approx(fraction)
 
 
 def test_divergence_metrics_exact_when_engines_agree() -> None:

@@ -5,7 +5,7 @@
   pass, all with :mod:`fp8rl.quant`. The weight codes are exactly those the WeightSet ships, so under the
   ``fp8`` recipe trainer and rollout compute with bit-identical FP8 weights.
 * ``te`` (CUDA with Transformer Engine >= 2.3): ``te.Linear`` under the ``Float8BlockScaling`` recipe with
-  FP32 scales (``NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1``).
+  FP32 scales, set on the recipe object (:func:`block_scaling_recipe`).
 
 Only linears inside the transformer blocks are converted; embeddings, lm_head, norms and attention stay
 in the compute dtype. Parameter names do not change.
@@ -14,7 +14,7 @@ in the compute dtype. Parameter names do not change.
 from __future__ import annotations
 
 import contextlib
-import os
+import functools
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -108,13 +108,37 @@ def _to_te_linear(model: torch.nn.Module, linear: torch.nn.Linear) -> None:
     setattr(model.get_submodule(parent_name), child, replacement)
 
 
+QUANTIZERS = ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad")
+
+
+@functools.cache
+def block_scaling_recipe(power_2_scales: bool = False) -> Any:
+    """TE's ``Float8BlockScaling`` (X and dY 1x128, W 128x128, E4M3) with its scale format set on the
+    recipe object: FP32 scales (the study's and vLLM's) unless ``power_2_scales``.
+
+    TE reads ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES`` once, into class defaults, when its recipe module is
+    imported; setting the variable any later changes nothing, so the quantizer parameters are replaced
+    here and checked on the object in force.
+    """
+    from transformer_engine.common.recipe import Float8BlockScaling, QParams
+
+    recipe = Float8BlockScaling()
+    for name in QUANTIZERS:
+        setattr(recipe, name, QParams(power_2_scale=power_2_scales, amax_epsilon=0.0))
+    in_force = {name: getattr(recipe, name).power_2_scale for name in QUANTIZERS}
+    if set(in_force.values()) != {power_2_scales}:
+        raise RuntimeError(f"Transformer Engine kept other scale formats than asked: {in_force}")
+    return recipe
+
+
 def fp8_context(backend: Backend | None) -> contextlib.AbstractContextManager[Any]:
-    """The context the forward (and backward) pass runs in: TE's FP8 autocast with blockwise FP32-scaled
-    recipe for ``te``; nothing otherwise (the emulated layers quantize themselves)."""
+    """The context the forward (and backward) pass runs in: TE's FP8 autocast with the blockwise
+    FP32-scaled recipe for ``te``; nothing otherwise (the emulated layers quantize themselves)."""
     if backend != "te":
         return contextlib.nullcontext()
-    os.environ.setdefault("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "1")
     import transformer_engine.pytorch as te
-    from transformer_engine.common.recipe import Float8BlockScaling
 
-    return te.fp8_autocast(enabled=True, fp8_recipe=Float8BlockScaling())
+    recipe = block_scaling_recipe()
+    if hasattr(te, "autocast"):  # TE >= 2.8; fp8_autocast is deprecated there
+        return te.autocast(enabled=True, recipe=recipe)
+    return te.fp8_autocast(enabled=True, fp8_recipe=recipe)
