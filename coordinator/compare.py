@@ -23,8 +23,8 @@ COLUMNS = [
 
 
 def compare(base: CoordinatorConfig, recipes: list[str], no_is: bool, out_dir: Path | None) -> int:
-    from coordinator.cli import start
     from coordinator.report import write_plots
+    from coordinator.run import start
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = (out_dir or Path("runs") / f"compare-{stamp}").resolve()

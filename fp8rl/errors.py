@@ -23,3 +23,15 @@ class NotReady(RuntimeError):
 
 class Cancelled(RuntimeError):
     """The caller went away; the work it asked for was abandoned."""
+
+
+class WeightCodecError(ValueError):
+    """A weight update that cannot be applied."""
+
+
+class BaseMismatchError(WeightCodecError):
+    """A delta computed against a version (or bytes) other than those the receiver holds."""
+
+
+class CorruptUpdateError(WeightCodecError):
+    """Truncated, reordered or corrupted bytes: a size, parse or digest check failed."""

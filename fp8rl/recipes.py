@@ -14,7 +14,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from fp8rl.weights import WeightFormat
+WeightFormat = Literal["bf16", "fp8-block128"]
+"""How a rollout holds its weights: bf16 tensors, or FP8 E4M3 128x128 blocks with FP32 scales."""
+WEIGHT_FORMATS: tuple[WeightFormat, ...] = ("bf16", "fp8-block128")
+
 
 RecipeName = Literal["bf16", "fp8-rollout", "fp8", "fp8-kv"]
 RECIPE_NAMES: tuple[RecipeName, ...] = ("bf16", "fp8-rollout", "fp8", "fp8-kv")

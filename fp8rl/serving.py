@@ -22,8 +22,14 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from fp8rl.errors import Cancelled, InvalidRequest, NotReady, PreconditionFailed
-from fp8rl.weights import BaseMismatchError, CorruptUpdateError
+from fp8rl.errors import (
+    BaseMismatchError,
+    Cancelled,
+    CorruptUpdateError,
+    InvalidRequest,
+    NotReady,
+    PreconditionFailed,
+)
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ import functools
 import hashlib
 import json
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal, cast
 
@@ -34,27 +34,13 @@ import torch
 import zstandard
 
 from fp8rl import quant
+from fp8rl.errors import BaseMismatchError, CorruptUpdateError
+from fp8rl.recipes import WEIGHT_FORMATS, WeightFormat
 
 FORMAT_VERSION = "2"  # 2: metadata digest and per-tensor packed digests
-WeightFormat = Literal["bf16", "fp8-block128"]
-WEIGHT_FORMATS: tuple[WeightFormat, ...] = ("bf16", "fp8-block128")
 Encoding = Literal["keyframe", "delta"]
 SCALE_SUFFIX = "weight_scale_inv"
-# gRPC's default receive limit is 4 MiB per message; leave room for the message framing.
-CHUNK_BYTES = 4 * 1024 * 1024 - 4096
 _ZSTD_LEVEL = 1  # XOR streams are mostly zero bytes: level 1 already finds the runs, and is fast
-
-
-class WeightCodecError(ValueError):
-    """An update that cannot be applied."""
-
-
-class BaseMismatchError(WeightCodecError):
-    """A delta computed against a version (or bytes) other than those the receiver holds."""
-
-
-class CorruptUpdateError(WeightCodecError):
-    """Truncated, reordered or corrupted bytes: a size, parse or digest check failed."""
 
 
 def is_block_linear(name: str, ndim: int) -> bool:
@@ -419,34 +405,3 @@ def _checked_set(
     if weights.digest != metadata.get("set_digest"):
         raise CorruptUpdateError("weight set digest mismatch")
     return weights
-
-
-def split_chunks(blob: bytes, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
-    """Cut a blob into pieces of at most ``chunk_bytes`` (each fits one gRPC message)."""
-    view = memoryview(blob)
-    for start in range(0, len(blob), chunk_bytes):
-        yield bytes(view[start : start + chunk_bytes])
-
-
-class Reassembler:
-    """Collects data chunks and releases the blob only if its total size and digest match the header."""
-
-    def __init__(self, total_bytes: int, digest: str, max_bytes: int | None = None) -> None:
-        if total_bytes < 0 or (max_bytes is not None and total_bytes > max_bytes):
-            raise CorruptUpdateError(f"total_bytes {total_bytes} outside [0, {max_bytes}]")
-        self.total_bytes = total_bytes
-        self.digest = digest
-        self._buffer = bytearray()
-
-    def add(self, data: bytes) -> None:
-        if len(self._buffer) + len(data) > self.total_bytes:
-            raise CorruptUpdateError(f"received more than the announced {self.total_bytes} bytes")
-        self._buffer += data
-
-    def finish(self) -> bytes:
-        if len(self._buffer) != self.total_bytes:
-            raise CorruptUpdateError(f"truncated update: {len(self._buffer)} of {self.total_bytes} bytes")
-        blob = bytes(self._buffer)
-        if bytes_digest(blob) != self.digest:
-            raise CorruptUpdateError("update digest mismatch (corrupted or reordered chunks)")
-        return blob

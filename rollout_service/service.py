@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 
 from fp8rl.errors import InvalidRequest, PreconditionFailed
-from fp8rl.recipes import get_recipe
+from fp8rl.recipes import WeightFormat, get_recipe
 from fp8rl.v1 import rollout_pb2, weights_pb2
-from fp8rl.weights import SCALE_SUFFIX, WeightFormat, WeightSet, decode_update, is_block_linear, scale_name
+from fp8rl.weights import SCALE_SUFFIX, WeightSet, decode_update, is_block_linear, scale_name
 from rollout_service.config import RolloutConfig
 from rollout_service.engine import VllmEngine
 from rollout_service.generation import GenerationLoop, Ticket

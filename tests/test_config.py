@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -69,3 +71,16 @@ def test_hash_and_diff() -> None:
     a, b = Example(), Example(steps=3, optim=Optim(lr=1e-3))
     assert config_hash(a) == config_hash(Example()) != config_hash(b)
     assert config_diff(a.model_dump(), b.model_dump()) == ["optim.lr", "steps"]
+
+
+@pytest.mark.parametrize("module", ["coordinator.cli", "rollout_service.cli", "trainer_service.cli"])
+def test_help_imports_nothing_heavy(module: str) -> None:
+    """`--help` (and a config error) answer at once: parsing imports no torch, numpy or codec."""
+    code = (
+        f"import sys\nfrom {module} import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print([m for m in ('torch', 'numpy', 'safetensors', 'zstandard', 'vllm') if m in sys.modules])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"

@@ -8,11 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fp8rl import quant
+from fp8rl.errors import BaseMismatchError, CorruptUpdateError, WeightCodecError
+from fp8rl.weight_stream import Reassembler, split_chunks
 from fp8rl.weights import (
-    BaseMismatchError,
-    CorruptUpdateError,
-    Reassembler,
-    WeightCodecError,
     WeightSet,
     build_weight_set,
     bytes_digest,
@@ -20,7 +18,6 @@ from fp8rl.weights import (
     encode_delta,
     encode_keyframe,
     raw_bytes,
-    split_chunks,
 )
 
 

@@ -14,10 +14,11 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from fp8rl.errors import CorruptUpdateError
 from fp8rl.serving import start_server
 from fp8rl.v1 import rollout_pb2, rollout_pb2_grpc, trainer_pb2_grpc, weights_pb2
 from fp8rl.weight_stream import receive_update, update_to_chunks
-from fp8rl.weights import CorruptUpdateError, WeightSet, decode_update, encode_keyframe
+from fp8rl.weights import WeightSet, decode_update, encode_keyframe
 
 ROOT = Path(__file__).resolve().parent.parent
 GRPC_DEFAULT_LIMIT = 4 * 1024 * 1024

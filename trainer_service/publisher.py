@@ -14,11 +14,11 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from fp8rl.recipes import WeightFormat
 from fp8rl.v1 import rollout_pb2_grpc
 from fp8rl.weight_stream import update_to_chunks
 from fp8rl.weights import (
     EncodedUpdate,
-    WeightFormat,
     WeightSet,
     build_weight_set,
     encode_delta,

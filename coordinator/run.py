@@ -1,0 +1,149 @@
+"""`coordinator start`: run one GRPO run, embedded (a private redis-server, the trainer and one rollout
+replica as child processes on loopback, stopped on exit, error or Ctrl-C) or against running services."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from coordinator.config import CoordinatorConfig
+from fp8rl import models
+from fp8rl.config import config_hash
+
+log = logging.getLogger("coordinator")
+
+
+def run_paths(config: CoordinatorConfig) -> tuple[str, Path]:
+    run_id = config.run_id or time.strftime("run-%Y%m%d-%H%M%S")
+    return run_id, (config.run_dir or Path("runs") / run_id).resolve()
+
+
+def start(config: CoordinatorConfig) -> int:
+    run_id, run_dir = run_paths(config)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        with ExitStack() as stack:
+            return drive(config, run_id, run_dir, stack)
+    except KeyboardInterrupt:
+        print(f"coordinator: interrupted; resume with --run-id {run_id}", file=sys.stderr)
+        return 130
+    except models.ShippedModelError as exc:
+        print(f"coordinator: {exc}", file=sys.stderr)
+        return 2
+
+
+def _interrupt(*_: object) -> None:
+    """SIGTERM unwinds like Ctrl-C, so every child is stopped on the way out."""
+    raise KeyboardInterrupt
+
+
+def drive(config: CoordinatorConfig, run_id: str, run_dir: Path, stack: ExitStack) -> int:
+    import redis
+
+    from coordinator.clients import RolloutPool, TrainerClient
+    from coordinator.driver import Driver
+    from coordinator.metrics import MetricsSink, summarize
+    from coordinator.state import ConfigMismatch, LeaseLost, RunStore
+    from coordinator.tasks import build_task
+    from fp8rl.registry import live_replicas
+
+    task = build_task(config.task, config.seed, config.dataset, config.reward, config.val_size)
+    children: dict[str, int] = {}
+    if config.embedded:
+        redis_url, trainer_address, rollouts = launch_embedded(config, run_dir, stack, children)
+    else:
+        redis_url, trainer_address = str(config.redis_url), str(config.trainer)
+        rollouts = list(config.rollout)
+    info = {"run_id": run_id, "redis_url": redis_url, "pid": os.getpid(), "children": children}
+    (run_dir / "run.json").write_text(json.dumps(info))
+    client = redis.Redis.from_url(str(redis_url))
+    store = RunStore(client, run_id)
+    try:
+        store.init_config(config.identity(), config_hash(config))
+    except ConfigMismatch as exc:
+        print(f"coordinator: {exc}", file=sys.stderr)
+        return 2
+    addresses = (lambda: rollouts) if rollouts else (lambda: sorted(live_replicas(client)))
+    trainer = TrainerClient(str(trainer_address))
+    pool = RolloutPool(addresses)
+    stack.callback(trainer.close)
+    stack.callback(pool.close)
+    sink = MetricsSink(run_dir, config.steps, config.progress, config.mult_prob_warn)
+    sink.say(f"run {run_id}: recipe {config.recipe}, {config.steps} steps, run dir {run_dir}")
+    try:
+        records = Driver(config, run_id, store, trainer, pool, task, sink).run()
+    except LeaseLost as exc:
+        print(f"coordinator: {exc}", file=sys.stderr)
+        return 3
+    summary = summarize(records)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    sink.say("summary: " + ", ".join(f"{k}={_short(v)}" for k, v in summary.items()))
+    from coordinator.report import write_plots
+
+    for path in write_plots(records, run_dir):
+        sink.say(f"plot: {path}")
+    return 0
+
+
+def _short(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def as_sets(values: dict[str, Any]) -> list[str]:
+    """``{"a.b": 1}`` -> ``["--set", "a.b=1"]`` (values as JSON, which the CLIs read as YAML)."""
+    return [arg for key, value in values.items() for arg in ("--set", f"{key}={json.dumps(value)}")]
+
+
+def resolve_dtype(requested: str) -> str:
+    if requested != "auto":
+        return requested
+    import torch
+
+    return "bfloat16" if torch.cuda.is_available() else "float32"
+
+
+def launch_embedded(
+    config: CoordinatorConfig, run_dir: Path, stack: ExitStack, children: dict[str, int]
+) -> tuple[str, str, list[str]]:
+    """Start redis-server, the trainer and one rollout replica; ``children`` gets their PIDs."""
+    from coordinator.processes import Child, free_port, python_module, start_redis, wait_healthy
+    from fp8rl.serving import PARENT_ENV
+
+    logs = run_dir / "logs"
+    model = config.model or models.verified(models.TINY_ARITH)
+    redis_url, children["redis-server"] = start_redis(stack, run_dir / "redis", logs)
+    trainer_port, rollout_port = free_port(), free_port()
+    dtype = resolve_dtype(config.compute_dtype)
+    common = ["serve", "--model", str(model), "--recipe", config.recipe]
+    trainer_sets = {
+        "checkpoint_every": config.checkpoint_every,
+        "optimizer.lr": config.lr,
+        "seed": config.seed,
+        "micro_batch_size": config.micro_batch_size,
+        "optimizer.warmup_steps": config.warmup_steps,
+        "loss.advantage_norm": config.advantage_norm,
+        **config.trainer_overrides,
+    }
+    trainer_args = [*common, "--port", str(trainer_port), "--compute-dtype", dtype, "--resume"]
+    trainer_args += ["--checkpoint-dir", str(run_dir / "checkpoints"), *as_sets(trainer_sets)]
+    rollout_args = [*common, "--port", str(rollout_port), "--dtype", dtype]
+    rollout_args += ["--kv-cache-gib", str(config.kv_cache_gib)]
+    rollout_args += as_sets({"seed": config.seed})
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", PARENT_ENV: str(os.getpid())}
+    trainer = Child("trainer", python_module("trainer_service.cli", *trainer_args), logs / "trainer.log", env)
+    stack.callback(trainer.stop)
+    rollout = Child("rollout", python_module("rollout_service.cli", *rollout_args), logs / "rollout.log", env)
+    stack.callback(rollout.stop)
+    children |= {"trainer": trainer.pid, "rollout": rollout.pid}
+    trainer_address, rollout_address = f"127.0.0.1:{trainer_port}", f"127.0.0.1:{rollout_port}"
+    wait_healthy(trainer, trainer_address, "fp8rl.v1.Trainer")
+    wait_healthy(rollout, rollout_address, "fp8rl.v1.Rollout")
+    return redis_url, trainer_address, [rollout_address]
