@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -38,6 +39,7 @@ class Child:
         self.name, self.log_path = name, log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as out:
+            self._log_start = out.tell()  # a resumed run appends to the log of the last one
             # Own session: a terminal's Ctrl-C reaches the coordinator only, which stops children in order.
             self.proc = subprocess.Popen(
                 args,
@@ -58,6 +60,20 @@ class Child:
             raise RuntimeError(
                 f"{self.name} exited with status {self.proc.returncode}; log {self.log_path}:\n{tail}"
             )
+
+    def bound_address(self, timeout: float = 120) -> str:
+        """The ``host:port`` the child reports it bound ("... bound to HOST:PORT"): services are started
+        on port 0 and pick a free port themselves, so no other process can take it in between."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.check_alive()
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_start)
+                found = re.search(rb"bound to ([^\s;]+):(\d+)", f.read())
+            if found:
+                return f"{found.group(1).decode()}:{int(found.group(2))}"
+            time.sleep(0.1)
+        raise TimeoutError(f"{self.name} did not report its port within {timeout:.0f}s ({self.log_path})")
 
     def stop(self, timeout: float = 20) -> None:
         if self.proc.poll() is not None:
@@ -87,28 +103,19 @@ def wait_healthy(child: Child, address: str, service: str, timeout: float = 600)
     raise TimeoutError(f"{child.name} at {address} not healthy after {timeout:.0f}s")
 
 
-def start_redis(stack: ExitStack, data_dir: Path, logs: Path) -> tuple[str, int]:
-    """A private redis-server with AOF under ``data_dir`` (reused when the run resumes)."""
+def start_redis(
+    stack: ExitStack, data_dir: Path, log: Path, port: int | None = None, aof: bool = True
+) -> tuple[str, int]:
+    """A private redis-server on loopback keeping its files in ``data_dir``; with ``aof`` every write is
+    fsynced to an append-only file, so a restart on the same ``data_dir`` resumes. Returns its URL and
+    PID; ``stack`` stops it. (redis-server cannot bind port 0: a free port is picked for it.)"""
     data_dir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    args = [
-        "redis-server",
-        "--port",
-        str(port),
-        "--bind",
-        "127.0.0.1",
-        "--dir",
-        str(data_dir),
-        "--appendonly",
-        "yes",
-        "--appendfsync",
-        "always",
-        "--save",
-        "",
-        "--protected-mode",
-        "yes",
-    ]
-    child = Child("redis-server", args, logs / "redis.log")
+    port = port or free_port()
+    args = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir)]
+    args += ["--save", "", "--protected-mode", "yes"]
+    if aof:
+        args += ["--appendonly", "yes", "--appendfsync", "always"]
+    child = Child("redis-server", args, log)
     stack.callback(child.stop)
     url = f"redis://127.0.0.1:{port}/0"
     import redis

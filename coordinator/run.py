@@ -114,13 +114,12 @@ def launch_embedded(
     config: CoordinatorConfig, run_dir: Path, stack: ExitStack, children: dict[str, int]
 ) -> tuple[str, str, list[str]]:
     """Start redis-server, the trainer and one rollout replica; ``children`` gets their PIDs."""
-    from coordinator.processes import Child, free_port, python_module, start_redis, wait_healthy
+    from coordinator.processes import Child, python_module, start_redis, wait_healthy
     from fp8rl.serving import PARENT_ENV
 
     logs = run_dir / "logs"
     model = config.model or models.verified(models.TINY_ARITH)
-    redis_url, children["redis-server"] = start_redis(stack, run_dir / "redis", logs)
-    trainer_port, rollout_port = free_port(), free_port()
+    redis_url, children["redis-server"] = start_redis(stack, run_dir / "redis", logs / "redis.log")
     dtype = resolve_dtype(config.compute_dtype)
     common = ["serve", "--model", str(model), "--recipe", config.recipe]
     trainer_sets = {
@@ -132,9 +131,9 @@ def launch_embedded(
         "loss.advantage_norm": config.advantage_norm,
         **config.trainer_overrides,
     }
-    trainer_args = [*common, "--port", str(trainer_port), "--compute-dtype", dtype, "--resume"]
+    trainer_args = [*common, "--port", "0", "--compute-dtype", dtype, "--resume"]
     trainer_args += ["--checkpoint-dir", str(run_dir / "checkpoints"), *as_sets(trainer_sets)]
-    rollout_args = [*common, "--port", str(rollout_port), "--dtype", dtype]
+    rollout_args = [*common, "--port", "0", "--dtype", dtype]
     rollout_args += ["--kv-cache-gib", str(config.kv_cache_gib)]
     rollout_args += as_sets({"seed": config.seed})
     env = {**os.environ, "PYTHONUNBUFFERED": "1", PARENT_ENV: str(os.getpid())}
@@ -143,7 +142,7 @@ def launch_embedded(
     rollout = Child("rollout", python_module("rollout_service.cli", *rollout_args), logs / "rollout.log", env)
     stack.callback(rollout.stop)
     children |= {"trainer": trainer.pid, "rollout": rollout.pid}
-    trainer_address, rollout_address = f"127.0.0.1:{trainer_port}", f"127.0.0.1:{rollout_port}"
+    trainer_address, rollout_address = trainer.bound_address(), rollout.bound_address()
     wait_healthy(trainer, trainer_address, "fp8rl.v1.Trainer")
     wait_healthy(rollout, rollout_address, "fp8rl.v1.Rollout")
     return redis_url, trainer_address, [rollout_address]

@@ -6,23 +6,18 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import torch
 
+from coordinator.processes import free_port as free_port  # the one free_port, re-exported for tests
+from coordinator.processes import start_redis
 from fp8rl import quant
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager
@@ -60,16 +55,11 @@ def wait_for_line(proc: subprocess.Popen, log: Path, pattern: str, timeout: floa
 def redis_server(
     data: Path, port: int | None = None, aof: bool = False, log: str = "redis.log"
 ) -> Iterator[str]:
-    """A private redis-server on a loopback port (free unless given) keeping its files in ``data``; with
-    ``aof`` every write is fsynced to an append-only file, so a restart on the same ``data`` resumes.
-    Yields its URL."""
-    port = port or free_port()
-    args = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", str(data)]
-    if aof:
-        args += ["--appendonly", "yes", "--appendfsync", "always"]
-    with child_process(args, data / log) as proc:
-        wait_for_line(proc, data / log, r"Ready to accept connections", timeout=30)
-        yield f"redis://127.0.0.1:{port}/0"
+    """The coordinator's own redis-server launcher (:func:`coordinator.processes.start_redis`) as a
+    context manager: a private server keeping its files in ``data``; yields its URL."""
+    with ExitStack() as stack:
+        url, _ = start_redis(stack, data, data / log, port=port, aof=aof)
+        yield url
 
 
 def load_reference(model_dir: Path, fp8: bool, activation_fake_quant: bool = True) -> torch.nn.Module:
