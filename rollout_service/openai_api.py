@@ -257,6 +257,16 @@ class OpenAIFace:
             ]
         )
 
+    def chat_choice_fields(self, c: rollout_pb2.Completion, body: dict[str, Any]) -> dict[str, Any]:
+        """What a chat choice and a chat stream chunk's choice share."""
+        return {
+            "index": c.sample_index,
+            "finish_reason": c.finish_reason or "stop",
+            "logprobs": self.chat_logprobs(c) if body.get("logprobs") else None,
+            "token_ids": list(c.token_ids),
+            "prompt_token_ids": list(c.prompt_token_ids),
+        }
+
     def chat_completion(self, generation: Generation, body: dict[str, Any]) -> Any:
         from openai.types import CompletionUsage
         from openai.types.chat import ChatCompletion, ChatCompletionMessage
@@ -272,12 +282,8 @@ class OpenAIFace:
             model=self.model_name,
             choices=[
                 Choice(
-                    index=c.sample_index,
                     message=ChatCompletionMessage(role="assistant", content=c.text),
-                    finish_reason=c.finish_reason or "stop",
-                    logprobs=self.chat_logprobs(c) if body.get("logprobs") else None,
-                    token_ids=list(c.token_ids),
-                    prompt_token_ids=list(c.prompt_token_ids),
+                    **self.chat_choice_fields(c, body),
                 )
                 for c in completions
             ],
@@ -296,12 +302,7 @@ class OpenAIFace:
         chunk_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         for c in generation:
             choice = Choice(
-                index=c.sample_index,
-                delta=ChoiceDelta(role="assistant", content=c.text),
-                finish_reason=c.finish_reason or "stop",
-                logprobs=self.chat_logprobs(c) if body.get("logprobs") else None,
-                token_ids=list(c.token_ids),
-                prompt_token_ids=list(c.prompt_token_ids),
+                delta=ChoiceDelta(role="assistant", content=c.text), **self.chat_choice_fields(c, body)
             )
             yield ChatCompletionChunk(
                 id=chunk_id,

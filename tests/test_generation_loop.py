@@ -25,6 +25,7 @@ class ScriptedEngine:
     """Finishes each request after ``steps`` engine steps; ``fail_loads`` makes the next refits fail."""
 
     version, device, max_model_len, vocab_size = "scripted", "cpu", 64, 320
+    has_chat_template = False  # chat prompts are refused by validation, before the engine
 
     def __init__(self, steps: int = 3) -> None:
         self.steps, self.fail_loads, self.loads = steps, 0, 0
