@@ -183,3 +183,39 @@ def test_compute_logprobs_matches_the_fp8_reference(trainer, tiny_model_dir_f32:
     for (p, c), got in zip(seqs, reply.results, strict=True):
         ref = reference_logprobs(reference, p, c, temperature=0.8)
         assert (ref - torch.tensor(list(got.logprobs), dtype=torch.float64)).abs().max() < 1e-4
+
+
+def test_padding_for_transformer_engine_changes_nothing(tiny_model_dir_f32: Path) -> None:
+    """TE's FP8 GEMMs need the token count padded (to 16 positions here): the padded positions are
+    masked, so logprobs, metrics and the update equal those of the unpadded batch up to float32 rounding
+    of other matrix shapes. Checked without FP8 (float32, bf16 recipe): a rounding difference can flip
+    an FP8 code and hide what this checks, that nothing leaks from the padding."""
+    import random
+
+    from fp8rl.recipes import get_recipe
+    from fp8rl.sampling import SamplingSettings
+    from trainer_service.learner import TE_TOKEN_MULTIPLE, Learner, SampleData, collate
+
+    rng = random.Random()
+    data = []
+    for i in range(6):
+        completion = [rng.randrange(4, 300) for _ in range(rng.randrange(1, 6))]
+        prompt = [rng.randrange(4, 300) for _ in range(rng.randrange(3, 9))]
+        data.append(SampleData(prompt, completion, [-1.0] * len(completion), float(i % 2), str(i // 2)))
+    config = TrainerConfig(model=tiny_model_dir_f32, recipe="bf16", compute_dtype="float32")
+    plain, padded = Learner(config, get_recipe("bf16")), Learner(config, get_recipe("bf16"))
+    padded.token_multiple = TE_TOKEN_MULTIPLE  # what the te backend pads to
+    batch, padded_batch = plain.collate(data), padded.collate(data)
+    assert padded_batch.input_ids.shape[1] % TE_TOKEN_MULTIPLE == 0
+    assert padded_batch.input_ids.shape[1] > batch.input_ids.shape[1] or batch.input_ids.shape[1] % 16 == 0
+    assert torch.equal(collate(data, multiple=1).mask, batch.mask)
+    width = batch.targets.shape[1]
+    sampling = SamplingSettings()
+    torch.testing.assert_close(
+        padded.score(padded_batch, sampling)[:, :width], plain.score(batch, sampling), rtol=2e-5, atol=1e-5
+    )
+    metrics_plain, metrics_padded = plain.train(data, sampling), padded.train(data, sampling)
+    for key in ("loss", "token_mult_prob_error", "num_tokens", "grad_norm"):
+        assert metrics_padded[key] == pytest.approx(metrics_plain[key], rel=1e-5, abs=1e-7), key
+    for name, p in plain.model.named_parameters():
+        torch.testing.assert_close(dict(padded.model.named_parameters())[name], p, rtol=1e-5, atol=1e-6)

@@ -93,6 +93,12 @@ def convert_linears(model: torch.nn.Module, backend: Backend) -> int:
 def _to_te_linear(model: torch.nn.Module, linear: torch.nn.Linear) -> None:
     import transformer_engine.pytorch as te
 
+    if linear.in_features % 16 or linear.out_features % 16:  # TE's FP8 GEMMs need K, N % 16 == 0
+        raise ValueError(
+            f"a {linear.in_features}x{linear.out_features} linear cannot run in Transformer Engine FP8 "
+            "(both dimensions must be multiples of 16); use fp8_backend: emulated"
+        )
+
     replacement = te.Linear(
         linear.in_features,
         linear.out_features,

@@ -55,8 +55,11 @@ class Batch:
         )
 
 
-def collate(samples: Sequence[SampleData], pad_id: int = 0) -> Batch:
-    length = max(len(s.prompt) + len(s.completion) for s in samples)
+def collate(samples: Sequence[SampleData], pad_id: int = 0, multiple: int = 1) -> Batch:
+    """Right-pad ``samples`` to the longest, rounded up to ``multiple`` positions (padding is masked out:
+    attention, loss and metrics never see it)."""
+    longest = max(len(s.prompt) + len(s.completion) for s in samples)
+    length = -(-longest // multiple) * multiple
     b = len(samples)
     input_ids = torch.full((b, length), pad_id, dtype=torch.long)
     attention = torch.zeros(b, length, dtype=torch.long)
@@ -69,6 +72,9 @@ def collate(samples: Sequence[SampleData], pad_id: int = 0) -> Batch:
         mask[i, p - 1 : p + c - 1] = 1
         gen[i, p - 1 : p + c - 1] = torch.tensor(s.gen_logprobs)
     return Batch(input_ids, attention, input_ids[:, 1:].clone(), mask, gen)
+
+
+TE_TOKEN_MULTIPLE = 16  # positions a te batch is padded to
 
 
 def split(n: int, parts: int) -> list[torch.Tensor]:
@@ -90,6 +96,9 @@ class Learner:
         if recipe.train_linears == "fp8":
             self.backend = resolve_backend(config.fp8_backend)
             convert_linears(self.model, self.backend)
+        # Transformer Engine's FP8 GEMMs need the flattened token count to be a multiple of 8 (16 to be
+        # safe): with `te`, sequences are padded to 16 positions (masked: nothing sees the padding).
+        self.token_multiple = TE_TOKEN_MULTIPLE if self.backend == "te" else 1
         self.reference = None
         if config.loss.kl_coef > 0:
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
@@ -102,6 +111,10 @@ class Learner:
         self.pad_id = self.model.config.pad_token_id or 0
         self.step = 0  # = the weight version
         self.is_config = importance_sampling_config(recipe.importance_sampling, config)
+
+    def collate(self, samples: Sequence[SampleData]) -> Batch:
+        """``samples`` as a batch on the device, padded to ``token_multiple`` positions."""
+        return collate(samples, self.pad_id, self.token_multiple).to(self.device)
 
     @property
     def backend_name(self) -> str:
@@ -138,7 +151,7 @@ class Learner:
     def train(self, samples: Sequence[SampleData], sampling: SamplingSettings) -> dict[str, float]:
         """One GRPO step on ``samples``; afterwards the weights are version ``step + 1``."""
         start = time.perf_counter()
-        batch = collate(samples, self.pad_id).to(self.device)
+        batch = self.collate(samples)
         prev = self.score(batch, sampling)
         support = grpo.sampling_support(prev, batch.mask)  # the tokens the loss and metrics cover
         weights = grpo.importance_weights(prev, batch.gen, support, self.is_config)

@@ -134,7 +134,6 @@ class TrainerService:
     def compute_logprobs(
         self, request: trainer_pb2.ComputeLogprobsRequest
     ) -> trainer_pb2.ComputeLogprobsResponse:
-        from trainer_service.learner import collate
 
         if not request.sequences:
             raise InvalidRequest("sequences", "at least one sequence is required")
@@ -151,7 +150,7 @@ class TrainerService:
             samples.append(SampleData(prompt, completion, [0.0] * len(completion)))
         sampling = sampling_settings(request.sampling)
         with self._lock:
-            batch = collate(samples, self.learner.pad_id).to(self.learner.device)
+            batch = self.learner.collate(samples)
             logprobs = self.learner.score(batch, sampling).cpu()
             version = self.step
         results = []
