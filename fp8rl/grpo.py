@@ -12,6 +12,7 @@ the sampling set), so masking is always by selection (``torch.where``), never by
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -116,6 +117,17 @@ def importance_weights(
     raise ValueError(f"unknown importance sampling mode {config.mode!r}")
 
 
+DIVERGENCE_METRICS = (
+    "token_mult_prob_error",
+    "gen_kl_error",
+    "max_seq_mult_prob_error",
+    "is_weight_mean",
+    "is_weight_min",
+    "is_weight_max",
+    "is_clipped_fraction",
+)
+
+
 def divergence_metrics(
     prev: torch.Tensor, gen: torch.Tensor, mask: torch.Tensor, weights: ISWeights
 ) -> dict[str, float]:
@@ -125,6 +137,8 @@ def divergence_metrics(
     mult_error = torch.exp(d.abs())
     per_sequence = masked(mult_error, m).sum(-1) / m.sum(-1).clamp(min=1)
     valid = mask > 0
+    if not valid.any():  # nothing covered (e.g. every sampled token outside the trainer's top-k)
+        return {name: math.nan for name in DIVERGENCE_METRICS}
     raw = weights.raw[valid].double()
     return {
         "token_mult_prob_error": masked_mean(mult_error, m).item(),
@@ -169,8 +183,10 @@ def ppo_loss(
     clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv
     per_token = -torch.minimum(unclipped, clipped) * is_weights.detach()
     if ref is not None and kl_coef > 0:
-        # A token outside the reference's own sampling set (ref = -inf) has no finite KL: left out.
-        kl_mask = masked(torch.isfinite(ref).to(mask.dtype), mask)
+        # A token outside the reference's or the current policy's sampling set (-inf: after an optimizer
+        # step of an earlier mini-batch the current set can move) has no finite KL: left out.
+        finite = torch.isfinite(ref) & torch.isfinite(cur.detach())
+        kl_mask = masked(finite.to(mask.dtype), mask)
         d = masked(ref.detach(), kl_mask) - masked(cur, kl_mask)
         per_token = per_token + kl_coef * masked(torch.exp(d) - d - 1, kl_mask)
     loss = masked(per_token, mask).sum() / normalizer

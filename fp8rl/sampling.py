@@ -20,8 +20,8 @@ _MIN_WIRE_TEMPERATURE = struct.unpack("f", struct.pack("f", MIN_TEMPERATURE))[0]
 
 @dataclass(frozen=True)
 class SamplingSettings:
-    """The distribution sampled from: logits / temperature (0 = greedy, left unscaled), top-k (0 = off),
-    then top-p."""
+    """The distribution sampled from: logits / temperature (0 = greedy: left unscaled, and no top-k or
+    top-p, as in vLLM), top-k (0 = off), then top-p."""
 
     temperature: float = 1.0
     top_k: int = 0
@@ -43,4 +43,6 @@ def sampling_settings(s: common_pb2.SamplingParams) -> SamplingSettings:
         raise InvalidRequest("sampling.top_p", f"must lie in (0, 1], got {top_p}")
     if top_k < 0:
         raise InvalidRequest("sampling.top_k", f"must be >= 0 (0 = off), got {top_k}")
+    if temperature == 0:  # greedy: vLLM drops top-k / top-p, so its logprobs are the raw model's
+        return SamplingSettings(0.0, 0, 1.0)
     return SamplingSettings(temperature, top_k, top_p)

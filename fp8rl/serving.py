@@ -110,10 +110,11 @@ REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 
 def enable_reflection(server: grpc.Server, service_names: Sequence[str]) -> None:
     """Server reflection as v1alpha and v1 (some clients try v1 first). grpcio-reflection ships only
-    v1alpha; v1's messages are the same on the wire, so one servicer answers both method paths."""
+    v1alpha; v1's messages are the same on the wire, so one servicer answers both method paths. The
+    listing names v1alpha only: v1's own descriptor is not in this process, so it could not be described."""
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-    servicer = reflection.ReflectionServicer([*service_names, reflection.SERVICE_NAME, REFLECTION_V1])
+    servicer = reflection.ReflectionServicer([*service_names, reflection.SERVICE_NAME])
     reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
     v1 = grpc.stream_stream_rpc_method_handler(
         servicer.ServerReflectionInfo,

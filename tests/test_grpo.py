@@ -197,7 +197,35 @@ def test_top_k_logprobs_outside_the_mask_or_the_support_never_make_nan(gen: torc
     assert metrics_junk == metrics and torch.equal(loss_junk, loss) and torch.equal(grad_junk, grad)
 
 
-def test_masked_mean_and_metrics_ignore_excluded_values() -> None:
+def test_a_token_the_current_policy_no_longer_samples_keeps_the_kl_loss_finite(gen: torch.Generator) -> None:
+    """After an earlier mini-batch's optimizer step, a covered token can fall outside the current
+    policy's top-k (cur = -inf): with a KL penalty, ref - cur was +inf and the loss NaN."""
+    from fp8rl.logprobs import token_logprobs
+
+    logits, targets, mask, prev, gen_lp = _top_k_case(gen)
+    support = grpo.sampling_support(prev, mask)
+    moved = logits.clone()
+    moved[0, 4, targets[0, 4]] -= 100.0  # the policy moved: token (0, 4) leaves its top-5
+    leaf = moved.requires_grad_()
+    cur = token_logprobs(leaf, targets, 1.0, top_k=5)
+    assert torch.isinf(cur[0, 4]) and support[0, 4] == 1
+    ref = token_logprobs(logits, targets, 1.0, top_k=5)
+    weights = grpo.importance_weights(prev, gen_lp, support, ImportanceSampling(mode="tis", cap=2.0))
+    adv = torch.tensor([1.0, -0.5, 2.0], dtype=torch.float64)
+    terms = grpo.ppo_loss(cur, prev, adv, support, weights.weights, 0.2, support.sum().item(), ref, 0.1)
+    terms.loss.backward()
+    assert leaf.grad is not None
+    assert torch.isfinite(terms.loss) and torch.isfinite(leaf.grad).all()
+
+
+def test_masked_mean_ignores_excluded_values() -> None:
     x = torch.tensor([[1.0, float("-inf"), float("nan")], [3.0, 5.0, float("inf")]])
     mask = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 0.0]])
     assert grpo.masked_mean(x, mask).item() == 3.0
+
+
+def test_metrics_of_a_batch_with_no_covered_token_are_nan_not_a_crash() -> None:
+    nothing = torch.zeros_like(MASK)
+    weights = grpo.importance_weights(PREV, GEN, nothing, ImportanceSampling(mode="tis"))
+    metrics = grpo.divergence_metrics(PREV, GEN, nothing, weights)
+    assert metrics.keys() == set(grpo.DIVERGENCE_METRICS) and all(math.isnan(v) for v in metrics.values())

@@ -14,8 +14,10 @@ from fp8rl.v1 import common_pb2
 
 def test_unset_fields_take_their_defaults() -> None:
     assert sampling_settings(common_pb2.SamplingParams()) == SamplingSettings(1.0, 0, 1.0)
+    assert sampling_settings(common_pb2.SamplingParams(top_k=5, top_p=0.5)) == SamplingSettings(1.0, 5, 0.5)
+    # Greedy: vLLM drops top-k / top-p, so its logprobs are the raw model's; the trainer must agree.
     greedy = sampling_settings(common_pb2.SamplingParams(temperature=0.0, top_k=5, top_p=0.5))
-    assert greedy == SamplingSettings(0.0, 5, 0.5)
+    assert greedy == SamplingSettings(0.0, 0, 1.0)
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -163,7 +164,9 @@ class Learner:
         losses, norms, clip_fractions = [], [], []
         for mini in split(len(samples), self.config.mini_batches):
             self.optimizer.zero_grad(set_to_none=True)
-            normalizer = max(support[mini].sum().item(), 1)
+            normalizer = support[mini].sum().item()
+            if normalizer == 0:  # no token this mini-batch covers: Adam would still move on its moments
+                continue
             loss_sum = 0.0
             for micro in mini.split(self.config.micro_batch_size):
                 rows = batch.rows(micro)
@@ -195,10 +198,10 @@ class Learner:
         seconds = time.perf_counter() - start
         tokens = int(batch.mask.sum().item())
         return metrics | {
-            "loss": sum(losses) / len(losses),
-            "grad_norm": sum(norms) / len(norms),
+            "loss": sum(losses) / len(losses) if losses else math.nan,
+            "grad_norm": sum(norms) / len(norms) if norms else math.nan,
             "learning_rate": lr,
-            "ppo_clipped_fraction": sum(clip_fractions) / len(clip_fractions),
+            "ppo_clipped_fraction": sum(clip_fractions) / len(clip_fractions) if clip_fractions else math.nan,
             "num_tokens": tokens,
             "num_samples": len(samples),
             "tokens_per_s": tokens / seconds,
