@@ -61,7 +61,7 @@ class Child:
                 f"{self.name} exited with status {self.proc.returncode}; log {self.log_path}:\n{tail}"
             )
 
-    def bound_address(self, timeout: float = 120) -> str:
+    def bound_address(self, timeout: float = 300) -> str:
         """The ``host:port`` the child reports it bound ("... bound to HOST:PORT"): services are started
         on port 0 and pick a free port themselves, so no other process can take it in between."""
         deadline = time.monotonic() + timeout
