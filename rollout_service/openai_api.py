@@ -5,25 +5,30 @@ The same engine, validation and version rules as gRPC: each request becomes a ``
 :meth:`RolloutService.generate`. Requests are validated with the ``openai`` package's own parameter types
 and answers are built from its response models, plus what RL needs: each choice's sampled ``token_ids``
 and ``prompt_token_ids``, and the ``weight_version`` that produced them (also the ``X-Weight-Version``
-header). A version is required with the ``X-Weight-Version`` header or a ``weight_version`` body field;
-``top_k`` is accepted in the body too. Logprobs are those of the sampled tokens (the distribution they
-were sampled from, as over gRPC); alternatives (``top_logprobs``) are not served. A stream sends each
-completion whole as soon as it finishes (the engine returns finished completions), then ``[DONE]``.
+header). A version can be required with the ``X-Weight-Version`` header or a ``weight_version`` body
+field (409 when the replica holds another); ``top_k`` is accepted in the body too. Logprobs are those of
+the sampled tokens (the distribution they were sampled from, as over gRPC); alternatives
+(``top_logprobs``) are not served. A stream sends each completion whole as soon as it finishes (the
+engine returns finished completions), then ``[DONE]``. A client that goes away cancels its generation.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import itertools
+import json
 import re
 import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any, cast
 
 import grpc
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import FastAPI, Request, Response
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import TypeAdapter, ValidationError
 
@@ -78,7 +83,7 @@ def validated(adapter: TypeAdapter[Any], body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise InvalidRequest("body", "must be a JSON object")
     try:
-        adapter.validate_python(body)
+        adapter.validate_python(body, strict=True)  # no coercion: "0.5" is no temperature, true no n
     except ValidationError as exc:
         first = exc.errors()[0]
         raise InvalidRequest(".".join(str(p) for p in first["loc"]) or "body", first["msg"]) from None
@@ -102,20 +107,25 @@ def sampling_of(body: dict[str, Any], max_tokens_key: str) -> common_pb2.Samplin
         ("seed", "seed"),
         ("max_tokens", max_tokens_key),
     ):
-        if body.get(theirs) is not None:
-            setattr(sampling, ours, body[theirs])
-    if body.get("top_k") is not None and not isinstance(body["top_k"], int):
-        raise InvalidRequest("top_k", f"must be an integer, got {body['top_k']!r}")
+        value = body.get(theirs)
+        if value is None:
+            continue
+        if ours in ("top_k", "seed", "max_tokens") and not is_int(value):
+            raise InvalidRequest(theirs, f"must be an integer, got {value!r}")
+        setattr(sampling, ours, value)
     return sampling
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def required_version(body: dict[str, Any], headers: Any) -> int | None:
     header, field = headers.get(VERSION_HEADER), body.get("weight_version")
-    try:
-        from_header = None if header is None else int(header)
-    except ValueError:
-        raise InvalidRequest(VERSION_HEADER, f"must be an integer, got {header!r}") from None
-    if field is not None and not isinstance(field, int):
+    if header is not None and not re.fullmatch(r"-?\d+", header.strip()):
+        raise InvalidRequest(VERSION_HEADER, f"must be an integer, got {header!r}")
+    from_header = None if header is None else int(header)
+    if field is not None and not is_int(field):
         raise InvalidRequest("weight_version", f"must be an integer, got {field!r}")
     if None not in (from_header, field) and from_header != field:
         raise InvalidRequest("weight_version", f"body says {field}, header {VERSION_HEADER} says {header}")
@@ -125,40 +135,58 @@ def required_version(body: dict[str, Any], headers: Any) -> int | None:
 def generate_request(
     body: dict[str, Any], headers: Any, prompts: list[rollout_pb2.Prompt], max_tokens_key: str
 ) -> rollout_pb2.GenerateRequest:
-    request = rollout_pb2.GenerateRequest(prompts=prompts, sampling=sampling_of(body, max_tokens_key))
-    if body.get("n") is not None:
-        request.n = body["n"]
-    version = required_version(body, headers)
-    if version is not None:
-        request.weight_version = version
+    try:
+        request = rollout_pb2.GenerateRequest(prompts=prompts, sampling=sampling_of(body, max_tokens_key))
+        if body.get("n") is not None:
+            request.n = body["n"]
+        version = required_version(body, headers)
+        if version is not None:
+            request.weight_version = version
+    except (TypeError, ValueError, OverflowError) as exc:  # e.g. an integer beyond the wire's range
+        if isinstance(exc, InvalidRequest):
+            raise
+        raise InvalidRequest("body", f"a value does not fit the request: {exc}") from None
     return request
 
 
 def completion_prompts(prompt: Any) -> list[rollout_pb2.Prompt]:
     """OpenAI's ``prompt``: a string, a list of strings, a list of token ids, or a list of those lists."""
-    one_token_list = isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)
-    if isinstance(prompt, str) or one_token_list:
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(map(is_int, prompt))):
         prompt = [prompt]
     if not isinstance(prompt, list) or not prompt:
         raise InvalidRequest("prompt", "must be text, token ids, or a non-empty list of either")
-    return [
-        rollout_pb2.Prompt(text=p) if isinstance(p, str) else rollout_pb2.Prompt(token_ids={"ids": p})
-        for p in prompt
-    ]
+    prompts = []
+    for p in prompt:
+        if isinstance(p, str):
+            prompts.append(rollout_pb2.Prompt(text=p))
+        elif isinstance(p, list) and all(map(is_int, p)):
+            prompts.append(rollout_pb2.Prompt(token_ids={"ids": p}))
+        else:
+            raise InvalidRequest("prompt", "each prompt must be text or a list of token ids")
+    return prompts
 
 
-def chat_prompt(messages: Iterable[Any]) -> rollout_pb2.Prompt:
+def chat_prompt(messages: Any) -> rollout_pb2.Prompt:
+    """OpenAI's ``messages`` as a chat prompt: roles and text content (parts of type text) only."""
+    if not isinstance(messages, list):
+        raise InvalidRequest("messages", "must be a list of messages")
     turns = []
-    for message in messages:
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise InvalidRequest(f"messages[{i}]", "must be an object with a role")
         content = message.get("content")
-        if isinstance(content, list | tuple):  # content parts: only text can be rendered
-            content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+        if isinstance(content, list):
+            if not all(isinstance(part, dict) and part.get("type") == "text" for part in content):
+                raise InvalidRequest(f"messages[{i}].content", "only text parts can be rendered")
+            content = "".join(str(part.get("text", "")) for part in content)
+        if content is not None and not isinstance(content, str):
+            raise InvalidRequest(f"messages[{i}].content", "must be text or a list of text parts")
         turns.append(rollout_pb2.ChatMessage(role=message["role"], content=content or ""))
     return rollout_pb2.Prompt(messages=rollout_pb2.ChatMessages(messages=turns))
 
 
-def ordered(generation: Generation) -> list[rollout_pb2.Completion]:
-    return sorted(generation, key=lambda c: (int(c.prompt_id), c.sample_index))
+def ordered(completions: Iterable[rollout_pb2.Completion]) -> list[rollout_pb2.Completion]:
+    return sorted(completions, key=lambda c: (int(c.prompt_id), c.sample_index))
 
 
 class OpenAIFace:
@@ -203,20 +231,15 @@ class OpenAIFace:
         )
         if logprobs:
             tokens = self.token_texts(c.token_ids)
-            offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+            offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0))
             choice.logprobs = Logprobs(tokens=tokens, token_logprobs=list(c.logprobs), text_offset=offsets)
         return choice
 
-    def completion(self, generation: Generation, body: dict[str, Any]) -> Any:
-        from openai.types import CompletionUsage
-
-        completions = ordered(generation)
+    def completion(
+        self, completions: list[rollout_pb2.Completion], version: int, body: dict[str, Any]
+    ) -> Any:
         prompt_tokens = sum(len(c.prompt_token_ids) for c in completions if c.sample_index == 0)
-        generated = sum(len(c.token_ids) for c in completions)
-        usage = CompletionUsage(
-            prompt_tokens=prompt_tokens, completion_tokens=generated, total_tokens=prompt_tokens + generated
-        )
-        return self.completion_of(completions, generation.ticket.version, body, usage)
+        return self.completion_of(completions, version, body, usage_of(completions, prompt_tokens))
 
     def completion_of(
         self, completions: list[rollout_pb2.Completion], version: int, body: dict[str, Any], usage: Any
@@ -239,7 +262,15 @@ class OpenAIFace:
         body = validated(self.chat_params, body)
         self.check_model(body)
         refuse_unsupported(body, {"presence_penalty": 0, "frequency_penalty": 0, "top_logprobs": 0})
-        for name in ("tools", "logit_bias", "response_format", "audio", "modalities"):
+        for name in (
+            "tools",
+            "functions",
+            "function_call",
+            "logit_bias",
+            "response_format",
+            "audio",
+            "modalities",
+        ):
             if body.get(name):
                 raise InvalidRequest(name, "not supported by this server")
         prompt = chat_prompt(body["messages"])
@@ -267,14 +298,12 @@ class OpenAIFace:
             "prompt_token_ids": list(c.prompt_token_ids),
         }
 
-    def chat_completion(self, generation: Generation, body: dict[str, Any]) -> Any:
-        from openai.types import CompletionUsage
+    def chat_completion(
+        self, completions: list[rollout_pb2.Completion], version: int, body: dict[str, Any]
+    ) -> Any:
         from openai.types.chat import ChatCompletion, ChatCompletionMessage
         from openai.types.chat.chat_completion import Choice
 
-        completions = ordered(generation)
-        prompt_tokens = len(completions[0].prompt_token_ids) if completions else 0
-        generated = sum(len(c.token_ids) for c in completions)
         return ChatCompletion(
             id=f"chatcmpl-{uuid.uuid4().hex}",
             object="chat.completion",
@@ -287,91 +316,150 @@ class OpenAIFace:
                 )
                 for c in completions
             ],
-            usage=CompletionUsage(
-                prompt_tokens=prompt_tokens,
-                completion_tokens=generated,
-                total_tokens=prompt_tokens + generated,
-            ),
-            weight_version=generation.ticket.version,
+            usage=usage_of(completions, len(completions[0].prompt_token_ids) if completions else 0),
+            weight_version=version,
         )
 
-    def chat_chunks(self, generation: Generation, body: dict[str, Any]) -> Iterator[Any]:
+    def chat_chunks(self, version: int, body: dict[str, Any]) -> Callable[[rollout_pb2.Completion], Any]:
+        """One stream chunk per finished completion, all under one id."""
         from openai.types.chat import ChatCompletionChunk
         from openai.types.chat.chat_completion_chunk import Choice, ChoiceDelta
 
         chunk_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        for c in generation:
-            choice = Choice(
-                delta=ChoiceDelta(role="assistant", content=c.text), **self.chat_choice_fields(c, body)
-            )
-            yield ChatCompletionChunk(
+
+        def chunk(c: rollout_pb2.Completion) -> Any:
+            delta = ChoiceDelta(role="assistant", content=c.text)
+            return ChatCompletionChunk(
                 id=chunk_id,
                 object="chat.completion.chunk",
                 created=created,
                 model=self.model_name,
-                choices=[choice],
-                weight_version=generation.ticket.version,
+                choices=[Choice(delta=delta, **self.chat_choice_fields(c, body))],
+                weight_version=version,
             )
 
-    def completion_chunks(self, generation: Generation, body: dict[str, Any]) -> Iterator[Any]:
-        for c in generation:
-            yield self.completion_of([c], generation.ticket.version, body, usage=None)
+        return chunk
+
+    def completion_chunks(
+        self, version: int, body: dict[str, Any]
+    ) -> Callable[[rollout_pb2.Completion], Any]:
+        return lambda c: self.completion_of([c], version, body, usage=None)
 
 
-def sse(chunks: Iterator[Any], generation: Generation) -> Iterator[str]:
+def usage_of(completions: list[rollout_pb2.Completion], prompt_tokens: int) -> Any:
+    from openai.types import CompletionUsage
+
+    generated = sum(len(c.token_ids) for c in completions)
+    return CompletionUsage(
+        prompt_tokens=prompt_tokens, completion_tokens=generated, total_tokens=prompt_tokens + generated
+    )
+
+
+_DONE = object()
+
+
+async def finished(generation: Generation) -> AsyncIterator[rollout_pb2.Completion]:
+    """The completions as they finish. They are waited for on a thread of their own (the wait blocks),
+    so a long generation holds no worker of the server; leaving early (the client went away, or the
+    request was cancelled) cancels what is left, as gRPC does."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+
+    def put(item: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    def pump() -> None:
+        try:
+            for completion in generation:
+                put(completion)
+            put(_DONE)
+        except BaseException as exc:
+            put(exc)
+
+    threading.Thread(target=pump, name="openai-generation", daemon=True).start()
     try:
-        for chunk in chunks:
-            yield f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
+        while (item := await queue.get()) is not _DONE:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        generation.cancel()  # a no-op once all finished
+
+
+async def collect(generation: Generation, request: Request) -> list[rollout_pb2.Completion] | None:
+    """Every completion, or None once the client has gone away (what is left is then cancelled)."""
+
+    async def gather() -> list[rollout_pb2.Completion]:
+        return [c async for c in finished(generation)]
+
+    task = asyncio.ensure_future(gather())
+    while not (await asyncio.wait({task}, timeout=0.5))[0]:
+        if await request.is_disconnected():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return None
+    return task.result()
+
+
+async def sse(completions: AsyncIterator[rollout_pb2.Completion], chunk: Any) -> AsyncIterator[str]:
+    """Server-sent events: one chunk per completion, then [DONE]. A client that goes away cancels this
+    generator, and with it the generation."""
+    try:
+        async for c in completions:
+            yield f"data: {chunk(c).model_dump_json(exclude_none=True)}\n\n"
         yield "data: [DONE]\n\n"
     except Exception as exc:  # after the headers went out, an error can only travel as an event
         yield f"data: {bytes(error_response(exc).body).decode()}\n\n"
-    finally:
-        generation.cancel()  # the client went away (or all finished: then a no-op)
 
 
 def build_app(service: RolloutService, model_name: str) -> FastAPI:
     face = OpenAIFace(service, model_name)
     app = FastAPI(title="fp8rl rollout (OpenAI-compatible)", docs_url=None, redoc_url=None)
 
-    def answer(generation: Generation, body: dict[str, Any], plain: Any, chunks: Any) -> Any:
-        headers = {VERSION_HEADER: str(generation.ticket.version)}
+    async def answer(request: Request, admit: Any, build: Any, chunks: Any) -> Response:
+        body = await request.json()
+        # Validation, tokenization and admission run on a worker thread: tokenizing can take a while.
+        generation, body = await run_in_threadpool(admit, body, request.headers)
+        version = generation.ticket.version
+        headers = {VERSION_HEADER: str(version)}
         if body.get("stream"):
-            stream = sse(chunks(generation, body), generation)
+            stream = sse(finished(generation), chunks(version, body))
             return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
-        try:
-            result = plain(generation, body)
-        finally:
-            generation.cancel()
+        completions = await collect(generation, request)
+        if completions is None:
+            return Response(status_code=499)  # nobody is listening
+        result = build(ordered(completions), version, body)
         return JSONResponse(result.model_dump(mode="json", exclude_none=True), headers=headers)
 
-    # Plain `def` endpoints: FastAPI runs them on its thread pool, as generation blocks.
     @app.post("/v1/completions")
-    def completions(body: dict[str, Any], request: Request) -> Any:
-        generation, body = face.completions(body, request.headers)
-        return answer(generation, body, face.completion, face.completion_chunks)
+    async def completions(request: Request) -> Response:
+        return await answer(request, face.completions, face.completion, face.completion_chunks)
 
     @app.post("/v1/chat/completions")
-    def chat_completions(body: dict[str, Any], request: Request) -> Any:
-        generation, body = face.chat(body, request.headers)
-        return answer(generation, body, face.chat_completion, face.chat_chunks)
+    async def chat_completions(request: Request) -> Response:
+        return await answer(request, face.chat, face.chat_completion, face.chat_chunks)
 
     @app.get("/v1/models")
-    def models() -> Any:
+    async def models() -> Any:
         from openai.types import Model
 
-        started = int(service.started)
-        listed = Model(id=model_name, object="model", created=started, owned_by="fp8rl")
+        listed = Model(id=model_name, object="model", created=int(service.started), owned_by="fp8rl")
         return {"object": "list", "data": [listed.model_dump(mode="json")]}
 
     def on_error(_: Request, exc: Exception) -> JSONResponse:
-        return error_response(exc)
+        response = error_response(exc)
+        if response.status_code == 409:  # another weight version: retrying the same request cannot help
+            response.headers["x-should-retry"] = "false"
+        return response
 
     for kind, _ in STATUS_OF:  # domain errors; anything else is a 500 that uvicorn logs
         app.add_exception_handler(cast(type[Exception], kind), on_error)
 
-    @app.exception_handler(RequestValidationError)  # FastAPI's own check: the body is no JSON object
-    def on_bad_body(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(InvalidRequest("body", "must be a JSON object"))
+    @app.exception_handler(json.JSONDecodeError)
+    def on_bad_json(_: Request, exc: json.JSONDecodeError) -> JSONResponse:
+        return error_response(InvalidRequest("body", f"is not JSON: {exc}"))
 
     return app
 

@@ -40,15 +40,25 @@ def test_a_minimal_request_gets_one_completion_under_the_held_version(rollout_fp
 
 
 def test_unset_max_tokens_is_the_server_default_capped_by_the_context(rollout_fp8: InProcessRollout) -> None:
+    import dataclasses
+
     greedy = common_pb2.SamplingParams(temperature=0.0)
     prompt = [rollout_pb2.Prompt(text="12+34=")]
-    default = generate(rollout_fp8, prompts=prompt, sampling=greedy).completions[0]
-    greedy.max_tokens = 16
-    explicit = generate(rollout_fp8, prompts=prompt, sampling=greedy).completions[0]
-    assert list(default.token_ids) == list(explicit.token_ids)
+    service = rollout_fp8.service
+    limits = service.limits
+    for default in (16, 3):  # the configured default, and another one set on the replica
+        service.limits = dataclasses.replace(limits, default_max_tokens=default)
+        try:
+            unset = generate(rollout_fp8, prompts=prompt, sampling=greedy).completions[0]
+        finally:
+            service.limits = limits
+        explicit = common_pb2.SamplingParams(temperature=0.0, max_tokens=default)
+        same = generate(rollout_fp8, prompts=prompt, sampling=explicit).completions[0]
+        assert list(unset.token_ids) == list(same.token_ids)
+        assert len(unset.token_ids) == default or unset.finish_reason == "stop"
     long = [rollout_pb2.Prompt(token_ids=rollout_pb2.TokenIds(ids=[40] * 250))]  # 6 tokens of room in 256
-    capped = generate(rollout_fp8, prompts=long, sampling=common_pb2.SamplingParams(temperature=0.0))
-    assert len(capped.completions[0].token_ids) <= 6
+    [capped] = generate(rollout_fp8, prompts=long, sampling=greedy).completions
+    assert len(capped.token_ids) == 6 or (capped.finish_reason == "stop" and len(capped.token_ids) < 6)
 
 
 def test_explicit_bad_values_are_still_refused_naming_the_field(rollout_fp8: InProcessRollout) -> None:
@@ -137,12 +147,17 @@ def test_server_reflection_answers_v1_and_v1alpha(rollout_fp8: InProcessRollout)
 
 
 @pytest.fixture(scope="module")
-def client(rollout_fp8: InProcessRollout) -> Iterator[openai.OpenAI]:
-    http = HttpServer(build_app(rollout_fp8.service, MODEL_NAME), "127.0.0.1", 0)
+def http(rollout_fp8: InProcessRollout) -> Iterator[str]:
+    server = HttpServer(build_app(rollout_fp8.service, MODEL_NAME), "127.0.0.1", 0)
     try:
-        yield openai.OpenAI(base_url=f"http://127.0.0.1:{http.port}/v1", api_key="unused", max_retries=0)
+        yield f"http://127.0.0.1:{server.port}/v1"
     finally:
-        http.stop()
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(http: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=http, api_key="unused", max_retries=0)
 
 
 def error_body(exc: openai.APIStatusError) -> dict[str, Any]:
@@ -240,3 +255,59 @@ def test_version_rules_and_errors_in_openais_shape(
     assert error_body(bad.value)["param"] == "top_logprobs"
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt="1+1=", max_tokens=2)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": "1+1=", "temperature": "0.5"}, "temperature"),
+        ({"prompt": "1+1=", "n": True}, "n"),
+        ({"prompt": "1+1=", "seed": 2**64}, "body"),
+        ({"prompt": "1+1=", "top_k": 1.5}, "top_k"),
+        ({"prompt": [[1, "a"]]}, "prompt"),
+        ({"prompt": "1+1=", "weight_version": True}, "weight_version"),
+        ({"messages": "hi"}, "messages"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages",
+        ),
+        ({"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]}, "functions"),
+    ],
+)
+def test_badly_typed_bodies_are_400s_naming_the_field(http: str, body: dict[str, Any], param: str) -> None:
+    import httpx
+
+    path = "/chat/completions" if "messages" in body else "/completions"
+    reply = httpx.post(f"{http}{path}", json={"model": MODEL_NAME, **body}, timeout=30)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"].startswith(param), error
+
+
+def test_a_client_that_goes_away_cancels_its_generation(http: str, rollout_fp8: InProcessRollout) -> None:
+    """Like gRPC: the generation of a client that disconnects (mid-stream, or while waiting for a plain
+    answer) is cancelled instead of running to its end: the replica is idle again well before the same
+    work, uninterrupted, would have finished."""
+    import time
+
+    import httpx
+
+    loop = rollout_fp8.service.loop
+    work = {"model": MODEL_NAME, "prompt": "1", "n": 32, "max_tokens": 240, "temperature": 1.0, "seed": 1}
+    start = time.monotonic()
+    assert httpx.post(f"{http}/completions", json=work, timeout=120).status_code == 200
+    full = time.monotonic() - start
+    for stream in (True, False):
+        if stream:
+            with httpx.stream("POST", f"{http}/completions", json={**work, "stream": True}, timeout=30) as r:
+                assert r.status_code == 200 and loop.in_flight > 0  # hang up before any completion
+        else:
+            with pytest.raises(httpx.TimeoutException):
+                httpx.post(f"{http}/completions", json=work, timeout=0.2)
+        hung_up = time.monotonic()
+        while loop.in_flight and time.monotonic() < hung_up + full:
+            time.sleep(0.02)
+        idle_after = time.monotonic() - hung_up
+        print(f"stream={stream}: idle {idle_after:.2f} s after hanging up; the whole work takes {full:.2f} s")
+        assert loop.in_flight == 0 and idle_after < full / 2, (stream, idle_after, full)
