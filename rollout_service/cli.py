@@ -71,6 +71,11 @@ def serve(config: RolloutConfig) -> None:
         max_receive_bytes=64 * 1024 * 1024,
     )
     print(f"rollout-service bound to {config.host}:{running.port}; loading the engine", flush=True)
+    http = None
+    if config.http_port is not None:
+        from rollout_service.openai_api import HttpServer, build_app
+
+        http = HttpServer(config.host, config.http_port)  # bound now: a taken port fails before vLLM loads
     service = RolloutService(config, VllmEngine(config))
     stop = shutdown_event()  # after the engine: vLLM installs signal handlers of its own while it starts
     servicer.attach(service)
@@ -84,11 +89,8 @@ def serve(config: RolloutConfig) -> None:
         heartbeat = Heartbeat(
             redis.Redis.from_url(config.redis_url), str(config.advertise), info, config.heartbeat_s
         )
-    http = None
-    if config.http_port is not None:
-        from rollout_service.openai_api import HttpServer, build_app
-
-        http = HttpServer(build_app(service, config.model_name), config.host, config.http_port)
+    if http:
+        http.serve(build_app(service, config.model_name))
         print(f"rollout-service OpenAI-compatible HTTP on {config.host}:{http.port}", flush=True)
     running.set_serving()  # health turns SERVING only now, with the engine loaded
     print(f"rollout-service serving on {config.host}:{running.port}", flush=True)

@@ -403,12 +403,22 @@ async def collect(generation: Generation, request: Request) -> list[rollout_pb2.
     return task.result()
 
 
-async def sse(completions: AsyncIterator[rollout_pb2.Completion], chunk: Any) -> AsyncIterator[str]:
-    """Server-sent events: one chunk per completion, then [DONE]. A client that goes away cancels this
+async def sse(
+    completions: AsyncIterator[rollout_pb2.Completion], chunk: Any, include_usage: bool
+) -> AsyncIterator[str]:
+    """Server-sent events: one chunk per completion, with ``include_usage`` a last one with the usage
+    and no choices (OpenAI's ``stream_options``), then [DONE]. A client that goes away cancels this
     generator, and with it the generation."""
     try:
+        seen, last = [], None
         async for c in completions:
-            yield f"data: {chunk(c).model_dump_json(exclude_none=True)}\n\n"
+            seen.append(c)
+            last = chunk(c)
+            yield f"data: {last.model_dump_json(exclude_none=True)}\n\n"
+        if include_usage and last is not None:
+            prompt_tokens = sum(len(c.prompt_token_ids) for c in seen if c.sample_index == 0)
+            usage = last.model_copy(update={"choices": [], "usage": usage_of(seen, prompt_tokens)})
+            yield f"data: {usage.model_dump_json(exclude_none=True)}\n\n"
         yield "data: [DONE]\n\n"
     except Exception as exc:  # after the headers went out, an error can only travel as an event
         yield f"data: {bytes(error_response(exc).body).decode()}\n\n"
@@ -425,7 +435,8 @@ def build_app(service: RolloutService, model_name: str) -> FastAPI:
         version = generation.ticket.version
         headers = {VERSION_HEADER: str(version)}
         if body.get("stream"):
-            stream = sse(finished(generation), chunks(version, body))
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            stream = sse(finished(generation), chunks(version, body), include_usage)
             return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
         completions = await collect(generation, request)
         if completions is None:
@@ -465,20 +476,27 @@ def build_app(service: RolloutService, model_name: str) -> FastAPI:
 
 
 class HttpServer:
-    """uvicorn on its own thread, bound before it starts (port 0 picks a free one)."""
+    """uvicorn on its own thread. It binds at once (port 0 picks a free one), so a taken port fails
+    before the engine loads; ``serve`` starts answering once the app exists."""
 
-    def __init__(self, app: FastAPI, host: str, port: int) -> None:
-        import uvicorn
-
+    def __init__(self, host: str, port: int) -> None:
         self.socket = socket.create_server((host, port))
         self.port: int = self.socket.getsockname()[1]
+        self.server: Any = None
+        self.thread: threading.Thread | None = None
+
+    def serve(self, app: FastAPI) -> HttpServer:
+        import uvicorn
+
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
         self.thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [self.socket]}, name="openai-http", daemon=True
         )
         self.thread.start()
+        return self
 
     def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
+        if self.server is not None and self.thread is not None:
+            self.server.should_exit = True
+            self.thread.join(timeout=10)
         self.socket.close()

@@ -148,7 +148,7 @@ def test_server_reflection_answers_v1_and_v1alpha(rollout_fp8: InProcessRollout)
 
 @pytest.fixture(scope="module")
 def http(rollout_fp8: InProcessRollout) -> Iterator[str]:
-    server = HttpServer(build_app(rollout_fp8.service, MODEL_NAME), "127.0.0.1", 0)
+    server = HttpServer("127.0.0.1", 0).serve(build_app(rollout_fp8.service, MODEL_NAME))
     try:
         yield f"http://127.0.0.1:{server.port}/v1"
     finally:
@@ -229,6 +229,20 @@ def test_streams_send_every_completion_then_end(client: openai.OpenAI) -> None:
         client.completions.create(model=MODEL_NAME, prompt=["1+2=", "3+4="], max_tokens=3, stream=True)
     )
     assert sorted(choice.index for piece in pieces for choice in piece.choices) == [0, 1]
+    counted = list(
+        client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=[{"role": "user", "content": "1+2="}],
+            max_tokens=3,
+            n=2,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    *choices, usage = counted
+    assert not usage.choices and usage.usage is not None
+    tokens = sum(len(c.choices[0].token_ids) for c in choices)  # type: ignore[attr-defined]
+    assert usage.usage.completion_tokens == tokens
 
 
 def test_version_rules_and_errors_in_openais_shape(
