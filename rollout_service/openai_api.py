@@ -32,7 +32,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import TypeAdapter, ValidationError
 
-from fp8rl.errors import InvalidRequest
+from fp8rl.errors import Cancelled, InvalidRequest
 from fp8rl.serving import STATUS_OF, status_of
 from fp8rl.v1 import common_pb2, rollout_pb2
 from rollout_service.service import Generation, RolloutService
@@ -387,20 +387,38 @@ async def finished(generation: Generation) -> AsyncIterator[rollout_pb2.Completi
         generation.cancel()  # a no-op once all finished
 
 
+async def cancel_on_disconnect(request: Request, generation: Generation) -> None:
+    """Runs beside a generation until cancelled; cancels the generation once the client has gone away
+    (a stream would otherwise only notice at its next write, which may be the end)."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(0.25)
+    generation.cancel()
+
+
+@contextlib.asynccontextmanager
+async def watched(request: Request, generation: Generation) -> AsyncIterator[None]:
+    watcher = asyncio.ensure_future(cancel_on_disconnect(request, generation))
+    try:
+        yield
+    finally:
+        watcher.cancel()
+
+
 async def collect(generation: Generation, request: Request) -> list[rollout_pb2.Completion] | None:
     """Every completion, or None once the client has gone away (what is left is then cancelled)."""
-
-    async def gather() -> list[rollout_pb2.Completion]:
-        return [c async for c in finished(generation)]
-
-    task = asyncio.ensure_future(gather())
-    while not (await asyncio.wait({task}, timeout=0.5))[0]:
-        if await request.is_disconnected():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+    async with watched(request, generation):
+        try:
+            return [c async for c in finished(generation)]
+        except Cancelled:
             return None
-    return task.result()
+
+
+async def stream(
+    request: Request, generation: Generation, chunk: Any, include_usage: bool
+) -> AsyncIterator[str]:
+    async with watched(request, generation):
+        async for event in sse(finished(generation), chunk, include_usage):
+            yield event
 
 
 async def sse(
@@ -436,8 +454,8 @@ def build_app(service: RolloutService, model_name: str) -> FastAPI:
         headers = {VERSION_HEADER: str(version)}
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            stream = sse(finished(generation), chunks(version, body), include_usage)
-            return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
+            events = stream(request, generation, chunks(version, body), include_usage)
+            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
         completions = await collect(generation, request)
         if completions is None:
             return Response(status_code=499)  # nobody is listening

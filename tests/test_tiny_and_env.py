@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from fp8rl.tiny import decode, encode, write_tiny_model
+from fp8rl.tiny import decode, encode
 
 
 def test_venv_imports_vllm_transformers_and_fp8rl() -> None:
@@ -30,10 +30,20 @@ def test_venv_imports_vllm_transformers_and_fp8rl() -> None:
     print(out.stdout)
 
 
-def test_tiny_model_is_deterministic_and_fp8_shaped(tmp_path: Path, tiny_model_dir: Path) -> None:
-    again = load_file(write_tiny_model(tmp_path / "again", seed=0) / "model.safetensors")
-    other = load_file(write_tiny_model(tmp_path / "other", seed=1) / "model.safetensors")
-    first = load_file(tiny_model_dir / "model.safetensors")
+def built(out: Path, seed: int) -> dict[str, torch.Tensor]:
+    """The random tiny model of ``seed``, built by the CLI in a fresh process (as users build it)."""
+    args = [sys.executable, "-m", "fp8rl.tiny", "--out", str(out), "--seed", str(seed)]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return load_file(out / "model.safetensors")
+
+
+def test_tiny_model_is_deterministic_and_fp8_shaped(tmp_path: Path) -> None:
+    first, again, other = (
+        built(tmp_path / "first", 0),
+        built(tmp_path / "again", 0),
+        built(tmp_path / "other", 1),
+    )
     assert first.keys() == again.keys()
     assert all(torch.equal(first[k], again[k]) for k in first)
     assert not torch.equal(
