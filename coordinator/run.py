@@ -4,7 +4,6 @@ replica as child processes on loopback, stopped on exit, error or Ctrl-C) or aga
 from __future__ import annotations
 
 import json
-import logging
 import os
 import signal
 import sys
@@ -16,8 +15,6 @@ from typing import Any
 from coordinator.config import CoordinatorConfig
 from fp8rl import models
 from fp8rl.config import config_hash
-
-log = logging.getLogger("coordinator")
 
 
 def run_paths(config: CoordinatorConfig) -> tuple[str, Path]:

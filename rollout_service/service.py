@@ -127,8 +127,9 @@ class RolloutService:
     def generate(self, request: rollout_pb2.GenerateRequest) -> Generation:
         """Validate and admit a request; raises before anything runs if it is malformed or asks for a
         version this replica does not hold."""
+        version = required_version(request)
         engine_requests, slots = parse_generate(request, self.limits, self.tokenizer)
-        ticket = self.loop.submit(engine_requests, required_version(request))
+        ticket = self.loop.submit(engine_requests, version)
         return Generation(
             self.loop, ticket, {r.request_id: s for r, s in zip(engine_requests, slots, strict=True)}
         )

@@ -20,7 +20,7 @@ class Limits:
     vocab_size: int
     max_n: int
     max_request_bytes: int
-    default_max_tokens: int = 16  # for a request that leaves sampling.max_tokens unset
+    default_max_tokens: int  # for a request that leaves sampling.max_tokens unset (RolloutConfig's)
 
 
 @dataclass(frozen=True)
@@ -38,9 +38,7 @@ def sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-def parse_sampling(
-    s: common_pb2.SamplingParams, max_model_len: int, default_max_tokens: int = 16
-) -> Sampling:
+def parse_sampling(s: common_pb2.SamplingParams, max_model_len: int, default_max_tokens: int) -> Sampling:
     distribution = sampling_settings(s)
     temperature, top_p, top_k = distribution.temperature, distribution.top_p, distribution.top_k
     max_tokens = s.max_tokens if s.HasField("max_tokens") else min(default_max_tokens, max_model_len)
@@ -111,7 +109,7 @@ def parse_generate(
     request: rollout_pb2.GenerateRequest, limits: Limits, tokenize: Tokenizer
 ) -> tuple[list[EngineRequest], list[Slot]]:
     """Validate a request and expand it into one engine request per sample; unset fields take their
-    defaults (n 1, max_tokens ``limits.default_max_tokens``, any weight version)."""
+    defaults (n 1, max_tokens ``limits.default_max_tokens``). Its version: :func:`required_version`."""
     size = request.ByteSize()
     if size > limits.max_request_bytes:
         raise InvalidRequest("request", f"{size} bytes exceed the limit of {limits.max_request_bytes}")
@@ -120,7 +118,6 @@ def parse_generate(
     n = request.n if request.HasField("n") else 1
     if not 1 <= n <= limits.max_n:
         raise InvalidRequest("n", f"must lie in [1, {limits.max_n}], got {n}")
-    required_version(request)
     sampling = parse_sampling(request.sampling, limits.max_model_len, limits.default_max_tokens)
     tag = request.request_id or "req"
     batch = f"{tag}-{uuid.uuid4().hex[:12]}"
