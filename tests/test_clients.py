@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from coordinator.clients import RolloutPool
+from coordinator.clients import ReplicaFailed, RolloutPool
 from fp8rl.serving import start_server
 from fp8rl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
@@ -62,3 +62,38 @@ def test_a_generate_reply_over_4_mib_reaches_the_coordinator(replica: str) -> No
         with pytest.raises(grpc.RpcError) as refused:
             stub.Generate(rollout_pb2.GenerateRequest(prompts=prompts), timeout=30)
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Failing(rollout_pb2_grpc.RolloutServicer):
+    """Stand-in replica whose engine fails every Generate."""
+
+    def Generate(self, request, context):  # type: ignore[no-untyped-def]
+        context.abort(grpc.StatusCode.INTERNAL, "engine died")
+
+
+def test_a_failing_replica_s_prompts_move_to_a_healthy_one() -> None:
+    servers = [
+        start_server(
+            lambda s, servicer=servicer: rollout_pb2_grpc.add_RolloutServicer_to_server(servicer, s),
+            ["fp8rl.v1.Rollout"],
+            port=0,
+        )
+        for servicer in (LargeReplies(3), Failing(), Failing())
+    ]
+    good, bad, worse = (s.address for s in servers)
+    pool = RolloutPool(lambda: [good, bad, worse])
+    failures: list[tuple[str, str]] = []
+    prompts = [rollout_pb2.Prompt(id=str(i), text="1+1=") for i in range(7)]
+    sampling = common_pb2.SamplingParams(max_tokens=3)
+    try:
+        completions = pool.generate(
+            prompts, 1, sampling, 0, [good, bad, worse], lambda a, e: failures.append((a, e.code().name))
+        )
+        assert sorted(int(c.prompt_id) for c in completions) == list(range(7))
+        assert sorted(failures) == sorted([(bad, "INTERNAL"), (worse, "INTERNAL")])
+        with pytest.raises(ReplicaFailed, match="every replica failed"):
+            pool.generate(prompts, 1, sampling, 0, [bad, worse], lambda a, e: None)
+    finally:
+        pool.close()
+        for server in servers:
+            server.stop(0)

@@ -69,7 +69,7 @@ def test_jsonl_task_and_custom_reward(tmp_path: Path) -> None:
 
 
 def test_jsonl_task_takes_chat_format_prompts(tmp_path: Path) -> None:
-    from coordinator.driver import wire_prompt
+    from coordinator.batches import wire_prompt
 
     rows = [
         {

@@ -1,0 +1,154 @@
+"""Batches of a step: generate completions on the replicas, score them, store them in Redis so a
+restarted coordinator never regenerates a step's batch, and reuse a stored or generated-ahead batch only
+while it is fresh enough (``max_staleness``). Also greedy validation on held-out prompts."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from coordinator.clients import RolloutPool, rpc_code
+from coordinator.config import CoordinatorConfig
+from coordinator.state import RunStore
+from coordinator.tasks import Problem, Task
+from fp8rl.v1 import common_pb2, rollout_pb2, trainer_pb2
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Batch:
+    request: trainer_pb2.TrainStepRequest
+    version: int  # weight version the completions were generated with
+    info: dict[str, Any]
+
+
+class BatchMaker:
+    def __init__(
+        self,
+        config: CoordinatorConfig,
+        run_id: str,
+        store: RunStore,
+        pool: RolloutPool,
+        task: Task,
+        ensure_version: Callable[[int], list[str]],
+    ) -> None:
+        self.config, self.run_id, self.store, self.pool, self.task = config, run_id, store, pool, task
+        self.ensure_version = ensure_version  # replicas holding a version, after publishing it to them
+        c = config
+        self.sampling = common_pb2.SamplingParams(
+            temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, max_tokens=c.max_tokens, stop=c.stop
+        )
+        self.greedy = common_pb2.SamplingParams(temperature=0.0, max_tokens=c.max_tokens, stop=c.stop)
+        self._rewards = ThreadPoolExecutor(max_workers=4, thread_name_prefix="reward")
+
+    def close(self) -> None:
+        self._rewards.shutdown(wait=False)
+
+    def batch_for(self, k: int, ahead: Future[Batch | None] | None) -> Batch:
+        """The stored batch of step k if fresh enough, else the one generated ahead, else a new one."""
+        limit = self.config.max_staleness
+        stored = self.find(k)
+        if stored is None and ahead is not None:
+            stored = ahead.result()
+        if stored is not None:
+            if k - stored.version <= limit:
+                return stored
+            self.store.event(
+                "stale-batch", f"batch of step {k} from version {stored.version} is staler than {limit}", k
+            )
+        batch = self.generate(k, k, self.ensure_version(k))
+        self._store(k, batch)
+        return batch
+
+    def generate_ahead(self, step: int) -> Batch | None:
+        """Generate step's batch with whatever the replicas hold now (no publishing: the trainer is busy)."""
+        try:
+            held = self.pool.held_versions()
+            version = max(held.values())
+            if step - version > self.config.max_staleness:
+                return None
+            batch = self.generate(step, version, [a for a, v in held.items() if v == version])
+            self._store(step, batch)
+            return batch
+        except Exception as exc:  # the step will generate in line instead
+            log.warning("generating ahead for step %d failed: %s", step, exc)
+            return None
+
+    def find(self, k: int) -> Batch | None:
+        stored = self.store.get_batch(k)
+        if stored is None:
+            return None
+        request = trainer_pb2.TrainStepRequest()
+        request.ParseFromString(stored[0])
+        return Batch(request, stored[1], stored[2])
+
+    def _store(self, k: int, batch: Batch) -> None:
+        self.store.put_batch(k, batch.request.SerializeToString(), batch.version, batch.info)
+
+    def generate(self, step: int, version: int, replicas: list[str]) -> Batch:
+        problems = self.task.train_problems(step, self.config.prompts_per_step)
+        start = time.perf_counter()
+        completions = self._complete(problems, self.config.group_size, self.sampling, version, replicas)
+        generate_s = time.perf_counter() - start
+        rewards = self._rewards_of(problems, completions)
+        samples = [
+            trainer_pb2.Sample(
+                prompt_token_ids=c.prompt_token_ids,
+                completion_token_ids=c.token_ids,
+                gen_logprobs=c.logprobs,
+                reward=r,
+                group_id=c.prompt_id,
+            )
+            for c, r in zip(completions, rewards, strict=True)
+        ]
+        tokens = sum(len(c.token_ids) for c in completions)
+        request = trainer_pb2.TrainStepRequest(
+            run_id=self.run_id, step=step, samples=samples, sampling=self.sampling
+        )
+        info = {
+            "generate_s": generate_s,
+            "rollout_tokens": tokens,
+            "rollout_tokens_per_s": tokens / max(generate_s, 1e-9),
+            "reward_mean": sum(rewards) / len(rewards),
+        }
+        return Batch(request, version, info)
+
+    def validate(self, version: int, replicas: list[str]) -> float:
+        """Mean reward of greedy completions of the held-out prompts."""
+        problems = self.task.val_problems()
+        rewards = self._rewards_of(problems, self._complete(problems, 1, self.greedy, version, replicas))
+        return sum(rewards) / len(rewards)
+
+    def _rewards_of(self, problems: list[Problem], completions: list[rollout_pb2.Completion]) -> list[float]:
+        by_id = {p.id: p for p in problems}
+        return list(self._rewards.map(lambda c: self.task.reward(by_id[c.prompt_id], c.text), completions))
+
+    def _complete(
+        self,
+        problems: list[Problem],
+        n: int,
+        sampling: common_pb2.SamplingParams,
+        version: int,
+        replicas: list[str],
+    ) -> list[rollout_pb2.Completion]:
+        prompts = [wire_prompt(p) for p in problems]
+
+        def failed(address: str, exc: grpc.RpcError) -> None:
+            self.store.event("replica-failed", f"{address}: {rpc_code(exc)} {exc.details()}")
+            log.warning("replica %s failed (%s); its prompts move to another replica", address, rpc_code(exc))
+
+        return self.pool.generate(prompts, n, sampling, version, replicas, failed)
+
+
+def wire_prompt(problem: Problem) -> rollout_pb2.Prompt:
+    if problem.messages is None:
+        return rollout_pb2.Prompt(id=problem.id, text=problem.prompt)
+    turns = [rollout_pb2.ChatMessage(role=role, content=content) for role, content in problem.messages]
+    return rollout_pb2.Prompt(id=problem.id, messages=rollout_pb2.ChatMessages(messages=turns))
