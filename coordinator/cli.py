@@ -13,63 +13,18 @@ import sys
 from pathlib import Path
 
 from coordinator.config import CoordinatorConfig
-from fp8rl.config import ConfigError, config_from_cli, load_config
+from fp8rl.config import ConfigError, add_config_flags, config_from_cli, load_config
 from fp8rl.recipes import RECIPE_NAMES
 
-START_FLAGS = (
-    "recipe",
-    "model",
-    "task",
-    "dataset",
-    "reward",
-    "steps",
-    "run_id",
-    "run_dir",
-    "seed",
-    "prompts_per_step",
-    "group_size",
-    "max_tokens",
-    "temperature",
-    "max_staleness",
-    "val_every",
-    "lr",
-    "compute_dtype",
-    "redis_url",
-    "trainer",
-    "rollout",
-    "progress",
-)
+# Flags beyond CoordinatorConfig's own fields: shortcuts to a field of a section.
+SHORTCUTS = {"lr": "learner.optimizer.lr"}
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, str]]:
     parser = argparse.ArgumentParser(prog="coordinator", description="FP8 GRPO driver")
     sub = parser.add_subparsers(dest="command", required=True)
     start = sub.add_parser("start", help="start (or resume, with the same --run-id) a run")
-    start.add_argument("--config", type=Path, help="YAML file with CoordinatorConfig fields")
-    start.add_argument("--recipe", choices=RECIPE_NAMES)
-    start.add_argument("--model", type=Path)
-    start.add_argument("--task", choices=["arith", "jsonl"])
-    start.add_argument("--dataset", type=Path)
-    start.add_argument("--reward", help="module:function(prompt, completion, answer) -> float")
-    start.add_argument("--steps", type=int)
-    start.add_argument("--run-id")
-    start.add_argument("--run-dir", type=Path)
-    start.add_argument("--seed", type=int)
-    start.add_argument("--prompts-per-step", type=int)
-    start.add_argument("--group-size", type=int)
-    start.add_argument("--max-tokens", type=int)
-    start.add_argument("--temperature", type=float)
-    start.add_argument("--max-staleness", type=int)
-    start.add_argument("--val-every", type=int)
-    start.add_argument("--lr", type=float)
-    start.add_argument("--compute-dtype", choices=["auto", "bfloat16", "float32"])
-    start.add_argument("--redis-url")
-    start.add_argument("--trainer", help="host:port of a running trainer (distributed mode)")
-    start.add_argument("--rollout", action="append", help="host:port of a rollout replica (repeatable)")
-    start.add_argument("--progress", choices=["auto", "rich", "plain"])
-    start.add_argument(
-        "--set", action="append", default=[], metavar="KEY=VALUE", help="any other config field"
-    )
+    flags = add_config_flags(start, CoordinatorConfig, SHORTCUTS)
     compare = sub.add_parser(
         "compare", help="run several recipes from the same base and seed; compare.md + plots"
     )
@@ -89,16 +44,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.add_argument("--run-id", required=name != "status")
         p.add_argument("--run-dir", type=Path)
         p.add_argument("--redis-url")
-    return parser.parse_args(argv)
+    return parser.parse_args(argv), flags
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+    args, flags = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.command == "start":
         from coordinator.run import start
 
-        raise SystemExit(start(config_from_cli(CoordinatorConfig, "coordinator", args, START_FLAGS)))
+        raise SystemExit(start(config_from_cli(CoordinatorConfig, "coordinator", args, flags)))
     if args.command == "compare":
         raise SystemExit(run_compare(args))
     from coordinator import inspect_run

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from coordinator.config import CoordinatorConfig
+from coordinator.config import CoordinatorConfig, over
 from coordinator.metrics import read_metrics, summarize
 
 COLUMNS = [
@@ -31,16 +31,15 @@ def compare(base: CoordinatorConfig, recipes: list[str], no_is: bool, out_dir: P
     out.mkdir(parents=True, exist_ok=True)
     runs: dict[str, list[dict[str, Any]]] = {}
     for recipe in recipes:
-        overrides = dict(base.trainer_overrides) | ({"loss.is_mode": "none"} if no_is else {})
-        config = base.model_copy(
-            update={
-                "recipe": recipe,
-                "run_id": f"{out.name}-{recipe}{'-no-is' if no_is else ''}",
-                "run_dir": out / recipe,
-                "trainer_overrides": overrides,
-            }
-        )
-        status = start(CoordinatorConfig.model_validate(config.model_dump()))
+        changes: dict[str, Any] = {
+            "recipe": recipe,
+            "run_id": f"{out.name}-{recipe}{'-no-is' if no_is else ''}",
+            "run_dir": out / recipe,
+        }
+        if no_is:
+            changes["learner"] = {"loss": {"is_mode": "none"}}
+        config = CoordinatorConfig.model_validate(over(base.model_dump(), changes))
+        status = start(config)
         if status != 0:
             return status
         runs[recipe] = read_metrics(out / recipe)

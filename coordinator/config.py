@@ -5,18 +5,40 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from fp8rl.models import ModelDir
-from fp8rl.recipes import AdvantageNorm, RecipeName
+from fp8rl.recipes import RecipeName
+from trainer_service.config import LearnerConfig
 
 # Fields that say where and how long things run, not what the run is: they may differ when a run is
 # resumed (raising `steps` extends a run).
 RESUMABLE_FIELDS = ("redis_url", "trainer", "rollout", "run_dir", "progress", "steps")
 
+# The demo's learner: TrainerConfig's defaults but for these, tuned for the tiny model. Each knob has this
+# one demo value (deploy/config/trainer.yaml repeats them for compose, checked by tests/test_compose.py).
+# A real model wants far less: lr 1e-6 for a 1B model, set with --lr or in a YAML file.
+DEMO_LEARNER: dict[str, Any] = {
+    "micro_batch_size": 64,
+    "checkpoint_every": 1,  # so a crash never loses a committed step
+    "optimizer": {"lr": 1e-4, "warmup_steps": 20},  # warm-up keeps Adam's first, noisy steps small
+    # The group's mean, not its std: the gradient of log E[r], which lifts greedy accuracy faster on the
+    # demo's 0/1 rewards (GRPO's expected gradient favours prompts the policy already mostly solves).
+    "loss": {"advantage_norm": "mean"},
+}
+
+
+def over(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    """``changes`` laid over ``base``, section by section."""
+    merged = dict(base)
+    for key, value in changes.items():
+        below = merged.get(key)
+        merged[key] = over(below, value) if isinstance(below, dict) and isinstance(value, dict) else value
+    return merged
+
 
 class CoordinatorConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     recipe: RecipeName = "fp8"
     """Precision recipe for rollout and trainer."""
@@ -51,24 +73,13 @@ class CoordinatorConfig(BaseModel):
     val_size: int = Field(128, ge=1)
     mult_prob_warn: float = Field(1.05, gt=1)
     """Warn when token_mult_prob_error exceeds this."""
-    lr: float = Field(1e-4, gt=0)
-    """Trainer learning rate (embedded mode). The defaults suit the tiny demo model; a real model wants
-    far less (1e-6 for a 1B model) — set it, and the batch sizes, in a YAML file."""
-    warmup_steps: int = Field(20, ge=0)
-    """Embedded trainer: linear learning-rate warm-up, which keeps Adam's first, noisy steps small."""
-    advantage_norm: AdvantageNorm = "mean"
-    """Embedded trainer: group-centred rewards divided by the group's mean (the gradient of log E[r]),
-    std (GRPO) or nothing. `mean` lifts greedy accuracy faster on the demo's 0/1 rewards: GRPO's expected
-    gradient favours prompts the policy already mostly solves."""
     compute_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """Embedded mode: compute dtype of trainer and rollout. `auto`: bf16 on CUDA, float32 on CPU (bf16
     matmuls are slow on CPUs without AMX, and float32 keeps the comparison of recipes clean)."""
-    micro_batch_size: int = Field(64, ge=1)
-    """Embedded trainer: samples per forward/backward."""
-    trainer_overrides: dict[str, Any] = {}
-    """Extra TrainerConfig fields for the embedded trainer (dotted keys allowed)."""
-    checkpoint_every: int = Field(1, ge=1)
-    """Embedded trainer: checkpoint every N steps (so a crash never loses a committed step)."""
+    learner: LearnerConfig = Field(default_factory=lambda: LearnerConfig.model_validate(DEMO_LEARNER))
+    """Embedded mode: the trainer's learner (trainer_service/config.py, LearnerConfig); what you set here
+    is laid over DEMO_LEARNER, so `learner: {optimizer: {lr: 1e-6}}` changes only the learning rate.
+    A distributed trainer is configured on its own command line."""
     redis_url: str | None = None
     """Distributed mode: the Redis holding run state (embedded mode starts a private one)."""
     trainer: str | None = None
@@ -80,6 +91,11 @@ class CoordinatorConfig(BaseModel):
     kv_cache_gib: float = Field(1.0, gt=0)
     """Embedded rollout: KV-cache space (GiB)."""
 
+    @field_validator("learner", mode="before")
+    @classmethod
+    def _over_demo(cls, value: Any) -> Any:
+        return over(DEMO_LEARNER, value) if isinstance(value, dict) else value
+
     @model_validator(mode="after")
     def _consistent(self) -> CoordinatorConfig:
         if self.task == "jsonl" and self.dataset is None:
@@ -90,6 +106,12 @@ class CoordinatorConfig(BaseModel):
             raise ValueError(f"model {self.model} is not an HF checkpoint directory (no config.json)")
         if bool(self.trainer) != bool(self.redis_url):
             raise ValueError("give redis_url and trainer together (distributed mode), or neither (embedded)")
+        if not self.embedded and self.learner != CoordinatorConfig.model_fields["learner"].get_default(
+            call_default_factory=True
+        ):
+            raise ValueError(
+                "learner configures the embedded trainer; give a distributed trainer its own config"
+            )
         if self.reward is not None and ":" not in self.reward:
             raise ValueError(f"reward {self.reward!r} is not of the form module:function")
         return self

@@ -12,9 +12,12 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from coordinator.config import CoordinatorConfig
 from fp8rl import models
 from fp8rl.config import config_hash
+from trainer_service.config import TrainerConfig
 
 
 def run_paths(config: CoordinatorConfig) -> tuple[str, Path]:
@@ -107,6 +110,22 @@ def resolve_dtype(requested: str) -> str:
     return "bfloat16" if torch.cuda.is_available() else "float32"
 
 
+def embedded_trainer(config: CoordinatorConfig, model: Path, dtype: str, run_dir: Path) -> TrainerConfig:
+    """The embedded trainer's config: the run's learner, model, recipe and seed, a port of its own choosing
+    on loopback, checkpoints in the run directory (resumed from when the run is)."""
+    return TrainerConfig(
+        **config.learner.model_dump(),
+        model=model,
+        recipe=config.recipe,
+        host="127.0.0.1",
+        port=0,
+        compute_dtype=dtype,
+        checkpoint_dir=run_dir / "checkpoints",
+        resume=True,
+        seed=config.seed,
+    )
+
+
 def launch_embedded(
     config: CoordinatorConfig, run_dir: Path, stack: ExitStack, children: dict[str, int]
 ) -> tuple[str, str, list[str]]:
@@ -118,19 +137,22 @@ def launch_embedded(
     model = config.model or models.verified(models.TINY_ARITH)
     redis_url, children["redis-server"] = start_redis(stack, run_dir / "redis", logs / "redis.log")
     dtype = resolve_dtype(config.compute_dtype)
-    common = ["serve", "--model", str(model), "--recipe", config.recipe]
-    trainer_sets = {
-        "checkpoint_every": config.checkpoint_every,
-        "optimizer.lr": config.lr,
-        "seed": config.seed,
-        "micro_batch_size": config.micro_batch_size,
-        "optimizer.warmup_steps": config.warmup_steps,
-        "loss.advantage_norm": config.advantage_norm,
-        **config.trainer_overrides,
-    }
-    trainer_args = [*common, "--port", "0", "--compute-dtype", dtype, "--resume"]
-    trainer_args += ["--checkpoint-dir", str(run_dir / "checkpoints"), *as_sets(trainer_sets)]
-    rollout_args = [*common, "--port", "0", "--dtype", dtype]
+    trainer_yaml = run_dir / "trainer.yaml"  # the embedded trainer's whole TrainerConfig, validated here
+    trainer_yaml.write_text(
+        yaml.safe_dump(embedded_trainer(config, model, dtype, run_dir).model_dump(mode="json"))
+    )
+    trainer_args = ["serve", "--config", str(trainer_yaml)]
+    rollout_args = [
+        "serve",
+        "--model",
+        str(model),
+        "--recipe",
+        config.recipe,
+        "--port",
+        "0",
+        "--dtype",
+        dtype,
+    ]
     rollout_args += ["--kv-cache-gib", str(config.kv_cache_gib)]
     rollout_args += as_sets({"seed": config.seed})
     env = {**os.environ, "PYTHONUNBUFFERED": "1", PARENT_ENV: str(os.getpid())}

@@ -8,15 +8,18 @@ to print before exiting with status 2.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from types import UnionType
+from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
 
 Config = TypeVar("Config", bound=BaseModel)
 
@@ -107,11 +110,78 @@ def config_diff(old: Mapping[str, Any], new: Mapping[str, Any], prefix: str = ""
     return diffs
 
 
-def config_from_cli(cls: type[Config], prog: str, args: Any, flags: Iterable[str]) -> Config:
-    """The config of a process from its parsed command line (``--config FILE``, the named ``flags`` and
-    ``--set key=value``); on a bad value, print one line naming the field and exit with status 2."""
+def field_info(cls: type[BaseModel], dotted: str) -> tuple[FieldInfo, Any]:
+    """The pydantic field at a dotted path of ``cls`` (``optimizer.lr``) and its default as ``cls``
+    sees it (a section's own default may differ from its fields' defaults)."""
+    *sections, leaf = dotted.split(".")
+    default: Any = None
+    for name in sections:
+        info = cls.model_fields[name]
+        default = (
+            getattr(default, name) if default is not None else info.get_default(call_default_factory=True)
+        )
+        assert isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel), (
+            f"{name}: no section"
+        )
+        cls = info.annotation
+    info = cls.model_fields[leaf]
+    return info, getattr(default, leaf) if default is not None else info.get_default(
+        call_default_factory=True
+    )
+
+
+def _flag_kind(annotation: Any) -> dict[str, Any] | None:
+    """argparse keywords for a field's type; None for what only ``--set`` reaches (sections, mappings)."""
+    while get_origin(annotation) is Annotated:
+        annotation = get_args(annotation)[0]
+    if get_origin(annotation) in (Union, UnionType):  # X | None
+        kinds = [a for a in get_args(annotation) if a is not type(None)]
+        return _flag_kind(kinds[0]) if len(kinds) == 1 else None
+    if get_origin(annotation) is Literal:
+        choices = list(get_args(annotation))
+        return {"type": type(choices[0]), "choices": choices}
+    if get_origin(annotation) is list and get_args(annotation)[0] in (str, int, float):
+        return {"type": get_args(annotation)[0], "action": "append"}
+    if annotation is bool:
+        return {"action": argparse.BooleanOptionalAction}
+    if annotation in (int, float, str, Path):
+        return {"type": annotation}
+    return None
+
+
+def add_config_flags(
+    parser: argparse.ArgumentParser, cls: type[BaseModel], shortcuts: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """``--config FILE``, one flag per scalar field of ``cls`` (its type, choices and attribute docstring;
+    a list field's flag repeats), a flag per ``shortcuts`` entry (flag name -> dotted field) and ``--set
+    KEY=VALUE`` for everything else. Returns what :func:`config_from_cli` reads: argparse dest -> field."""
+    parser.add_argument("--config", type=Path, help=f"YAML file with {cls.__name__} fields")
+    fields = {name: name for name in cls.model_fields} | dict(shortcuts or {})
+    flags = {}
+    for name, dotted in fields.items():
+        info, default = field_info(cls, dotted)
+        kind = _flag_kind(info.annotation)
+        if kind is None:
+            continue
+        text = " ".join((info.description or "").split())
+        if default not in (None, []) and kind.get("type") is not Path:
+            text += f" Default: {default!r}."
+        if kind.get("action") == "append":
+            text += " Repeat the flag for more."
+        text = text.strip().replace("%", "%%")
+        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, default=None, help=text or None, **kind)
+        flags[name] = dotted
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any config field")
+    return flags
+
+
+def config_from_cli(cls: type[Config], prog: str, args: Any, flags: Mapping[str, str]) -> Config:
+    """The config of a process from its parsed command line (``--config FILE``, the ``flags`` from
+    :func:`add_config_flags` and ``--set key=value``); on a bad value, print one line naming the field and
+    exit with status 2."""
     try:
-        return load_config(cls, args.config, {f: getattr(args, f) for f in flags}, args.set)
+        overrides = {dotted: getattr(args, dest) for dest, dotted in flags.items()}
+        return load_config(cls, args.config, overrides, args.set)
     except ConfigError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

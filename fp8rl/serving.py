@@ -155,6 +155,34 @@ def start_server(
     return running
 
 
+def serve(
+    prog: str,
+    register: Callable[[grpc.Server], None],
+    service_names: Sequence[str],
+    host: str,
+    port: int,
+    load: Callable[[], tuple[str, Callable[[], None]]],
+    max_workers: int = 16,
+    max_receive_bytes: int = 4 * 1024 * 1024,
+) -> None:
+    """The life of a service process. Bind first ("PROG bound to HOST:PORT", which a parent reads to learn
+    a port-0 choice; health NOT_SERVING), then ``load()`` the engine and attach it (returning a line to
+    print and a cleanup), then serve ("PROG serving on ...") until SIGINT/SIGTERM or the parent process is
+    gone, and stop within a deadline."""
+    running = start_server(register, service_names, host, port, max_workers, max_receive_bytes)
+    print(f"{prog} bound to {host}:{running.port}; loading", flush=True)
+    try:
+        detail, cleanup = load()
+        stop = shutdown_event()  # after loading: vLLM installs signal handlers of its own while it starts
+        running.set_serving()
+        print(f"{prog} serving on {host}:{running.port}{detail}", flush=True)
+        stop.wait()
+        exit_deadline()
+    finally:
+        running.stop(grace=5)
+    cleanup()
+
+
 PARENT_ENV = "FP8RL_PARENT_PID"
 
 

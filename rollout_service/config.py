@@ -11,7 +11,7 @@ from fp8rl.recipes import RecipeName
 
 
 class RolloutConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     model: ModelDir = Field(TINY_ARITH, validate_default=True)
     """HF checkpoint directory (config.json, safetensors, tokenizer); default: the shipped tiny arith."""

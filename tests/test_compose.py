@@ -47,6 +47,18 @@ def test_redis_password_is_required() -> None:
     assert "--requirepass" in command and "--appendonly" in command
 
 
+@pytest.mark.parametrize("config", ["config", "config-gpu"])
+def test_the_compose_trainer_learns_as_the_embedded_demo_does(config: str) -> None:
+    from coordinator.config import CoordinatorConfig
+    from trainer_service.config import LearnerConfig, TrainerConfig
+
+    trainer = TrainerConfig.model_validate(
+        yaml.safe_load((ROOT / "deploy" / config / "trainer.yaml").read_text())
+    )
+    learner = LearnerConfig.model_validate(trainer.model_dump(include=set(LearnerConfig.model_fields)))
+    assert learner == CoordinatorConfig().learner
+
+
 def test_dockerfiles_install_what_make_setup_installs() -> None:
     makefile = (ROOT / "Makefile").read_text()
     uninstalled = re.search(r"pip uninstall -y -q ([\w ]+)", makefile).group(1).split()  # type: ignore[union-attr]

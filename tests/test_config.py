@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 from pathlib import Path
+from typing import Literal
 
 import pytest
-from pydantic import BaseModel, Field
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
 
-from fp8rl.config import ConfigError, config_diff, config_hash, load_config, parse_override
+from fp8rl.config import (
+    ConfigError,
+    add_config_flags,
+    config_diff,
+    config_from_cli,
+    config_hash,
+    load_config,
+    parse_override,
+)
 from fp8rl.recipes import RECIPE_NAMES, ImportanceSampling, get_recipe
 
 
@@ -84,3 +95,85 @@ def test_help_imports_nothing_heavy(module: str) -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_the_learner_section_lays_what_is_set_over_the_demo_and_reaches_the_trainer(tmp_path: Path) -> None:
+    from coordinator.config import DEMO_LEARNER, CoordinatorConfig
+    from coordinator.run import embedded_trainer
+    from trainer_service.config import TrainerConfig
+
+    path = tmp_path / "run.yaml"
+    path.write_text("learner:\n  optimizer:\n    lr: 1.0e-6\n  mini_batches: 2\n")
+    config = load_config(CoordinatorConfig, path, dotted=["learner.loss.clip_eps=0.1"])
+    assert config.learner.optimizer.lr == 1e-6 and config.learner.mini_batches == 2
+    assert config.learner.loss.clip_eps == 0.1
+    assert config.learner.optimizer.warmup_steps == DEMO_LEARNER["optimizer"]["warmup_steps"]  # kept
+    assert config.learner.loss.advantage_norm == "mean" and config.learner.micro_batch_size == 64
+    trainer = embedded_trainer(config, tmp_path, "float32", tmp_path / "run")
+    sent = TrainerConfig.model_validate(yaml.safe_load(yaml.safe_dump(trainer.model_dump(mode="json"))))
+    assert sent == trainer and sent.optimizer.lr == 1e-6 and sent.port == 0 and sent.resume
+    assert sent.checkpoint_dir == tmp_path / "run" / "checkpoints"
+
+
+def test_the_learner_section_is_refused_in_distributed_mode() -> None:
+    from coordinator.config import CoordinatorConfig
+
+    with pytest.raises(ConfigError, match="learner configures the embedded trainer"):
+        load_config(
+            CoordinatorConfig,
+            dotted=["redis_url=redis://127.0.0.1:1/0", "trainer=127.0.0.1:2", "learner.mini_batches=2"],
+        )
+
+
+class Nested(BaseModel):
+    model_config = ConfigDict(use_attribute_docstrings=True)
+
+    rate: float = 0.5
+    """How fast."""
+
+
+class Flags(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    mode: Literal["a", "b"] = "a"
+    """Which mode."""
+    count: int | None = None
+    paths: list[str] = []
+    verbose: bool = False
+    where: Path | None = None
+    section: Nested = Nested(rate=0.25)
+    table: dict[str, int] = {}
+
+
+def test_flags_follow_the_model_fields() -> None:
+    parser = argparse.ArgumentParser(prog="x")
+    flags = add_config_flags(parser, Flags, {"rate": "section.rate"})
+    assert flags == {n: n for n in ("mode", "count", "paths", "verbose", "where")} | {"rate": "section.rate"}
+    text = " ".join(parser.format_help().split())
+    assert "Which mode. Default: 'a'." in text and "How fast. Default: 0.25." in text  # the section's default
+    argv = ["--mode", "b", "--count", "3", "--paths", "p", "--paths", "q", "--verbose", "--rate", "2"]
+    config = config_from_cli(Flags, "x", parser.parse_args([*argv, "--set", "table.k=1"]), flags)
+    assert config == Flags(
+        mode="b", count=3, paths=["p", "q"], verbose=True, section=Nested(rate=2), table={"k": 1}
+    )
+    assert config_from_cli(Flags, "x", parser.parse_args([]), flags) == Flags()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--mode", "c"])
+
+
+@pytest.mark.parametrize("module", ["coordinator.cli", "rollout_service.cli", "trainer_service.cli"])
+def test_every_scalar_config_field_has_a_flag(module: str) -> None:
+    from importlib import import_module
+
+    cli = import_module(module)
+    _, flags = cli.parse_args(["start"] if module == "coordinator.cli" else ["serve"])
+    config_cls = {"coordinator.cli": "CoordinatorConfig", "rollout_service.cli": "RolloutConfig"}.get(
+        module, "TrainerConfig"
+    )
+    cls = getattr(import_module(module.replace(".cli", ".config")), config_cls)
+    scalar = {
+        n
+        for n, f in cls.model_fields.items()
+        if not (isinstance(f.annotation, type) and issubclass(f.annotation, (BaseModel, dict)))
+    }
+    assert scalar <= set(flags)

@@ -73,6 +73,9 @@ def test_bad_config_fails_before_any_process_starts(tmp_path: Path) -> None:
         (["--task", "jsonl"], "dataset"),
         (["--temperature", "-1"], "temperature"),
         (["--set", "nonsense=1"], "nonsense"),
+        (["--set", "learner.optimizer.lr=-1"], "learner.optimizer.lr"),  # the trainer's part, checked here
+        (["--set", "learner.loss.advantage_norm=median"], "learner.loss.advantage_norm"),
+        (["--set", "learner.micro_batch=4"], "learner.micro_batch"),
     ):
         run_dir = tmp_path / "bad"
         start = time.monotonic()

@@ -12,7 +12,7 @@ from fp8rl.recipes import AdvantageNorm, ISMode, RecipeName
 
 
 class OptimizerConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     lr: float = Field(1e-5, gt=0)
     """Peak learning rate of AdamW."""
@@ -26,7 +26,7 @@ class OptimizerConfig(BaseModel):
 
 
 class LossConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     clip_eps: float = Field(0.2, gt=0, lt=1)
     """PPO ratio clip."""
@@ -42,16 +42,12 @@ class LossConfig(BaseModel):
     is_high: float | None = Field(None, gt=0)
 
 
-class TrainerConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class LearnerConfig(BaseModel):
+    """What the learner does with a batch: the part of the trainer's config that a coordinator sets for
+    its embedded trainer (coordinator/config.py, section ``learner``)."""
 
-    model: ModelDir = Field(TINY_ARITH, validate_default=True)
-    """HF checkpoint directory (Qwen2, Qwen3, Llama families); default: the shipped tiny arith model."""
-    recipe: RecipeName = "fp8"
-    host: str = "127.0.0.1"
-    port: int = Field(50052, ge=0, le=65535)
-    compute_dtype: Literal["bfloat16", "float32"] = "bfloat16"
-    """Dtype of the forward/backward pass; master weights and optimizer state are always float32."""
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
     fp8_backend: Literal["auto", "te", "emulated"] = "auto"
     """FP8 linears: Transformer Engine on CUDA when it imports (auto), else the exact emulation."""
     mini_batches: int = Field(1, ge=1)
@@ -60,10 +56,22 @@ class TrainerConfig(BaseModel):
     """Samples per forward/backward; gradients accumulate over a mini-batch."""
     optimizer: OptimizerConfig = OptimizerConfig()
     loss: LossConfig = LossConfig()
-    checkpoint_dir: Path | None = None
-    """Where checkpoints go; none are written without it."""
     checkpoint_every: int = Field(0, ge=0)
     """Write a checkpoint every N steps (0: only on SaveCheckpoint)."""
+
+
+class TrainerConfig(LearnerConfig):
+    """The trainer process: its learner, plus the model, precision, address and checkpoints."""
+
+    model: ModelDir = Field(TINY_ARITH, validate_default=True)
+    """HF checkpoint directory (Qwen2, Qwen3, Llama families); default: the shipped tiny arith model."""
+    recipe: RecipeName = "fp8"
+    host: str = "127.0.0.1"
+    port: int = Field(50052, ge=0, le=65535)
+    compute_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """Dtype of the forward/backward pass; master weights and optimizer state are always float32."""
+    checkpoint_dir: Path | None = None
+    """Where checkpoints go; none are written without it."""
     resume: bool = False
     """Restore the latest complete checkpoint of checkpoint_dir at start-up."""
     seed: int = 0
