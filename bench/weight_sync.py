@@ -5,11 +5,15 @@ The tensor shapes are those of Qwen2-0.5B (24 layers, hidden 896, GQA 14/2 heads
 by ``relative * |w| * N(0, 1)`` (Adam-like per-element steps of 1e-4 ... 1e-6 of the weight), and the
 bf16 / FP8 sets are rebuilt from the new master. Printed, all measured in this one run:
 
-* keyframe and delta wire bytes as a fraction of the bf16 full weights,
-* density (fraction of the set's tensor bytes that changed),
-* encode and decode throughput (set bytes / s) next to a plain memcpy of the same bytes.
+* keyframe and delta wire bytes as a fraction of the bf16 full weights, and density (fraction of the
+  set's tensor bytes that changed);
+* encode and decode throughput (set bytes / s) next to a copy of the same bytes (warm pages), for
+  keyframes and deltas; decoding starts from a received (writable) buffer, as the replica's does;
+* where one core's time goes: each stage of the codec timed alone over the whole set;
+* with ``--trajectory RUN_DIR``: the real per-step delta bytes and density of a coordinator run, from
+  its per-step checkpoints, split into bf16 tensors, FP8 codes and FP8 scales.
 
-    python bench/weight_sync.py [--layers 24] [--seed 0]
+    python bench/weight_sync.py [--layers 24] [--seed 0] [--trajectory runs/<id>]
 """
 
 from __future__ import annotations
@@ -17,17 +21,23 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+import xxhash
+import zstandard
 
 from fp8rl.weights import (
+    SCALE_SUFFIX,
     WEIGHT_FORMATS,
     WeightSet,
     build_weight_set,
     decode_update,
     encode_delta,
     encode_keyframe,
+    raw_bytes,
 )
 
 HIDDEN, MLP, KV_ROWS, VOCAB = 896, 4864, 128, 151936
@@ -57,56 +67,156 @@ def qwen2_05b_shapes(layers: int) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
-    start = time.perf_counter()
-    result = fn()
-    return result, time.perf_counter() - start
+def timed(fn: Callable[[], Any], repeats: int = 1) -> tuple[Any, float]:
+    """The result of ``fn`` and its best time over ``repeats`` calls."""
+    best, result = float("inf"), None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = fn()
+        best = min(best, time.perf_counter() - start)
+    return result, best
 
 
 def memcpy_seconds(nbytes: int) -> float:
     src = torch.empty(nbytes, dtype=torch.uint8).fill_(7)
     dst = torch.empty_like(src)
     dst.copy_(src)  # touch the pages once so the timing is of copying, not of page faults
-    _, seconds = timed(lambda: dst.copy_(src))
-    return seconds
+    return timed(lambda: dst.copy_(src), 3)[1]
+
+
+def fresh_copy_seconds(nbytes: int) -> float:
+    """A copy into newly allocated memory: the floor for decoding, which must write a new set (the held
+    one is never touched), and on a VM dominated by first-touch page faults."""
+    src = np.full(nbytes, 7, dtype=np.uint8)
+    return timed(lambda: np.copyto(np.empty(nbytes, dtype=np.uint8), src), 3)[1]
 
 
 def fresh(ws: WeightSet) -> WeightSet:
-    """The same tensors without cached digests, so hashing is timed as part of encoding."""
+    """The same tensors without cached digests, so hashing is timed as part of encoding (as in the
+    trainer, which builds each version's set anew)."""
     return WeightSet(ws.format, ws.tensors)
+
+
+def received(blob: bytes) -> bytearray:
+    return bytearray(blob)  # what the replica's reassembler hands to the decoder
+
+
+def copy_all(outs: list[np.ndarray], sources: list[np.ndarray]) -> None:
+    for out, source in zip(outs, sources, strict=True):
+        np.copyto(out, source)
+
+
+def stage_shares(new: WeightSet, base: WeightSet) -> str:
+    """One core's time per stage of a delta's encode and decode, each stage run alone over the whole set
+    (in whole tensors, not cache-sized blocks), as shares of their sum."""
+    pairs = [(raw_bytes(t), raw_bytes(base.tensors[n])) for n, t in new.tensors.items()]
+    xors = [np.bitwise_xor(a, b) for a, b in pairs]
+    found = [np.flatnonzero(x != 0) for x in xors]
+    sparse = [x[i].tobytes() for x, i in zip(xors, found, strict=True)]
+    compressor = zstandard.ZstdCompressor(level=1)
+    update = encode_delta(fresh(new), base, 1, 0)
+    outs = [np.empty_like(a) for a, _ in pairs]
+    seconds = {
+        "hash": timed(lambda: [xxhash.xxh3_128_digest(a.data) for a, _ in pairs])[1],
+        "xor": timed(lambda: [np.bitwise_xor(a, b, out=x) for (a, b), x in zip(pairs, xors, strict=True)])[1],
+        "find changes": timed(lambda: [np.flatnonzero(x != 0) for x in xors])[1],
+        "compress": timed(lambda: [compressor.compress(x) for x in sparse])[1],
+        "serialise": timed(lambda: list(update.pieces(4 << 20)))[1],
+        "copy base (dec)": timed(lambda: copy_all(outs, [b for _, b in pairs]))[1],
+    }
+    total = sum(seconds.values())
+    return "  ".join(f"{k} {v / total:4.0%}" for k, v in seconds.items())
+
+
+def codec(master: dict[str, torch.Tensor], bf16_bytes: int) -> None:
+    print(
+        f"{'format':13} {'update':>8} {'rel step':>8} {'bytes/bf16':>10} {'density':>8} "
+        f"{'enc GB/s':>9} {'dec GB/s':>9} {'copy GB/s':>9} {'fresh GB/s':>10} "
+        f"{'enc/copy':>8} {'dec/copy':>8} {'dec/fresh':>9}"
+    )
+    for fmt in WEIGHT_FORMATS:
+        base = build_weight_set(master, fmt)
+        copy_s, fresh_s = memcpy_seconds(base.nbytes), fresh_copy_seconds(base.nbytes)
+
+        def row(kind: str, relative: float | None, update: Any, enc_s: float, dec_s: float) -> None:
+            gbps = [base.nbytes / s / 1e9 for s in (enc_s, dec_s, copy_s, fresh_s)]  # noqa: B023
+            step = f"{relative:8.0e}" if relative else f"{'-':>8}"
+            print(
+                f"{fmt:13} {kind:>8} {step} {update.wire_bytes / bf16_bytes:10.4f} {update.density:8.4f} "  # noqa: B023
+                f"{gbps[0]:9.2f} {gbps[1]:9.2f} {gbps[2]:9.2f} {gbps[3]:10.2f} {copy_s / enc_s:8.3f} "  # noqa: B023
+                f"{copy_s / dec_s:8.3f} {fresh_s / dec_s:9.3f}"  # noqa: B023
+            )
+
+        keyframe, enc_s = timed(lambda: encode_keyframe(fresh(base), version=0), 3)  # noqa: B023
+        buffer = received(keyframe.blob)  # decoded in place: its tensors are views of this buffer
+        held, dec_s = timed(lambda: decode_update(buffer).weights, 3)  # noqa: B023
+        row("keyframe", None, keyframe, enc_s, dec_s)
+        for relative in (1e-4, 1e-5, 1e-6):
+            stepped = {n: w + relative * w.abs() * torch.randn(w.shape) for n, w in master.items()}
+            new = build_weight_set(stepped, fmt)
+            base.digest, held.digest  # noqa: B018 — both sides already know their bases' digests
+            delta, enc_s = timed(lambda: encode_delta(fresh(new), base, version=1, base_version=0), 3)  # noqa: B023
+            buffer = received(delta.blob)
+            _, dec_s = timed(lambda: decode_update(buffer, held, held_version=0), 3)  # noqa: B023
+            row("delta", relative, delta, enc_s, dec_s)
+            if relative == 1e-4:
+                shares = stage_shares(new, base)
+        print(f"{fmt:13} one core, each stage alone, 1e-4 delta: {shares}")
+
+
+def trajectory(run_dir: Path) -> None:
+    """Per-step delta bytes and density of a real run, from its per-step master-weight checkpoints."""
+    from safetensors.torch import load_file
+
+    steps = sorted((run_dir / "checkpoints").glob("step-*/model.safetensors"))
+    if len(steps) < 2:
+        raise SystemExit(f"{run_dir}: needs at least two step checkpoints (checkpoint_every=1)")
+    print(f"\nreal trajectory: {run_dir} ({len(steps)} checkpoints)")
+    print(
+        f"{'step':>5} {'format':13} {'delta B':>9} {'density':>8} "
+        f"{'bf16 part':>10} {'fp8 codes':>10} {'fp8 scales':>10}"
+    )
+    previous = load_file(steps[0])
+    for path in steps[1:]:
+        current = load_file(path)
+        for fmt in WEIGHT_FORMATS:
+            old, new = build_weight_set(previous, fmt), build_weight_set(current, fmt)
+            delta = encode_delta(new, old, 1, 0)
+            parts = {"bf16": [0, 0], "codes": [0, 0], "scales": [0, 0]}
+            for name, t in new.tensors.items():
+                part = (
+                    "scales"
+                    if name.endswith(SCALE_SUFFIX)
+                    else "codes"
+                    if t.dtype == torch.float8_e4m3fn
+                    else "bf16"
+                )
+                changed = int(np.count_nonzero(raw_bytes(t) != raw_bytes(old.tensors[name])))
+                parts[part][0] += changed
+                parts[part][1] += t.numel() * t.element_size()
+            shown = [f"{c / n:10.4f}" if n else f"{'-':>10}" for c, n in parts.values()]
+            step = path.parent.name.removeprefix("step-").lstrip("0") or "0"
+            print(f"{step:>5} {fmt:13} {delta.wire_bytes:9,d} {delta.density:8.4f} {' '.join(shown)}")
+        previous = current
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=24, help="transformer layers (24 = Qwen2-0.5B)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--trajectory", type=Path, help="a coordinator run directory with step checkpoints")
     args = parser.parse_args()
     torch.manual_seed(args.seed)
     shapes = qwen2_05b_shapes(args.layers)
     master = {n: torch.randn(s) * (0.02 if len(s) == 2 else 1.0) for n, s in shapes.items()}
     bf16_bytes = sum(t.numel() * 2 for t in master.values())
-    print(f"model: Qwen2-0.5B shapes, {args.layers} layers, {bf16_bytes / 2**30:.3f} GiB in bf16")
     print(
-        f"{'format':13} {'rel step':>8} {'key/bf16':>9} {'delta/bf16':>10} {'density':>8} "
-        f"{'enc GB/s':>9} {'dec GB/s':>9} {'memcpy GB/s':>11} {'enc/memcpy':>10} {'dec/memcpy':>10}"
+        f"model: Qwen2-0.5B shapes, {args.layers} layers, {bf16_bytes / 2**30:.3f} GiB in bf16; "
+        f"{torch.get_num_threads()} threads"
     )
-    for fmt in WEIGHT_FORMATS:
-        base = build_weight_set(master, fmt)
-        keyframe, _ = timed(lambda: encode_keyframe(fresh(base), version=0))  # noqa: B023
-        held = decode_update(keyframe.blob).weights
-        for relative in (1e-4, 1e-5, 1e-6):
-            stepped = {n: w + relative * w.abs() * torch.randn(w.shape) for n, w in master.items()}
-            new = build_weight_set(stepped, fmt)
-            base.digest, held.digest  # noqa: B018 — both sides already know their bases' digests
-            delta, enc_s = timed(lambda: encode_delta(new, base, version=1, base_version=0))  # noqa: B023
-            _, dec_s = timed(lambda: decode_update(delta.blob, held, held_version=0))  # noqa: B023
-            copy_s = memcpy_seconds(new.nbytes)
-            gbps = lambda s: new.nbytes / s / 1e9  # noqa: E731, B023
-            print(
-                f"{fmt:13} {relative:8.0e} {keyframe.wire_bytes / bf16_bytes:9.3f} "
-                f"{delta.wire_bytes / bf16_bytes:10.4f} {delta.density:8.4f} {gbps(enc_s):9.2f} "
-                f"{gbps(dec_s):9.2f} {gbps(copy_s):11.2f} {copy_s / enc_s:10.3f} {copy_s / dec_s:10.3f}"
-            )
+    codec(master, bf16_bytes)
+    if args.trajectory:
+        trajectory(args.trajectory)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Weight updates as gRPC message streams: one ``WeightHeader``, then data chunks of at most 4 MiB.
+"""Weight updates as gRPC message streams: one ``WeightHeader``, then data chunks of at most 4 MiB, cut
+from the update's segments as they are sent.
 
 Proto conversion only; the bytes themselves come from and go to :mod:`fp8rl.weights`.
 """
@@ -31,15 +32,15 @@ def update_to_chunks(
     update: EncodedUpdate, chunk_bytes: int = CHUNK_BYTES
 ) -> Iterator[weights_pb2.WeightChunk]:
     yield weights_pb2.WeightChunk(header=header_of(update))
-    for piece in split_chunks(update.blob, chunk_bytes):
+    for piece in update.pieces(chunk_bytes):
         yield weights_pb2.WeightChunk(data=piece)
 
 
 def receive_update(
     chunks: Iterable[weights_pb2.WeightChunk], max_bytes: int | None = None
-) -> tuple[weights_pb2.WeightHeader, bytes]:
+) -> tuple[weights_pb2.WeightHeader, bytearray]:
     """Reassemble a chunk stream; raises :class:`CorruptUpdateError` unless it is one header followed
-    by data whose total size and digest match the header."""
+    by data whose total size and header digest match the header."""
     stream = iter(chunks)
     first = next(stream, None)
     if first is None or first.WhichOneof("part") != "header":
@@ -53,32 +54,39 @@ def receive_update(
     return header, assembler.finish()
 
 
-def split_chunks(blob: bytes, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
-    """Cut a blob into pieces of at most ``chunk_bytes`` (each fits one gRPC message)."""
-    view = memoryview(blob)
-    for start in range(0, len(blob), chunk_bytes):
-        yield bytes(view[start : start + chunk_bytes])
-
-
 class Reassembler:
-    """Collects data chunks and releases the blob only if its total size and digest match the header."""
+    """Collects data chunks and releases the update only if its total size matches the header and its
+    own header (which seals every tensor's digest, checked when it is decoded) matches the digest.
+
+    With ``max_bytes`` (the receiver's bound, checked before anything is allocated) the buffer is
+    allocated once at the announced size; without it, it grows as data arrives."""
 
     def __init__(self, total_bytes: int, digest: str, max_bytes: int | None = None) -> None:
         if total_bytes < 0 or (max_bytes is not None and total_bytes > max_bytes):
             raise CorruptUpdateError(f"total_bytes {total_bytes} outside [0, {max_bytes}]")
         self.total_bytes = total_bytes
         self.digest = digest
-        self._buffer = bytearray()
+        self._buffer = bytearray(total_bytes) if max_bytes is not None else bytearray()
+        self._filled = 0
 
     def add(self, data: bytes) -> None:
-        if len(self._buffer) + len(data) > self.total_bytes:
+        end = self._filled + len(data)
+        if end > self.total_bytes:
             raise CorruptUpdateError(f"received more than the announced {self.total_bytes} bytes")
-        self._buffer += data
+        if len(self._buffer) == self.total_bytes:
+            self._buffer[self._filled : end] = data
+        else:
+            self._buffer += data
+        self._filled = end
 
-    def finish(self) -> bytes:
-        if len(self._buffer) != self.total_bytes:
-            raise CorruptUpdateError(f"truncated update: {len(self._buffer)} of {self.total_bytes} bytes")
-        blob = bytes(self._buffer)
-        if bytes_digest(blob) != self.digest:
+    def finish(self) -> bytearray:
+        """The received update, writable, so that it is decoded in place."""
+        if self._filled != self.total_bytes:
+            raise CorruptUpdateError(f"truncated update: {self._filled} of {self.total_bytes} bytes")
+        header_end = 8 + int.from_bytes(self._buffer[:8], "little") if self._filled >= 8 else 0
+        if (
+            not 8 < header_end <= self._filled
+            or bytes_digest(memoryview(self._buffer)[:header_end]) != self.digest
+        ):
             raise CorruptUpdateError("update digest mismatch (corrupted or reordered chunks)")
-        return blob
+        return self._buffer

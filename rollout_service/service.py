@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from fp8rl.errors import InvalidRequest, PreconditionFailed
@@ -63,6 +64,16 @@ def check_schema(weights: WeightSet, schema: Schema) -> None:
         wants = torch.float8_e4m3fn if fp8 else (torch.float32 if name.endswith(SCALE_SUFFIX) else None)
         if (wants is not None and t.dtype != wants) or (wants is None and not t.dtype.is_floating_point):
             raise InvalidRequest("weights", f"{name} has dtype {t.dtype}")
+
+
+def max_update_bytes(schema: Schema) -> int:
+    """The largest update this model can take, checked at the stream's header before anything is
+    allocated: a keyframe of float32 high-precision tensors, plus room for zstd's worst-case expansion of
+    a dense delta and for the header."""
+    tensor_bytes = sum(
+        int(np.prod(shape, dtype=np.int64)) * (1 if fp8 else 4) for shape, fp8 in schema.values()
+    )
+    return int(tensor_bytes * 1.01) + (1 << 20) + 1024 * len(schema)
 
 
 @dataclass
@@ -117,6 +128,7 @@ class RolloutService:
         )
         self.held: WeightSet | None = None  # host copy of the applied set: deltas are XORed against it
         self.schema = expected_schema(config.model, self.recipe.rollout_weights)
+        self.max_update_bytes = max_update_bytes(self.schema)
         self._update_lock = threading.Lock()
         self.started = time.time()
 
@@ -134,7 +146,7 @@ class RolloutService:
             self.loop, ticket, {r.request_id: s for r, s in zip(engine_requests, slots, strict=True)}
         )
 
-    def update_weights(self, header: weights_pb2.WeightHeader, blob: bytes) -> UpdateResult:
+    def update_weights(self, header: weights_pb2.WeightHeader, blob: bytes | bytearray) -> UpdateResult:
         """Verify, decode and apply one update; concurrent updates are serialized.
 
         Nothing touches the engine before every digest checked out. Generation pauses while the engine

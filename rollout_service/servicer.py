@@ -57,7 +57,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     def UpdateWeights(
         self, request_iterator: Iterable[weights_pb2.WeightChunk], context: grpc.ServicerContext
     ) -> weights_pb2.UpdateWeightsResponse:
-        header, blob = receive_update(request_iterator)
+        header, blob = receive_update(request_iterator, self.service.max_update_bytes)
         result = self.service.update_weights(header, blob)
         return weights_pb2.UpdateWeightsResponse(
             version=result.version,

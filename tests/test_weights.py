@@ -9,11 +9,10 @@ from hypothesis import strategies as st
 
 from fp8rl import quant
 from fp8rl.errors import BaseMismatchError, CorruptUpdateError, WeightCodecError
-from fp8rl.weight_stream import Reassembler, split_chunks
+from fp8rl.weight_stream import Reassembler
 from fp8rl.weights import (
     WeightSet,
     build_weight_set,
-    bytes_digest,
     decode_update,
     encode_delta,
     encode_keyframe,
@@ -191,29 +190,41 @@ def test_every_bit_of_the_header_is_covered(gen: torch.Generator) -> None:
 
 
 def test_chunks_reassemble_and_reject_truncation_and_reordering(gen: torch.Generator) -> None:
-    blob = torch.randint(0, 256, (10_000,), generator=gen, dtype=torch.uint8).numpy().tobytes()
-    chunks = list(split_chunks(blob, chunk_bytes=3000))
-    assert [len(c) for c in chunks] == [3000, 3000, 3000, 1000]
-    r = Reassembler(len(blob), bytes_digest(blob))
-    for c in chunks:
-        r.add(c)
-    assert r.finish() == blob
-    r = Reassembler(len(blob), bytes_digest(blob))
-    for c in chunks[:-1]:
-        r.add(c)
+    """Pieces cut across segment boundaries reassemble to the update; a missing, reordered or extra piece
+    is refused by the reassembler or, at the latest, by the decoder (the header seals every digest)."""
+    sd = model_like_state_dict(gen, layers=1)
+    update = encode_keyframe(build_weight_set(sd, "fp8-block128"), 1)
+    pieces = list(update.pieces(30_000))
+    assert len(update.segments) > 10 and {len(p) for p in pieces[:-1]} == {30_000}
+    assert b"".join(pieces) == update.blob and len(update.blob) == update.wire_bytes
+
+    def reassembled(parts: list[bytes]) -> bytearray:
+        r = Reassembler(update.wire_bytes, update.digest)
+        for part in parts:
+            r.add(part)
+        return r.finish()
+
+    assert decode_update(reassembled(pieces)).weights.digest == decode_update(update.blob).weights.digest
     with pytest.raises(CorruptUpdateError, match="truncated"):
-        r.finish()
-    r = Reassembler(len(blob), bytes_digest(blob))
-    for c in [chunks[1], chunks[0], *chunks[2:]]:
-        r.add(c)
-    with pytest.raises(CorruptUpdateError, match="digest"):
-        r.finish()
-    r = Reassembler(len(blob), bytes_digest(blob))
+        reassembled(pieces[:-1])
     with pytest.raises(CorruptUpdateError, match="more than"):
-        for c in [*chunks, b"x"]:
-            r.add(c)
+        reassembled([*pieces, b"x"])
+    for order in ([pieces[1], pieces[0], *pieces[2:]], [*pieces[:2], pieces[3], pieces[2], *pieces[4:]]):
+        with pytest.raises(CorruptUpdateError, match="digest"):
+            decode_update(reassembled(order))
     with pytest.raises(CorruptUpdateError):
-        Reassembler(100, "sha256:00", max_bytes=10)
+        Reassembler(100, update.digest, max_bytes=10)
+
+
+def test_updates_are_safetensors_files(gen: torch.Generator) -> None:
+    """What the codec writes by hand is the safetensors layout: safetensors itself reads it."""
+    from safetensors.torch import load
+
+    v0 = build_weight_set(model_like_state_dict(gen, layers=1), "fp8-block128")
+    v1 = build_weight_set(adam_like_step(model_like_state_dict(gen, layers=1), gen, 1e-2), "fp8-block128")
+    loaded = load(encode_keyframe(v0, 0).blob)
+    assert_sets_identical(WeightSet(v0.format, loaded), v0)
+    assert set(load(encode_delta(v1, v0, 1, 0).blob)) <= set(v1.tensors)
 
 
 _DTYPES = [torch.bfloat16, torch.float32, torch.float8_e4m3fn]

@@ -1,0 +1,168 @@
+"""Weight sync end to end: the trainer's real Publisher sends a Qwen2-0.5B-shaped set from this process
+to a replica process over loopback gRPC, and the replica verifies, decodes and stores it (a stand-in
+engine, ``StoringReplica``, in place of vLLM). Printed, measured in this one run:
+
+* seconds from the publish call to "applied" (the replica's reply), per update;
+* seconds to stream the same bytes over the same RPC with no codec at either end (``raw``: pieces cut
+  from a buffer, kept in one by the receiver, as any receiver of weights must);
+* their ratio (raw / ours: 1.0 means the codec costs nothing beyond the bytes it sends), with and without
+  the time the trainer spends building the rollout's set from its master weights (quantizing to FP8),
+  which is printed on its own (``build s``), as is the delivery's own time (``send s``: encode, stream,
+  the replica's decode and reply).
+
+For a delta, raw is given for the delta's own wire bytes and for the whole set's bytes (what sending the
+new weights without a codec would cost).
+
+    python bench/weight_sync_e2e.py [--layers 24] [--format fp8-block128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/weight_sync.py: the model's shapes
+
+from fp8rl.recipes import WEIGHT_FORMATS
+from fp8rl.v1 import rollout_pb2_grpc, weights_pb2
+from fp8rl.weight_stream import CHUNK_BYTES, Reassembler, receive_update
+from fp8rl.weights import WeightSet, build_weight_set, decode_update
+from trainer_service.publisher import Publisher, Target
+
+
+class StoringReplica(rollout_pb2_grpc.RolloutServicer):
+    """A replica whose engine only stores the tensors: verification and decoding as the real one does
+    them (rollout_service/service.py), then a reference swap. ``raw`` streams are received and dropped."""
+
+    def __init__(self) -> None:
+        self.held: WeightSet | None = None
+        self.version = -1
+
+    def UpdateWeights(
+        self, request_iterator: Iterable[weights_pb2.WeightChunk], context: grpc.ServicerContext
+    ) -> weights_pb2.UpdateWeightsResponse:
+        stream = iter(request_iterator)
+        first = next(stream)
+        if first.header.encoding == "raw":  # kept, as any receiver must, but not decoded
+            assembler = Reassembler(first.header.total_bytes, "", max_bytes=1 << 36)
+            for chunk in stream:
+                assembler.add(chunk.data)
+            return weights_pb2.UpdateWeightsResponse(encoding="raw", bytes_received=first.header.total_bytes)
+        _, blob = receive_update(_prepend(first, stream), max_bytes=1 << 36)
+        start = time.perf_counter()
+        decoded = decode_update(blob, self.held, self.version if self.held is not None else None)
+        self.held, self.version = decoded.weights, decoded.version  # the stand-in engine's "load"
+        return weights_pb2.UpdateWeightsResponse(
+            version=decoded.version,
+            encoding=decoded.encoding,
+            bytes_received=len(blob),
+            apply_s=time.perf_counter() - start,
+        )
+
+
+def _prepend(first: weights_pb2.WeightChunk, rest: Iterator[weights_pb2.WeightChunk]) -> Iterator:
+    yield first
+    yield from rest
+
+
+def serve_replica() -> None:
+    from fp8rl.serving import start_server
+
+    running = start_server(
+        lambda s: rollout_pb2_grpc.add_RolloutServicer_to_server(StoringReplica(), s),
+        ["fp8rl.v1.Rollout"],
+        port=0,
+    )
+    print(f"replica bound to {running.address}", flush=True)
+    sys.stdin.read()  # until the bench closes our stdin
+    running.stop(0)
+
+
+def raw_seconds(address: str, nbytes: int) -> float:
+    """Stream ``nbytes`` in the codec's chunk size over the same RPC, no codec at either end: the sender
+    cuts pieces of a buffer, the receiver keeps them in one."""
+    payload = np.full(nbytes, 7, dtype=np.uint8).data
+
+    def chunks() -> Iterator[weights_pb2.WeightChunk]:
+        yield weights_pb2.WeightChunk(header=weights_pb2.WeightHeader(encoding="raw", total_bytes=nbytes))
+        for start in range(0, nbytes, CHUNK_BYTES):
+            yield weights_pb2.WeightChunk(data=bytes(payload[start : start + CHUNK_BYTES]))
+
+    with grpc.insecure_channel(address) as channel:
+        stub = rollout_pb2_grpc.RolloutStub(channel)
+        stub.UpdateWeights(chunks(), timeout=600)  # connect and warm up
+        start = time.perf_counter()
+        reply = stub.UpdateWeights(chunks(), timeout=600)
+        seconds = time.perf_counter() - start
+    assert reply.bytes_received == nbytes
+    return seconds
+
+
+def timed_build(weights: dict[str, torch.Tensor], weight_format: str) -> float:
+    start = time.perf_counter()
+    build_weight_set(weights, weight_format, torch.bfloat16)  # type: ignore[arg-type]
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--format", choices=WEIGHT_FORMATS, default="fp8-block128")
+    parser.add_argument("--replica", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.replica:
+        serve_replica()
+        return
+    from weight_sync import qwen2_05b_shapes
+
+    torch.manual_seed(0)
+    master = {
+        n: torch.randn(s) * (0.02 if len(s) == 2 else 1.0) for n, s in qwen2_05b_shapes(args.layers).items()
+    }
+    replica = subprocess.Popen(
+        [sys.executable, __file__, "--replica"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        line = replica.stdout.readline() if replica.stdout else ""
+        address = line.rsplit(" ", 1)[-1].strip()
+        publisher = Publisher(args.format, torch.bfloat16, args.format)
+        print(f"model: Qwen2-0.5B shapes, {args.layers} layers, format {args.format}, replica at {address}")
+        print(
+            f"{'update':10} {'wire MB':>9} {'set MB':>8} {'build s':>8} {'send s':>7} {'ours s':>8} "
+            f"{'raw wire s':>10} "
+            f"{'raw set s':>9} {'raw/ours wire':>13} {'raw set/ours':>12} {'raw set/(ours-build)':>20}"
+        )
+        held = -1
+        for version, relative in enumerate((None, 1e-4, 1e-5, 1e-6)):
+            if relative is not None:
+                master = {n: w + relative * w.abs() * torch.randn(w.shape) for n, w in master.items()}
+            weights = {n: w.clone() for n, w in master.items()}
+            build = min(timed_build(weights, args.format) for _ in range(2))
+            start = time.perf_counter()
+            [delivery] = publisher.publish(version, lambda: weights, [Target(address, held)])  # noqa: B023
+            ours = time.perf_counter() - start
+            assert delivery.ok, delivery.error
+            held = version
+            set_bytes = publisher.last[1].nbytes if publisher.last else 0
+            wire, whole = raw_seconds(address, delivery.wire_bytes), raw_seconds(address, set_bytes)
+            label = "keyframe" if relative is None else f"delta {relative:.0e}"
+            sizes = f"{label:10} {delivery.wire_bytes / 1e6:9.2f} {set_bytes / 1e6:8.1f}"
+            times = f"{build:8.3f} {delivery.seconds:7.3f} {ours:8.3f} {wire:10.3f} {whole:9.3f}"
+            print(f"{sizes} {times} {wire / ours:13.3f} {whole / ours:12.3f} {whole / (ours - build):20.3f}")
+        publisher.close()
+    finally:
+        if replica.stdin:
+            replica.stdin.close()
+        replica.wait(timeout=60)
+
+
+if __name__ == "__main__":
+    main()
