@@ -13,7 +13,16 @@ from trainer_service.config import LearnerConfig
 
 # Fields that say where and how long things run, not what the run is: they may differ when a run is
 # resumed (raising `steps` extends a run).
-RESUMABLE_FIELDS = ("redis_url", "trainer", "rollout", "run_dir", "progress", "steps")
+RESUMABLE_FIELDS = (
+    "redis_url",
+    "trainer",
+    "rollout",
+    "run_dir",
+    "progress",
+    "steps",
+    "tensorboard",
+    "wandb_project",
+)
 
 # The demo's learner: TrainerConfig's defaults but for these, tuned for the tiny model. Each knob has this
 # one demo value (deploy/config/trainer.yaml repeats them for compose, checked by tests/test_compose.py).
@@ -44,9 +53,20 @@ class CoordinatorConfig(BaseModel):
     """Precision recipe for rollout and trainer."""
     model: ModelDir | None = None
     """HF checkpoint directory; default: the tiny arith model shipped with fp8rl (fp8rl/models/tiny-arith)."""
-    task: Literal["arith", "jsonl"] = "arith"
+    task: Literal["arith", "dataset", "jsonl"] = "arith"
+    """`arith` (the tiny model's sums) or `dataset` (`jsonl` is the same): records with a prompt and an
+    answer from `dataset`."""
     dataset: Path | None = None
-    """JSONL file with `prompt` and `answer` fields (task jsonl)."""
+    """Task dataset: a .jsonl or .parquet file, a directory saved by HF datasets (its train split), or
+    `gsm8k-sample` (a small GSM8K-layout sample shipped with fp8rl: --prompt-key question)."""
+    prompt_key: str = "prompt"
+    """Task dataset: the field holding the prompt (text, or a list of {role, content} messages)."""
+    answer_key: str = "answer"
+    """Task dataset: the field holding the reference answer (GSM8K's `... #### 42` counts as 42)."""
+    val_dataset: Path | None = None
+    """Task dataset: validate on this file's rows (at most val_size) instead of holding rows out."""
+    val_fraction: float | None = Field(None, gt=0, lt=1)
+    """Task dataset: hold out this fraction of the rows (seeded) instead of the first val_size."""
     reward: str | None = None
     """`module:function(prompt, completion, answer) -> float` replacing the task's reward."""
     steps: int = Field(60, ge=1)
@@ -71,6 +91,7 @@ class CoordinatorConfig(BaseModel):
     """Validate (greedy, held-out prompts) every N steps, plus before the first and after the last; 0: only
     those two."""
     val_size: int = Field(128, ge=1)
+    """Validation problems (the most kept from a held-out split or val_dataset)."""
     mult_prob_warn: float = Field(1.05, gt=1)
     """Warn when token_mult_prob_error exceeds this."""
     compute_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
@@ -90,6 +111,17 @@ class CoordinatorConfig(BaseModel):
     """Live display: rich on a terminal, plain lines otherwise."""
     kv_cache_gib: float = Field(1.0, gt=0)
     """Embedded rollout: KV-cache space (GiB)."""
+    tensorboard: bool = True
+    """Write TensorBoard event files to RUN_DIR/tensorboard (`tensorboard --logdir runs/`)."""
+    wandb_project: str | None = None
+    """Also log to Weights & Biases, in this project (WANDB_MODE=offline works without a network)."""
+
+    @field_validator("dataset", "val_dataset", mode="before")
+    @classmethod
+    def _shipped_sample(cls, value: Any) -> Any:
+        from coordinator.datasets import resolve
+
+        return resolve(Path(value)) if isinstance(value, str | Path) else value
 
     @field_validator("learner", mode="before")
     @classmethod
@@ -98,10 +130,15 @@ class CoordinatorConfig(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> CoordinatorConfig:
-        if self.task == "jsonl" and self.dataset is None:
-            raise ValueError("task jsonl needs dataset (a JSONL file with prompt and answer fields)")
-        if self.dataset is not None and not self.dataset.is_file():
-            raise ValueError(f"dataset {self.dataset} does not exist")
+        if self.task != "arith" and self.dataset is None:
+            raise ValueError(
+                f"task {self.task} needs dataset (a .jsonl or .parquet file, or a datasets directory)"
+            )
+        for path in (self.dataset, self.val_dataset):
+            if path is not None and not path.exists():
+                raise ValueError(f"dataset {path} does not exist")
+        if self.val_fraction is not None and self.val_dataset is not None:
+            raise ValueError("give val_fraction or val_dataset, not both")
         if self.model is not None and not (self.model / "config.json").is_file():
             raise ValueError(f"model {self.model} is not an HF checkpoint directory (no config.json)")
         if bool(self.trainer) != bool(self.redis_url):

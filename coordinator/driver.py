@@ -21,7 +21,7 @@ from typing import Any
 from coordinator.batches import Batch, BatchMaker
 from coordinator.clients import RolloutPool, TrainerClient
 from coordinator.config import CoordinatorConfig
-from coordinator.metrics import MetricsSink
+from coordinator.metrics import MetricsSink, committed
 from coordinator.state import RunState, RunStore
 from coordinator.tasks import Task
 from coordinator.weight_sync import WeightSync
@@ -73,8 +73,8 @@ class Driver:
         renewer.start()
         try:
             self.store.clear_stop()
-            self.sink.rebuild(self.store.metrics())
             self._recover()
+            self.sink.rebuild(self.store.metrics(), self.store.read().step + 1)
             self._base_validation()
             ahead: Future[Batch | None] | None = None
             while (state := self.store.read()).step < self.config.steps:
@@ -83,7 +83,7 @@ class Driver:
                     self.sink.say(f"stopped on request after step {state.step}/{self.config.steps}")
                     break
                 ahead = self._step(state, ahead)
-            return self.store.metrics()
+            return committed(self.store.metrics())
         finally:
             self._stop_renewing.set()
             self._ahead.shutdown(wait=True, cancel_futures=True)

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from coordinator.metrics import METRICS_FILE, read_metrics
+from coordinator.metrics import METRICS_FILE, committed, read_metrics
 
 
 def _run_dir(run_id: str | None, run_dir: Path | None) -> Path:
@@ -43,7 +43,7 @@ def status(run_id: str | None, run_dir: Path | None, redis_url: str | None) -> i
 
     directory = _run_dir(run_id, run_dir)
     store = _store(directory, run_id, redis_url)
-    records = store.metrics() if store is not None else read_metrics(directory)
+    records = committed(store.metrics()) if store is not None else read_metrics(directory)
     console = Console()
     if store is not None:
         state = store.read()

@@ -1,11 +1,14 @@
 """Where step records go: RUN_DIR/metrics.jsonl (rebuilt from the Redis stream, the source of truth, when
-a run resumes), TensorBoard when installed, and the terminal — a live rich display on a TTY, plain lines
-otherwise."""
+a run resumes), TensorBoard event files (RUN_DIR/tensorboard) and Weights & Biases when asked, all fed
+the same record under the same names, and the terminal — a live rich display on a TTY, plain lines
+otherwise. A resumed run continues the same TensorBoard run (events from the resume point on are purged
+first) and the same W&B run (its id is derived from the run id), so no step appears twice."""
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -17,9 +20,24 @@ METRICS_FILE = "metrics.jsonl"
 SHOWN = ("reward_mean", "val_accuracy", "token_mult_prob_error", "gen_kl_error", "step_s", "sync_bytes")
 
 
+def wandb_id(run_id: str) -> str:
+    """A W&B run id for a run id (W&B allows letters, digits, '-' and '_')."""
+    return re.sub(r"[^A-Za-z0-9_-]", "-", run_id)[:64]
+
+
 class MetricsSink:
-    def __init__(self, run_dir: Path, steps: int, progress: str = "auto", warn_above: float = 1.05) -> None:
-        self.path = run_dir / METRICS_FILE
+    def __init__(
+        self,
+        run_dir: Path,
+        steps: int,
+        progress: str = "auto",
+        warn_above: float = 1.05,
+        tensorboard: bool = True,
+        wandb_project: str | None = None,
+        run_id: str = "",
+        run_config: dict[str, Any] | None = None,
+    ) -> None:
+        self.path, self.run_dir = run_dir / METRICS_FILE, run_dir
         self.steps, self.warn_above = steps, warn_above
         self.rich = progress == "rich" or (progress == "auto" and sys.stdout.isatty())
         self._console: Any = None
@@ -27,26 +45,46 @@ class MetricsSink:
             from rich.console import Console
 
             self._console = Console()
+        self._want_tensorboard = tensorboard
         self._tb: Any = None
-        try:
+        self._wandb: Any = None
+        if wandb_project:
+            import wandb
+
+            self._wandb = wandb.init(
+                project=wandb_project,
+                id=wandb_id(run_id or run_dir.name),
+                name=run_id or run_dir.name,
+                resume="allow",
+                dir=str(run_dir),
+                config=run_config or {},
+            )
+
+    def rebuild(self, records: list[dict[str, Any]], next_step: int) -> None:
+        """Start from the run's committed records, before ``next_step`` (a rewound run recorded some
+        steps again: the latest record of each step counts)."""
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in committed(records, next_step)))
+        if self._want_tensorboard and self._tb is None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
-        except ImportError:
-            pass  # TensorBoard is optional
-
-    def rebuild(self, records: list[dict[str, Any]]) -> None:
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in records))
+            # Steps from here on are written again: TensorBoard drops what an earlier session wrote for them.
+            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=next_step or None)
 
     def write(self, record: dict[str, Any]) -> list[str]:
         """Append a record and show it; returns the warnings it raised."""
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+        numbers = {
+            k: v
+            for k, v in record.items()
+            if isinstance(v, int | float) and not isinstance(v, bool) and k != "step"
+        }
         if self._tb is not None:
-            for key, value in record.items():
-                if isinstance(value, int | float) and key != "step":
-                    self._tb.add_scalar(key, value, record["step"])
+            for key, value in numbers.items():
+                self._tb.add_scalar(key, value, record["step"])
             self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(numbers, step=record["step"])
         warnings = []
         error = record.get("token_mult_prob_error")
         if error is not None and error > self.warn_above:
@@ -56,6 +94,14 @@ class MetricsSink:
             )
         self._show(record, warnings)
         return warnings
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
 
     def _show(self, record: dict[str, Any], warnings: list[str]) -> None:
         parts = [f"{k}={_fmt(record[k])}" for k in SHOWN if k in record]
@@ -74,6 +120,13 @@ class MetricsSink:
             self._console.print(text)
         else:
             print(text, flush=True)
+
+
+def committed(records: list[dict[str, Any]], next_step: int | None = None) -> list[dict[str, Any]]:
+    """One record per step, the latest (a rewound run records its redone steps again), in step order,
+    before ``next_step`` when given."""
+    latest = {int(r["step"]): r for r in records if next_step is None or int(r["step"]) < next_step}
+    return [latest[k] for k in sorted(latest)]
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:

@@ -55,7 +55,7 @@ def drive(config: CoordinatorConfig, run_id: str, run_dir: Path, stack: ExitStac
     from coordinator.tasks import build_task
     from fp8rl.registry import live_replicas
 
-    task = build_task(config.task, config.seed, config.dataset, config.reward, config.val_size)
+    task = build_task(config)
     children: dict[str, int] = {}
     if config.embedded:
         redis_url, trainer_address, rollouts = launch_embedded(config, run_dir, stack, children)
@@ -76,7 +76,17 @@ def drive(config: CoordinatorConfig, run_id: str, run_dir: Path, stack: ExitStac
     pool = RolloutPool(addresses)
     stack.callback(trainer.close)
     stack.callback(pool.close)
-    sink = MetricsSink(run_dir, config.steps, config.progress, config.mult_prob_warn)
+    sink = MetricsSink(
+        run_dir,
+        config.steps,
+        config.progress,
+        config.mult_prob_warn,
+        config.tensorboard,
+        config.wandb_project,
+        run_id,
+        config.model_dump(mode="json"),
+    )
+    stack.callback(sink.close)
     sink.say(f"run {run_id}: recipe {config.recipe}, {config.steps} steps, run dir {run_dir}")
     try:
         records = Driver(config, run_id, store, trainer, pool, task, sink).run()

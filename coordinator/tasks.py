@@ -1,24 +1,28 @@
 """Tasks: deterministic prompts per step, held-out validation prompts, and rewards. Pure Python.
 
 * ``arith``: "37+48=" -> "85" (operands 0..99), the tiny model's task.
-* ``jsonl``: a file of {"prompt": ..., "answer": ...} lines; scored by ``math-verify`` when installed,
-  else by exact match after normalisation. A prompt is text, or a conversation (a list of
-  {"role": ..., "content": ...}) that the replica renders with the model's chat template.
+* ``dataset`` (alias ``jsonl``): records from JSON lines, parquet or an HF datasets directory
+  (coordinator/datasets.py), with the prompt and answer under configurable keys; scored by
+  ``math-verify`` when installed, else by exact match after normalisation of the completion's final
+  answer (after GSM8K's ``####`` if it has one, else its first line). A prompt is text, or a
+  conversation (a list of {"role": ..., "content": ...}) that the replica renders with the model's chat
+  template.
 * ``--reward module:function``: ``function(prompt, completion, answer) -> float`` replaces the reward.
 """
 
 from __future__ import annotations
 
 import importlib
-import json
 import random
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from fp8rl import arith
+
+if TYPE_CHECKING:
+    from coordinator.config import CoordinatorConfig
 
 RewardFn = Callable[[str, str, str], float]
 
@@ -34,7 +38,7 @@ class Problem:
     messages: Messages | None = None  # a chat-format prompt, sent instead of ``prompt``
 
 
-def parse_prompt(value: object, where: str) -> tuple[str, Messages | None]:
+def parse_prompt(value: object, where: str, key: str = "prompt") -> tuple[str, Messages | None]:
     """A dataset row's prompt: text, or a list of {"role", "content"} messages (chat format)."""
     if isinstance(value, str):
         return value, None
@@ -48,7 +52,7 @@ def parse_prompt(value: object, where: str) -> tuple[str, Messages | None]:
     ):
         messages = tuple((m["role"], m["content"]) for m in value)
         return messages[-1][1], messages
-    raise ValueError(f"{where}: 'prompt' must be text or a non-empty list of {{role, content}} messages")
+    raise ValueError(f"{where}: {key!r} must be text or a non-empty list of {{role, content}} messages")
 
 
 class Task(Protocol):
@@ -86,26 +90,20 @@ class ArithTask:
 
 
 def normalize_answer(text: str) -> str:
-    text = first_line(text).lower().strip().rstrip(".")
+    text = text.lower().strip().rstrip(".")
     return re.sub(r"[\s,$]", "", text)
 
 
-class JsonlTask:
-    """The first ``val_size`` rows are held out for validation; training samples the rest per step."""
+def completion_answer(completion: str) -> str:
+    """The answer a completion gives: what follows its last ``####`` (GSM8K's style), else its first line."""
+    return completion.rsplit("####", 1)[1].strip() if "####" in completion else first_line(completion)
 
-    def __init__(self, path: Path, seed: int, val_size: int = 64) -> None:
-        rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-        problems = []
-        for i, row in enumerate(rows):
-            if not isinstance(row, dict) or "prompt" not in row or "answer" not in row:
-                raise ValueError(f"{path}:{i + 1}: each line needs 'prompt' and 'answer'")
-            text, messages = parse_prompt(row["prompt"], f"{path}:{i + 1}")
-            problems.append(Problem(f"row-{i}", text, str(row["answer"]), messages))
-        if len(problems) <= val_size:
-            raise ValueError(
-                f"{path}: {len(problems)} rows leave nothing to train on after {val_size} for validation"
-            )
-        self._val, self._train, self.seed = problems[:val_size], problems[val_size:], seed
+
+class DatasetTask:
+    """Problems from a dataset; validation by count (the first ``val_size`` rows), fraction or file."""
+
+    def __init__(self, train: list[Problem], val: list[Problem], seed: int) -> None:
+        self._train, self._val, self.seed = train, val, seed
         self._verify = _math_verify()
 
     def train_problems(self, step: int, count: int) -> list[Problem]:
@@ -118,7 +116,11 @@ class JsonlTask:
     def reward(self, problem: Problem, completion: str) -> float:
         if self._verify is not None:
             return self._verify(problem.answer, completion)
-        return 1.0 if normalize_answer(completion) == normalize_answer(problem.answer) else 0.0
+        return (
+            1.0
+            if normalize_answer(completion_answer(completion)) == normalize_answer(problem.answer)
+            else 0.0
+        )
 
 
 def _math_verify() -> Callable[[str, str], float] | None:
@@ -155,8 +157,18 @@ def load_reward(spec: str) -> RewardFn:
     return fn
 
 
-def build_task(
-    name: str, seed: int, dataset: Path | None = None, reward: str | None = None, val_size: int = 64
-) -> Task:
-    task: Task = ArithTask(seed, val_size) if name == "arith" else JsonlTask(dataset, seed, val_size)  # type: ignore[arg-type]
-    return CustomReward(task, reward) if reward else task
+def build_task(config: CoordinatorConfig) -> Task:
+    task: Task
+    if config.task == "arith":
+        task = ArithTask(config.seed, config.val_size)
+    else:
+        from coordinator.datasets import load_problems, split
+
+        assert config.dataset is not None  # the config checked it
+        rows = load_problems(config.dataset, config.prompt_key, config.answer_key, "row")
+        held = None
+        if config.val_dataset is not None:
+            held = load_problems(config.val_dataset, config.prompt_key, config.answer_key, "val")
+        train, val = split(rows, config.seed, config.val_size, config.val_fraction, held)
+        task = DatasetTask(train, val, config.seed)
+    return CustomReward(task, config.reward) if config.reward else task

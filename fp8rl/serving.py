@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -30,6 +30,9 @@ from fp8rl.errors import (
     NotReady,
     PreconditionFailed,
 )
+
+if TYPE_CHECKING:
+    from fp8rl.prometheus import MetricsServer, Sample
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +184,19 @@ def serve(
     finally:
         running.stop(grace=5)
     cleanup()
+
+
+def metrics_server(
+    prog: str, host: str, port: int | None, samples: Callable[[], list[Sample]]
+) -> MetricsServer | None:
+    """Prometheus /metrics on host:port when a port is configured (printed: 0 picks one)."""
+    if port is None:
+        return None
+    from fp8rl.prometheus import MetricsServer
+
+    server = MetricsServer(host, port, samples)
+    print(f"{prog} Prometheus metrics on http://{host}:{server.port}/metrics", flush=True)
+    return server
 
 
 PARENT_ENV = "FP8RL_PARENT_PID"

@@ -52,6 +52,9 @@ def serve(config: RolloutConfig) -> None:
             info = {"model": str(config.model), "recipe": config.recipe}
             client = redis.Redis.from_url(config.redis_url)
             heartbeat = Heartbeat(client, str(config.advertise), info, config.heartbeat_s)
+        metrics = serving.metrics_server(
+            "rollout-service", config.host, config.metrics_port, service.prometheus
+        )
         if http:
             from rollout_service.openai_api import build_app
 
@@ -63,6 +66,8 @@ def serve(config: RolloutConfig) -> None:
                 heartbeat.stop()
             if http:
                 http.stop()
+            if metrics:
+                metrics.stop()
             service.loop.stop()
 
         return "", close

@@ -30,6 +30,8 @@ class RolloutConfig(BaseModel):
     http_port: int | None = Field(None, ge=0, le=65535)
     """OpenAI-compatible HTTP endpoint (/v1/completions, /v1/chat/completions, /v1/models) on
     host:http_port; 0 picks a free port (printed at start-up); unset: off."""
+    metrics_port: int | None = Field(None, ge=0, le=65535)
+    """Serve Prometheus /metrics on host:metrics_port (0: a free port, printed at start-up); unset: off."""
     served_model_name: str | None = None
     """The model name the HTTP endpoint serves and expects in requests; default: the model directory's."""
     default_max_tokens: int = Field(16, ge=1)

@@ -73,6 +73,11 @@ class GenerationLoop:
         self._thread.start()
 
     @property
+    def queued(self) -> int:
+        with self._cond:
+            return len(self._pending)
+
+    @property
     def in_flight(self) -> int:
         with self._cond:
             return len(self._pending) + len(self._active)

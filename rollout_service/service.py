@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from fp8rl.errors import InvalidRequest, PreconditionFailed
+from fp8rl.prometheus import Sample
 from fp8rl.recipes import WeightFormat, get_recipe
 from fp8rl.v1 import rollout_pb2, weights_pb2
 from fp8rl.weights import SCALE_SUFFIX, WeightSet, decode_update, is_block_linear, scale_name
@@ -131,6 +132,8 @@ class RolloutService:
         self.max_update_bytes = max_update_bytes(self.schema)
         self._update_lock = threading.Lock()
         self.started = time.time()
+        self.requests_admitted = 0
+        self.update_seconds: list[float] = []  # per applied update (decode and load)
 
     @property
     def version(self) -> int:
@@ -142,6 +145,7 @@ class RolloutService:
         version = required_version(request)
         engine_requests, slots = parse_generate(request, self.limits, self.tokenizer)
         ticket = self.loop.submit(engine_requests, version)
+        self.requests_admitted += 1
         return Generation(
             self.loop, ticket, {r.request_id: s for r, s in zip(engine_requests, slots, strict=True)}
         )
@@ -163,6 +167,7 @@ class RolloutService:
                 raise PreconditionFailed(
                     f"delta against version {header.base_version}, but replica holds {held}"
                 )
+            started = time.perf_counter()
             decoded = decode_update(blob, self.held, self.version if self.held is not None else None)
             if decoded.version != header.version:
                 raise PreconditionFailed(f"header says version {header.version}, payload {decoded.version}")
@@ -170,6 +175,7 @@ class RolloutService:
             start = time.perf_counter()
             self.loop.run_exclusive(lambda: self._apply(decoded.weights, decoded.version))
             self.held = decoded.weights
+            self.update_seconds.append(time.perf_counter() - started)
             return UpdateResult(
                 decoded.version, decoded.encoding, decoded.tensors_updated, time.perf_counter() - start
             )
@@ -189,6 +195,30 @@ class RolloutService:
             raise
         self.loop.version = version
         self.loop.needs_keyframe = False
+
+    def prometheus(self) -> list[Sample]:
+        """The replica's figures for /metrics (fp8rl/prometheus.py), read at scrape time."""
+        return [
+            Sample("rollout_requests", "counter", "Generate requests admitted", self.requests_admitted),
+            Sample(
+                "rollout_tokens_generated",
+                "counter",
+                "completion tokens generated",
+                self.loop.tokens_generated,
+            ),
+            Sample(
+                "rollout_requests_in_flight", "gauge", "sequences queued or generating", self.loop.in_flight
+            ),
+            Sample("rollout_queue_depth", "gauge", "sequences waiting for the engine", self.loop.queued),
+            Sample("rollout_weight_version", "gauge", "weight version held (-1: base)", self.version),
+            Sample(
+                "rollout_update_apply_seconds",
+                "summary",
+                "weight update decode and load time",
+                len(self.update_seconds),
+                sum(self.update_seconds),
+            ),
+        ]
 
     def status(self) -> rollout_pb2.RolloutStatus:
         return rollout_pb2.RolloutStatus(

@@ -59,6 +59,15 @@ def assert_children_gone(run_dir: Path) -> None:
             time.sleep(0.2)
 
 
+def tensorboard_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """(step, value) per tag, as TensorBoard's own reader sees the run's event files."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -90,10 +99,11 @@ def test_bad_config_fails_before_any_process_starts(tmp_path: Path) -> None:
 def test_embedded_run_writes_metrics_and_leaves_no_child(tiny_model_dir_f32: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = subprocess.run(
-        start_fp8(tiny_model_dir_f32, 3, "embedded", run_dir),
+        start_fp8(tiny_model_dir_f32, 3, "embedded", run_dir, "--wandb-project", "fp8rl-test"),
         capture_output=True,
         text=True,
         timeout=600,
+        env={**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     recs = read_metrics(run_dir)
@@ -119,6 +129,12 @@ def test_embedded_run_writes_metrics_and_leaves_no_child(tiny_model_dir_f32: Pat
     assert "summary:" in proc.stdout and (run_dir / "token_mult_prob_error.png").exists()
     assert "failed" not in proc.stdout + proc.stderr
     assert all(r["sync_keyframes"] == 0 for r in recs[1:])  # every step's weights travel as a delta
+    scalars = tensorboard_scalars(run_dir)
+    assert [s for s, _ in scalars["token_mult_prob_error"]] == [1, 2, 3]
+    assert [s for s, _ in scalars["val_accuracy"]] == [0, 3]
+    assert [v for _, v in scalars["reward_mean"]] == pytest.approx([r["reward_mean"] for r in recs[1:]])
+    offline = list((run_dir / "wandb").glob("offline-run-*-embedded"))
+    assert len(offline) == 1 and list(offline[0].glob("*.wandb")), list((run_dir / "wandb").iterdir())
     assert_children_gone(run_dir)
     status = subprocess.run(
         coordinator("status", "--run-dir", str(run_dir)), capture_output=True, text=True, timeout=60
@@ -221,6 +237,9 @@ def test_stop_then_resume_then_ctrl_c(tiny_model_dir_f32: Path, tmp_path: Path) 
         os.kill(proc.pid, signal.SIGINT)
         assert proc.wait(timeout=120) == 130
     assert "resuming run interrupted" in log.read_text()
+    scalars = tensorboard_scalars(run_dir)  # the resumed session continued the same TensorBoard run
+    steps = [s for s, _ in scalars["token_mult_prob_error"]]
+    assert steps == list(range(1, max(steps) + 1)) and max(steps) > int(stopped[1])
     assert "resume with --run-id interrupted" in log.read_text()
     assert_children_gone(run_dir)
 

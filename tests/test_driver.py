@@ -5,6 +5,7 @@ test). Crashes are injected into the stand-ins; a second Driver then resumes the
 from __future__ import annotations
 
 import itertools
+import json
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -224,8 +225,11 @@ def test_a_trainer_restarted_from_an_older_checkpoint_rewinds_the_run(
     run = Run(client, tmp_path)
     run.drive(steps=3)
     run.trainer.step = 1  # restarted from its checkpoint of step 1: steps 1 and 2 are lost
-    run.drive(steps=4)
+    records = run.drive(steps=4)
     assert run.trainer.trained == [0, 1, 2, 1, 2, 3]
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4]  # the redone steps count once
+    written = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in written] == [0, 1, 2, 3, 4]
     assert run.store.read() == RunState(4, "generate")
     assert any("trainer is at step 1" in e and "rewound" in e for e in run.events("recovery"))
 

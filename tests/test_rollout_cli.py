@@ -46,6 +46,8 @@ def test_serve_bf16_with_registration(tiny_model_dir_f32: Path, tmp_path: Path) 
             address,
             "--http-port",
             "0",
+            "--metrics-port",
+            "0",
         ]
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
         log = tmp_path / "rollout.log"
@@ -90,7 +92,19 @@ def test_serve_bf16_with_registration(tiny_model_dir_f32: Path, tmp_path: Path) 
                 weight_version=-1,
                 sampling=common_pb2.SamplingParams(max_tokens=12, temperature=0.7, top_k=50, seed=4),
             )
+            metrics_url = re.search(r"Prometheus metrics on (http://\S+)", log.read_text()).group(1)  # type: ignore[union-attr]
+            before = scrape(metrics_url)
             reply = stub.Generate(req, timeout=120)
+            after = scrape(metrics_url)
+            assert after["fp8rl_rollout_requests_total"] == before["fp8rl_rollout_requests_total"] + 1
+            tokens = sum(len(c.token_ids) for c in reply.completions)
+            assert (
+                after["fp8rl_rollout_tokens_generated_total"] - before["fp8rl_rollout_tokens_generated_total"]
+                == tokens
+            )
+            assert (
+                after["fp8rl_rollout_weight_version"] == -1 and after["fp8rl_rollout_requests_in_flight"] == 0
+            )
             reference = load_reference(tiny_model_dir_f32, fp8=False)
             errors = []
             for c in reply.completions:
@@ -113,3 +127,10 @@ def test_serve_bf16_with_registration(tiny_model_dir_f32: Path, tmp_path: Path) 
             os.killpg(proc.pid, signal.SIGTERM)
             assert proc.wait(timeout=60) == 0
             assert address not in live_replicas(client)
+
+
+def scrape(url: str) -> dict[str, float]:
+    """A /metrics page's samples, by name."""
+    with urllib.request.urlopen(url, timeout=10) as page:
+        lines = page.read().decode().splitlines()
+    return {line.split()[0]: float(line.split()[1]) for line in lines if line and not line.startswith("#")}

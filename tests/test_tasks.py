@@ -9,8 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.tasks import ArithTask, Problem, build_task, normalize_answer
+from coordinator.config import CoordinatorConfig
+from coordinator.tasks import ArithTask, Problem, Task, build_task, normalize_answer
 from fp8rl import arith
+from fp8rl.config import load_config
+
+
+def dataset_task(path: Path, *settings: str) -> Task:
+    return build_task(load_config(CoordinatorConfig, dotted=["task=jsonl", f"dataset={path}", *settings]))
 
 
 def test_arith_is_deterministic_and_validation_is_held_out() -> None:
@@ -47,7 +53,7 @@ def test_jsonl_task_and_custom_reward(tmp_path: Path) -> None:
     rows = [{"prompt": f"What is {i} times 2?", "answer": str(2 * i)} for i in range(10)]
     path = tmp_path / "data.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    task = build_task("jsonl", seed=0, dataset=path, val_size=3)
+    task = dataset_task(path, "val_size=3")
     assert [p.answer for p in task.val_problems()] == ["0", "2", "4"]
     assert all(p.answer not in ("0", "2", "4") for p in task.train_problems(0, 20))
     assert task.reward(Problem("r", "q", "1,000"), " 1000. ") == 1.0
@@ -57,15 +63,15 @@ def test_jsonl_task_and_custom_reward(tmp_path: Path) -> None:
     )
     sys.path.insert(0, str(tmp_path))
     try:
-        custom = build_task("jsonl", seed=0, dataset=path, reward="my_reward:score", val_size=3)
+        custom = dataset_task(path, "reward=my_reward:score", "val_size=3")
         assert custom.reward(Problem("r", "q", "x"), "abcde") == 0.5
     finally:
         sys.path.remove(str(tmp_path))
     (tmp_path / "bad.jsonl").write_text('{"prompt": "no answer"}\n')
-    with pytest.raises(ValueError, match="prompt' and 'answer"):
-        build_task("jsonl", seed=0, dataset=tmp_path / "bad.jsonl")
+    with pytest.raises(ValueError, match=r"bad.jsonl: row 1: no 'answer' key"):
+        dataset_task(tmp_path / "bad.jsonl")
     with pytest.raises(ValueError, match="no function"):
-        build_task("arith", seed=0, reward="json:nope")
+        build_task(CoordinatorConfig(reward="json:nope"))
 
 
 def test_jsonl_task_takes_chat_format_prompts(tmp_path: Path) -> None:
@@ -83,7 +89,7 @@ def test_jsonl_task_takes_chat_format_prompts(tmp_path: Path) -> None:
     ] + [{"prompt": "plain text", "answer": "1"}]
     path = tmp_path / "chat.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    task = build_task("jsonl", seed=0, dataset=path, val_size=2)
+    task = dataset_task(path, "val_size=2")
     first = task.val_problems()[0]
     assert first.messages == (("system", "Answer briefly."), ("user", "0*2?")) and first.prompt == "0*2?"
     wire = wire_prompt(first)
@@ -92,5 +98,5 @@ def test_jsonl_task_takes_chat_format_prompts(tmp_path: Path) -> None:
     plain = wire_prompt(Problem("p", "plain text", "1"))
     assert plain.WhichOneof("input") == "text" and plain.text == "plain text"
     (tmp_path / "bad.jsonl").write_text('{"prompt": [{"role": "user"}], "answer": "1"}\n')
-    with pytest.raises(ValueError, match=r"bad.jsonl:1: 'prompt' must be text or a non-empty list"):
-        build_task("jsonl", seed=0, dataset=tmp_path / "bad.jsonl")
+    with pytest.raises(ValueError, match=r"bad.jsonl: row 1: 'prompt' must be text or a non-empty list"):
+        dataset_task(tmp_path / "bad.jsonl")

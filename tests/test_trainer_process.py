@@ -4,6 +4,7 @@ to an uninterrupted run; torn checkpoint directories are ignored."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import sys
@@ -15,6 +16,7 @@ import grpc
 
 from fp8rl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from tests.support import child_process, free_port, wait_for_line
+from tests.test_rollout_cli import scrape
 from tests.test_trainer import samples, step_request
 
 PROBE = trainer_pb2.ComputeLogprobsRequest(
@@ -62,10 +64,16 @@ def without_timing(result: trainer_pb2.TrainStepResponse) -> trainer_pb2.TrainSt
 
 
 def test_kill_and_resume_is_bit_identical(tiny_model_dir_f32: Path, tmp_path: Path) -> None:
-    with trainer_process(tiny_model_dir_f32, tmp_path / "a.log") as (_, stub):
+    log = tmp_path / "a.log"
+    with trainer_process(tiny_model_dir_f32, log, "--metrics-port", "0") as (_, stub):
+        url = re.search(r"Prometheus metrics on (http://\S+)", log.read_text()).group(1)  # type: ignore[union-attr]
+        assert scrape(url)["fp8rl_trainer_train_step_seconds_count"] == 0
         stub.TrainStep(step_request(0, samples(0)), timeout=120)
         expected = stub.TrainStep(step_request(1, samples(1)), timeout=120)
         expected_logprobs = stub.ComputeLogprobs(PROBE, timeout=60)
+        metrics = scrape(url)
+        assert metrics["fp8rl_trainer_step"] == 2 and metrics["fp8rl_trainer_train_step_seconds_count"] == 2
+        assert metrics["fp8rl_trainer_token_mult_prob_error"] == expected.metrics.token_mult_prob_error
 
     ckpt = tmp_path / "ckpt"
     with trainer_process(tiny_model_dir_f32, tmp_path / "b.log", "--checkpoint-dir", str(ckpt)) as (

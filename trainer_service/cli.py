@@ -39,7 +39,16 @@ def serve(config: TrainerConfig) -> None:
     def load() -> tuple[str, Callable[[], None]]:
         service = TrainerService(config)
         servicer.attach(service)
-        return f" at step {service.step}", service.publisher.close
+        metrics = serving.metrics_server(
+            "trainer-service", config.host, config.metrics_port, service.prometheus
+        )
+
+        def close() -> None:
+            service.publisher.close()
+            if metrics:
+                metrics.stop()
+
+        return f" at step {service.step}", close
 
     serving.serve(
         "trainer-service",

@@ -75,3 +75,5 @@ class TrainerConfig(LearnerConfig):
     resume: bool = False
     """Restore the latest complete checkpoint of checkpoint_dir at start-up."""
     seed: int = 0
+    metrics_port: int | None = Field(None, ge=0, le=65535)
+    """Serve Prometheus /metrics on host:metrics_port (0: a free port, printed at start-up); unset: off."""

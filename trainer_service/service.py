@@ -18,6 +18,7 @@ from google.protobuf import json_format
 
 from fp8rl.config import config_hash
 from fp8rl.errors import InvalidRequest, PreconditionFailed
+from fp8rl.prometheus import Sample
 from fp8rl.recipes import get_recipe
 from fp8rl.sampling import sampling_settings
 from fp8rl.v1 import trainer_pb2
@@ -88,6 +89,8 @@ class TrainerService:
         self.run_id = ""
         self.results: OrderedDict[int, trainer_pb2.TrainStepResponse] = OrderedDict()
         self.started = time.time()
+        self.train_seconds: list[float] = []  # per TrainStep of this process
+        self.last_metrics: dict[str, float] = {}
         self._lock = threading.Lock()  # one TrainStep / checkpoint at a time
         if config.resume:
             self.restore()
@@ -114,7 +117,10 @@ class TrainerService:
                 rewards_non_negative=self.config.loss.advantage_norm == "mean",
             )
             sampling = sampling_settings(request.sampling)
+            started = time.perf_counter()
             metrics = self.learner.train(samples, sampling)
+            self.train_seconds.append(time.perf_counter() - started)
+            self.last_metrics = metrics
             self.run_id = self.run_id or request.run_id
             response = trainer_pb2.TrainStepResponse(
                 step=request.step,
@@ -229,6 +235,24 @@ class TrainerService:
         if meta["config_hash"] != config_hash(self.config.model_copy(update={"resume": False})):
             log.warning("resuming %s under a different trainer config", path)
         log.info("resumed from %s at step %d", path, learner.step)
+
+    def prometheus(self) -> list[Sample]:
+        """The trainer's figures for /metrics (fp8rl/prometheus.py), read at scrape time."""
+        error = self.last_metrics.get("token_mult_prob_error", float("nan"))
+        return [
+            Sample("trainer_step", "gauge", "next GRPO step to train", self.step),
+            Sample("trainer_weight_version", "gauge", "weight version held (= steps trained)", self.step),
+            Sample(
+                "trainer_train_step_seconds",
+                "summary",
+                "TrainStep compute time",
+                len(self.train_seconds),
+                sum(self.train_seconds),
+            ),
+            Sample(
+                "trainer_token_mult_prob_error", "gauge", "last step's token_mult_prob_error", float(error)
+            ),
+        ]
 
     def status(self) -> trainer_pb2.TrainerStatus:
         return trainer_pb2.TrainerStatus(

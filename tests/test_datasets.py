@@ -1,0 +1,146 @@
+"""The dataset task: JSON lines, parquet and HF datasets directories load the same problems, split by
+count, fraction or second file, and a malformed record is refused naming the file, row and key."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from coordinator.config import CoordinatorConfig
+from coordinator.datasets import final_answer, load_problems, records, split
+from coordinator.tasks import DatasetTask, build_task
+from fp8rl.config import ConfigError, load_config
+from fp8rl.data import GSM8K_SAMPLE
+
+ROWS = [json.loads(line) for line in GSM8K_SAMPLE.read_text().splitlines()]
+
+
+def write_parquet(rows: list[dict], path: Path) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def write_hf(rows: list[dict], path: Path, as_dict: bool = False) -> Path:
+    import datasets
+
+    data = datasets.Dataset.from_list(rows)
+    (datasets.DatasetDict({"train": data}) if as_dict else data).save_to_disk(str(path))
+    return path
+
+
+def test_the_shipped_sample_is_gsm8k_shaped() -> None:
+    assert len(ROWS) >= 30 and all(set(r) == {"question", "answer"} for r in ROWS)
+    assert all(r["answer"].splitlines()[-1].startswith("#### ") for r in ROWS)
+    assert final_answer("so 1,234 in all\n#### 1,234") == "1234" and final_answer(" 7 ") == "7"
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet", "hf", "hf-dict"])
+def test_every_format_loads_the_same_problems(fmt: str, tmp_path: Path) -> None:
+    path = {
+        "jsonl": lambda: GSM8K_SAMPLE,
+        "parquet": lambda: write_parquet(ROWS, tmp_path / "gsm.parquet"),
+        "hf": lambda: write_hf(ROWS, tmp_path / "gsm"),
+        "hf-dict": lambda: write_hf(ROWS, tmp_path / "gsm", as_dict=True),
+    }[fmt]()
+    problems = load_problems(path, "question", "answer", "row")
+    assert [p.prompt for p in problems] == [r["question"] for r in ROWS]
+    assert [p.answer for p in problems] == [r["answer"].rsplit("#### ", 1)[1] for r in ROWS]
+
+
+def test_splits_by_count_fraction_and_second_file() -> None:
+    problems = load_problems(GSM8K_SAMPLE, "question", "answer", "row")
+    train, val = split(problems, seed=0, val_size=8)
+    assert val == problems[:8] and train == problems[8:]
+    train, val = split(problems, seed=0, val_size=100, val_fraction=0.25)
+    assert len(val) == 10 and len(train) == 30 and not set(p.id for p in val) & set(p.id for p in train)
+    assert split(problems, seed=0, val_size=100, val_fraction=0.25) == (train, val)  # seeded
+    assert split(problems, seed=1, val_size=100, val_fraction=0.25)[1] != val
+    other = problems[:5]
+    assert split(problems, seed=0, val_size=3, val_problems=other) == (problems, other[:3])
+    with pytest.raises(ValueError, match="nothing to train on"):
+        split(problems[:4], seed=0, val_size=8)
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        ({"question": "2+2?"}, r"row 3: no 'answer' key \(keys: question\)"),
+        ({"question": 7, "answer": "1"}, r"row 3: 'question' must be text or a non-empty list"),
+        ({"question": "2+2?", "answer": [4]}, r"row 3: 'answer' must be text or a number"),
+        ("just text", r"row 3: not a record"),
+    ],
+)
+def test_a_malformed_record_names_file_row_and_key(row: object, message: str, tmp_path: Path) -> None:
+    rows = [*ROWS[:2], row]
+    jsonl = tmp_path / "bad.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ValueError, match=rf"{jsonl}: {message}"):
+        load_problems(jsonl, "question", "answer", "row")
+
+
+def test_parquet_rows_are_checked_like_json_lines(tmp_path: Path) -> None:
+    path = write_parquet([{"q": "1+1?", "a": "2"}, {"q": None, "a": "3"}], tmp_path / "q.parquet")
+    with pytest.raises(ValueError, match=rf"{path}: row 2: 'q' must be text"):
+        load_problems(path, "q", "a", "row")
+    with pytest.raises(ValueError, match="invalid JSON"):
+        bad = tmp_path / "x.jsonl"
+        bad.write_text('{"q": 1}\n{oops\n')
+        list(records(bad))
+
+
+def test_chat_prompts_and_the_config_options(tmp_path: Path) -> None:
+    path = tmp_path / "chat.jsonl"
+    rows = [{"messages": [{"role": "user", "content": f"{i}+1?"}], "target": i + 1} for i in range(6)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = load_config(
+        CoordinatorConfig,
+        dotted=[
+            f"dataset={path}",
+            "task=dataset",
+            "prompt_key=messages",
+            "answer_key=target",
+            "val_fraction=0.5",
+        ],
+    )
+    task = build_task(config)
+    assert isinstance(task, DatasetTask) and len(task.val_problems()) == 3
+    problem = task.train_problems(0, 1)[0]
+    assert problem.messages == (("user", problem.prompt),) and problem.answer == str(
+        int(problem.prompt[0]) + 1
+    )
+    with pytest.raises(ConfigError, match="val_fraction or val_dataset"):
+        load_config(
+            CoordinatorConfig,
+            dotted=[f"dataset={path}", "task=dataset", "val_fraction=0.5", f"val_dataset={path}"],
+        )
+    with pytest.raises(ConfigError, match=r"dataset .* does not exist"):
+        load_config(CoordinatorConfig, dotted=["dataset=/nonexistent.parquet", "task=dataset"])
+    assert (
+        load_config(CoordinatorConfig, dotted=["task=jsonl", "dataset=gsm8k-sample"]).dataset == GSM8K_SAMPLE
+    )
+
+
+@pytest.mark.parametrize("verifier", ["math-verify", "fallback"])
+def test_rewards_with_and_without_math_verify(verifier: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import coordinator.tasks as tasks
+
+    if verifier == "fallback":
+        monkeypatch.setattr(tasks, "_math_verify", lambda: None)
+    else:
+        pytest.importorskip("math_verify", reason="math-verify is part of the dev extra")
+    config = load_config(
+        CoordinatorConfig,
+        dotted=["task=dataset", "dataset=gsm8k-sample", "prompt_key=question", "val_size=4"],
+    )
+    task = build_task(config)
+    assert (task._verify is None) == (verifier == "fallback")  # type: ignore[attr-defined]
+    problem = task.val_problems()[0]
+    right = f"Adding it up step by step.\n#### {problem.answer}"
+    wrong = f"Adding it up step by step.\n#### {int(problem.answer) + 1}"
+    assert task.reward(problem, right) == 1.0 and task.reward(problem, wrong) == 0.0
+    assert task.reward(problem, f"{problem.answer}\nmore text") == 1.0
