@@ -18,6 +18,8 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import grpc
+
 from coordinator.batches import Batch, BatchMaker
 from coordinator.clients import RolloutPool, TrainerClient
 from coordinator.config import CoordinatorConfig
@@ -29,6 +31,11 @@ from fp8rl.v1 import trainer_pb2
 
 log = logging.getLogger(__name__)
 LEASE_TTL_S = 30.0
+REDO_NON_FINITE = 1  # fresh batches tried for a step whose gradient was non-finite, before stopping
+
+
+class TrainingRefused(RuntimeError):
+    """The trainer keeps refusing a step (non-finite gradients): the run stops."""
 
 
 def coordinator_is_dead(holder: str) -> bool:
@@ -65,6 +72,7 @@ class Driver:
         self.batches = BatchMaker(config, run_id, store, pool, task, self.weights.ensure_version)
         self._ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generate-ahead")
         self._stop_renewing = threading.Event()
+        self._redone: dict[int, int] = {}  # step -> batches regenerated after a non-finite gradient
 
     # -- the run ------------------------------------------------------------------------------------
     def run(self) -> list[dict[str, Any]]:
@@ -151,7 +159,16 @@ class Driver:
         if self.config.max_staleness >= 1 and k + 1 < self.config.steps:
             ahead = self._ahead.submit(self.batches.generate_ahead, k + 1)  # overlaps training of step k
         t = time.perf_counter()
-        result = self.trainer.train(batch.request)  # replays the stored result if step k was already trained
+        try:
+            result = self.trainer.train(batch.request)  # replays the stored result if step k was trained
+        except grpc.RpcError as exc:
+            if (
+                exc.code() != grpc.StatusCode.FAILED_PRECONDITION
+                or "non-finite gradient" not in exc.details()
+            ):
+                raise
+            self._refused(k, exc.details())
+            return ahead
         train_s = time.perf_counter() - t
         if state.phase == "train":
             self.store.transition(
@@ -170,6 +187,18 @@ class Driver:
         for warning in self.sink.write(record):
             self.store.event("warning", warning, k + 1)
         return ahead
+
+    def _refused(self, k: int, detail: str) -> None:
+        """The trainer skipped step k for a non-finite gradient (weights unchanged). Policy: generate the
+        step's batch afresh once; if that fails too, stop the run (resuming retries it again)."""
+        self.store.event("non-finite-gradient", detail, k)
+        if self._redone.get(k, 0) >= REDO_NON_FINITE:
+            raise TrainingRefused(
+                f"step {k} failed twice with a non-finite gradient ({detail}); the run stopped at step {k}"
+            )
+        self._redone[k] = self._redone.get(k, 0) + 1
+        self.store.redo_batch(k, f"non-finite gradient: generating the batch of step {k} afresh")
+        self.sink.say(f"step {k}: non-finite gradient, the step is retried with a fresh batch")
 
     def _record(
         self,

@@ -3,6 +3,7 @@ replica as child processes on loopback, stopped on exit, error or Ctrl-C) or aga
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -31,6 +32,14 @@ def start(config: CoordinatorConfig) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         with ExitStack() as stack:
+            holder = lock_run_dir(run_dir, stack)
+            if holder is not None:
+                print(
+                    f"coordinator: run {run_id} is being driven by another coordinator (pid {holder}; "
+                    f"{run_dir / LOCK_FILE}): stop it first, or use another --run-id",
+                    file=sys.stderr,
+                )
+                return 3
             return drive(config, run_id, run_dir, stack)
     except KeyboardInterrupt:
         print(f"coordinator: interrupted; resume with --run-id {run_id}", file=sys.stderr)
@@ -38,6 +47,25 @@ def start(config: CoordinatorConfig) -> int:
     except models.ShippedModelError as exc:
         print(f"coordinator: {exc}", file=sys.stderr)
         return 2
+
+
+LOCK_FILE = "coordinator.lock"
+
+
+def lock_run_dir(run_dir: Path, stack: ExitStack) -> str | None:
+    """Hold an exclusive lock on the run directory while the run is driven (released by the kernel when
+    this process ends, however it ends). Returns the holder's PID if another process has it."""
+    fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        return holder
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    stack.callback(os.close, fd)
+    return None
 
 
 def _interrupt(*_: object) -> None:
@@ -49,7 +77,7 @@ def drive(config: CoordinatorConfig, run_id: str, run_dir: Path, stack: ExitStac
     import redis
 
     from coordinator.clients import RolloutPool, TrainerClient
-    from coordinator.driver import Driver
+    from coordinator.driver import Driver, TrainingRefused
     from coordinator.metrics import MetricsSink, summarize
     from coordinator.state import ConfigMismatch, LeaseLost, RunStore
     from coordinator.tasks import build_task
@@ -93,6 +121,9 @@ def drive(config: CoordinatorConfig, run_id: str, run_dir: Path, stack: ExitStac
     except LeaseLost as exc:
         print(f"coordinator: {exc}", file=sys.stderr)
         return 3
+    except TrainingRefused as exc:
+        print(f"coordinator: {exc}", file=sys.stderr)
+        return 1
     summary = summarize(records)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     sink.say("summary: " + ", ".join(f"{k}={_short(v)}" for k, v in summary.items()))

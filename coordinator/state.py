@@ -108,6 +108,21 @@ return 1
 """
 )
 
+# KEYS: lease, fence, state, events, batch | ARGV: owner, fence, step, detail, now
+_REDO_BATCH = (
+    _GUARD
+    + """
+if redis.call('HGET', KEYS[3], 'step') ~= ARGV[3] or redis.call('HGET', KEYS[3], 'phase') ~= 'train' then
+  return 0
+end
+redis.call('DEL', KEYS[5])
+redis.call('HSET', KEYS[3], 'phase', 'generate', 'updated', ARGV[5])
+redis.call('XADD', KEYS[4], '*', 'kind', 'redo-batch', 'step', ARGV[3], 'phase', 'generate',
+  'detail', ARGV[4])
+return 1
+"""
+)
+
 # KEYS: lease, fence, state, events | ARGV: owner, fence, step, phase, detail, now
 _REWIND = (
     _GUARD
@@ -117,6 +132,24 @@ redis.call('XADD', KEYS[4], '*', 'kind', 'recovery', 'step', ARGV[3], 'phase', A
 return 1
 """
 )
+
+
+# KEYS: config, config_hash, state | ARGV: config JSON, hash -> 1 if created (all at once), else 0
+_INIT_CONFIG = """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX') then
+  redis.call('SET', KEYS[2], ARGV[2])
+  redis.call('HSETNX', KEYS[3], 'step', 0)
+  redis.call('HSETNX', KEYS[3], 'phase', 'generate')
+  return 1
+end
+return 0
+"""
+
+# KEYS: lease | ARGV: owner -> 1 if this owner's lease was deleted
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
 
 
 class ConfigMismatch(ValueError):
@@ -148,7 +181,10 @@ class RunStore:
         self._renew: Any = client.register_script(_RENEW)
         self._hset: Any = client.register_script(_GUARDED_HSET)
         self._rewind: Any = client.register_script(_REWIND)
+        self._redo_batch: Any = client.register_script(_REDO_BATCH)
         self._base_record: Any = client.register_script(_BASE_RECORD)
+        self._init_config: Any = client.register_script(_INIT_CONFIG)
+        self._release: Any = client.register_script(_RELEASE)
         self.owner = ""
         self.fence = ""
 
@@ -158,12 +194,9 @@ class RunStore:
     # -- config ---------------------------------------------------------------------------------------
     def init_config(self, identity: dict[str, Any], digest: str) -> bool:
         """Store the run's config, or check it against the stored one. True if the run is new."""
-        created = self.client.set(self.key("config"), json.dumps(identity, sort_keys=True), nx=True)
-        if created:
-            self.client.set(self.key("config_hash"), digest)
-            self.client.hsetnx(self.key("state"), "step", 0)
-            self.client.hsetnx(self.key("state"), "phase", "generate")
-            return True
+        keys = [self.key("config"), self.key("config_hash"), self.key("state")]
+        if self._init_config(keys=keys, args=[json.dumps(identity, sort_keys=True), digest]) == 1:
+            return True  # one script: a crash cannot leave a config without its state
         stored = json.loads(self.client.get(self.key("config")) or "{}")
         differing = config_diff(stored, identity)
         if differing:
@@ -196,8 +229,9 @@ class RunStore:
             raise LeaseLost(f"lost the lease on run {self.run_id}")
 
     def release(self) -> None:
-        if self.client.get(self.key("lease")) == self.owner.encode():
-            self.client.delete(self.key("lease"))
+        """Give the lease up, if it is still ours (compare-and-delete: never another coordinator's)."""
+        if self.owner:
+            self._release(keys=[self.key("lease")], args=[self.owner])
 
     # -- state ----------------------------------------------------------------------------------------
     def read(self) -> RunState:
@@ -238,6 +272,14 @@ class RunStore:
         self._checked(
             self._rewind(keys=keys, args=[self.owner, self.fence, step, "generate", detail, time.time()]),
             f"rewind to step {step}",
+        )
+
+    def redo_batch(self, step: int, detail: str) -> None:
+        """Drop the stored batch of ``step`` (in phase train) and go back to generating it afresh."""
+        keys = [*self._lease_keys, self.key("state"), self.key("events"), self.key(f"batch:{step}")]
+        self._checked(
+            self._redo_batch(keys=keys, args=[self.owner, self.fence, step, detail, time.time()]),
+            f"regenerating the batch of step {step}",
         )
 
     def _checked(self, result: int, what: str) -> None:

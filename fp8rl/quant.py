@@ -18,6 +18,10 @@ WEIGHT_BLOCK = (128, 128)
 ACTIVATION_GROUP = 128
 
 
+class NonFiniteError(ValueError):
+    """A tensor to quantize holds NaN or inf (FP8 has no scale for it)."""
+
+
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -26,7 +30,7 @@ def _scale_inv_from_amax(amax: torch.Tensor, what: str) -> torch.Tensor:
     # Finiteness is checked on the block maxima, which NaN and inf propagate to: a fraction of the cost
     # of checking the input.
     if not torch.isfinite(amax).all():
-        raise ValueError(f"{what} contains NaN or inf; FP8 quantization needs finite values")
+        raise NonFiniteError(f"{what} contains NaN or inf; FP8 quantization needs finite values")
     scale_inv = amax / FP8_MAX
     return torch.where(scale_inv == 0, torch.ones_like(scale_inv), scale_inv)
 

@@ -107,3 +107,20 @@ def test_transitions_are_compare_and_set(client: redis.Redis) -> None:
     assert s.record_base({"step": 0}) and not s.record_base({"step": 0})
     kinds = [e["kind"] for e in s.events()]
     assert kinds == ["phase", "commit"]
+
+
+def test_release_never_deletes_another_coordinators_lease(client: redis.Redis) -> None:
+    first, second = store(client, "release"), store(client, "release")
+    first.acquire("host:1", ttl_s=0.2)
+    time.sleep(0.3)  # first's lease expired (it stalled); second takes the run
+    second.acquire("host:2", ttl_s=30)
+    first.release()  # late: compare-and-delete leaves second's lease alone
+    assert client.get(second.key("lease")) == b"host:2"
+    second.release()
+    assert client.get(second.key("lease")) is None
+
+
+def test_a_new_run_gets_config_hash_and_state_together(client: redis.Redis) -> None:
+    a = store(client, "atomic-init")
+    assert a.init_config({"recipe": "fp8"}, "h") and a.read() == RunState(0, "generate")
+    assert client.get(a.key("config_hash")) == b"h"

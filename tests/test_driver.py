@@ -16,7 +16,7 @@ import redis
 
 from coordinator.clients import ReplicaFailed
 from coordinator.config import CoordinatorConfig
-from coordinator.driver import Driver
+from coordinator.driver import Driver, TrainingRefused
 from coordinator.metrics import MetricsSink
 from coordinator.state import RunState, RunStore
 from coordinator.tasks import ArithTask
@@ -99,6 +99,7 @@ class FakeTrainer:
         self.crash_after_training: int | None = None  # crash the coordinator once this step is applied
         self.crash_publishing: int | None = None
         self.refuse: set[str] = set()  # replicas whose update fails
+        self.non_finite: dict[int, int] = {}  # step -> how many more times its gradient is non-finite
         self.on_train: Callable[[int], None] = lambda step: None  # runs as a step starts training
 
     def status(self) -> trainer_pb2.TrainerStatus:
@@ -114,6 +115,10 @@ class FakeTrainer:
         assert k == self.step, f"asked to train step {k} at step {self.step}"
         assert len(request.samples) > 0
         self.on_train(k)
+        if self.non_finite.get(k, 0) > 0:
+            self.non_finite[k] -= 1
+            detail = f"step {k}: non-finite gradient: the gradient norm of mini-batch 0 is inf"
+            raise FakeRpcError(grpc.StatusCode.FAILED_PRECONDITION, detail)
         self.step += 1
         self.trained.append(k)
         metrics = trainer_pb2.TrainMetrics(token_mult_prob_error=1.0, loss=0.1 * k)
@@ -338,3 +343,36 @@ def test_validation_is_greedy_and_training_samples_as_configured(client: redis.R
     greedy = common_pb2.SamplingParams(temperature=0.0, max_tokens=8, stop=["\n"])
     sampled = common_pb2.SamplingParams(temperature=0.75, top_p=0.5, top_k=5, max_tokens=8, stop=["\n"])
     assert run.pool.sampling == [greedy, sampled, greedy]  # base validation, step 0, final validation
+
+
+def test_a_non_finite_gradient_retries_the_step_once_with_a_fresh_batch(
+    client: redis.Redis, tmp_path: Path
+) -> None:
+    run = Run(client, tmp_path)
+    run.trainer.non_finite = {1: 1}
+    records = run.drive()
+    assert run.trainer.trained == [0, 1, 2] and [r["step"] for r in records] == [0, 1, 2, 3]
+    assert run.events("non-finite-gradient") == [
+        "step 1: non-finite gradient: the gradient norm of mini-batch 0 is inf"
+    ]
+    assert run.events("redo-batch") == ["non-finite gradient: generating the batch of step 1 afresh"]
+    assert [v for v, _ in run.pool.generated] == [
+        0,
+        0,
+        1,
+        1,
+        2,
+        3,
+    ]  # base val, steps 0, 1 (twice), 2, final val
+
+
+def test_a_step_that_stays_non_finite_stops_the_run_and_resumes_later(
+    client: redis.Redis, tmp_path: Path
+) -> None:
+    run = Run(client, tmp_path)
+    run.trainer.non_finite = {1: 2}
+    with pytest.raises(TrainingRefused, match="step 1 failed twice with a non-finite gradient"):
+        run.drive()
+    assert run.trainer.trained == [0] and run.store.read() == RunState(1, "train")
+    run.drive()  # fixed (here: the trainer no longer refuses): the run resumes at step 1
+    assert run.trainer.trained == [0, 1, 2] and run.steps() == [0, 1, 2, 3]

@@ -10,7 +10,7 @@ import grpc
 import pytest
 import torch
 
-from fp8rl.errors import InvalidRequest
+from fp8rl.errors import InvalidRequest, PreconditionFailed
 from fp8rl.serving import start_server
 from fp8rl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from fp8rl.weights import raw_bytes
@@ -219,3 +219,42 @@ def test_padding_for_transformer_engine_changes_nothing(tiny_model_dir_f32: Path
         assert metrics_padded[key] == pytest.approx(metrics_plain[key], rel=1e-5, abs=1e-7), key
     for name, p in plain.model.named_parameters():
         torch.testing.assert_close(dict(padded.model.named_parameters())[name], p, rtol=1e-5, atol=1e-6)
+
+
+def huge_advantages(batch: list[trainer_pb2.Sample], rows: range) -> list[trainer_pb2.Sample]:
+    for i in rows:
+        batch[i].advantage = 3e38  # finite, but its gradient is not
+    return batch
+
+
+def test_a_non_finite_gradient_skips_the_step_and_changes_nothing(trainer) -> None:  # type: ignore[no-untyped-def]
+    service, stub = trainer
+    stub.TrainStep(step_request(0, samples(0)), timeout=120)
+    before = weight_bytes(service)
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.TrainStep(step_request(1, huge_advantages(samples(1), range(6))), timeout=120)
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert (
+        "step 1: non-finite gradient" in refused.value.details()
+        and "update was skipped" in refused.value.details()
+    )
+    assert weight_bytes(service) == before and service.step == 1
+    assert stub.TrainStep(step_request(1, samples(1)), timeout=120).weight_version == 2  # the next try trains
+
+
+def test_a_non_finite_gradient_in_a_later_mini_batch_undoes_the_earlier_ones(
+    tiny_model_dir_f32: Path,
+) -> None:
+    config = TrainerConfig(
+        model=tiny_model_dir_f32,
+        recipe="fp8",
+        compute_dtype="float32",
+        mini_batches=2,
+        optimizer={"lr": 1e-3},
+    )
+    service = TrainerService(config)
+    service.train_step(step_request(0, samples(0)))
+    before = weight_bytes(service)
+    with pytest.raises(PreconditionFailed, match="mini-batch 1"):
+        service.train_step(step_request(1, huge_advantages(samples(1), range(3, 6))))
+    assert weight_bytes(service) == before and service.step == 1

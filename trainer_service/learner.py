@@ -8,20 +8,28 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
-from fp8rl import grpo
+from fp8rl import grpo, quant
+from fp8rl.errors import PreconditionFailed
 from fp8rl.logprobs import token_logprobs
 from fp8rl.recipes import ImportanceSampling, Recipe
 from fp8rl.sampling import SamplingSettings
 from trainer_service.config import TrainerConfig
 from trainer_service.fp8_linear import Backend, convert_linears, fp8_context, resolve_backend
+
+T = TypeVar("T")
+
+
+class NonFiniteGradient(Exception):
+    """A mini-batch's gradient (or a tensor FP8 had to quantize on the way) is NaN or inf."""
 
 
 @dataclass(frozen=True)
@@ -162,38 +170,50 @@ class Learner:
         ref = self._reference_logprobs(batch, sampling)
         lr = self.learning_rate()
         losses, norms, clip_fractions = [], [], []
-        for mini in split(len(samples), self.config.mini_batches):
+        # With several optimizer steps per TrainStep, a non-finite gradient in a later one must undo the
+        # earlier ones: the step is applied whole or not at all.
+        before = self._snapshot() if self.config.mini_batches > 1 else None
+        try:
+            for index, mini in enumerate(split(len(samples), self.config.mini_batches)):
+                self.optimizer.zero_grad(set_to_none=True)
+                normalizer = support[mini].sum().item()
+                if normalizer == 0:  # no token this mini-batch covers: Adam would still move on its moments
+                    continue
+                loss_sum = 0.0
+                for micro in mini.split(self.config.micro_batch_size):
+                    rows = batch.rows(micro)
+                    cur = self._checked(functools.partial(self.logprobs, rows, sampling), index)
+                    terms = grpo.ppo_loss(
+                        cur,
+                        prev[micro],
+                        advantages[micro],
+                        support[micro],
+                        weights.weights[micro],
+                        self.config.loss.clip_eps,
+                        normalizer,
+                        None if ref is None else ref[micro],
+                        self.config.loss.kl_coef,
+                    )
+                    self._checked(terms.loss.backward, index)
+                    loss_sum += terms.loss.item()
+                    clip_fractions.append(terms.clipped_fraction.item())
+                clip = self.config.optimizer.grad_clip
+                norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip).item()
+                if not math.isfinite(norm):
+                    raise NonFiniteGradient(f"the gradient norm of mini-batch {index} is {norm}")
+                norms.append(norm)
+                for group in self.optimizer.param_groups:
+                    group["lr"] = lr
+                self.optimizer.step()
+                losses.append(loss_sum)
+        except NonFiniteGradient as exc:
             self.optimizer.zero_grad(set_to_none=True)
-            normalizer = support[mini].sum().item()
-            if normalizer == 0:  # no token this mini-batch covers: Adam would still move on its moments
-                continue
-            loss_sum = 0.0
-            for micro in mini.split(self.config.micro_batch_size):
-                rows = batch.rows(micro)
-                cur = self.logprobs(rows, sampling)
-                terms = grpo.ppo_loss(
-                    cur,
-                    prev[micro],
-                    advantages[micro],
-                    support[micro],
-                    weights.weights[micro],
-                    self.config.loss.clip_eps,
-                    normalizer,
-                    None if ref is None else ref[micro],
-                    self.config.loss.kl_coef,
-                )
-                terms.loss.backward()
-                loss_sum += terms.loss.item()
-                clip_fractions.append(terms.clipped_fraction.item())
-            norms.append(
-                torch.nn.utils.clip_grad_norm_(
-                    self.model.parameters(), self.config.optimizer.grad_clip
-                ).item()
-            )
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            self.optimizer.step()
-            losses.append(loss_sum)
+            if before is not None:
+                self._restore(before)
+            raise PreconditionFailed(
+                f"step {self.step}: non-finite gradient: {exc} (rewards or advantages too large?); "
+                f"the update was skipped, the weights stay at version {self.step}"
+            ) from None
         self.step += 1
         seconds = time.perf_counter() - start
         tokens = int(batch.mask.sum().item())
@@ -208,6 +228,26 @@ class Learner:
             "train_s": seconds,
             "reward_mean": sum(s.reward for s in samples) / len(samples),
         }
+
+    @staticmethod
+    def _checked(compute: Callable[[], T], index: int) -> T:
+        """``compute()``, with FP8's refusal of a non-finite tensor (forward or backward) reported as a
+        non-finite gradient of mini-batch ``index``."""
+        try:
+            return compute()
+        except quant.NonFiniteError as exc:
+            raise NonFiniteGradient(f"mini-batch {index}: {exc}") from None
+
+    def _snapshot(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        params = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        return params, copy.deepcopy(self.optimizer.state_dict())
+
+    def _restore(self, snapshot: tuple[dict[str, torch.Tensor], dict[str, Any]]) -> None:
+        params, optimizer = snapshot
+        with torch.no_grad():
+            for n, p in self.model.named_parameters():
+                p.copy_(params[n])
+        self.optimizer.load_state_dict(optimizer)
 
     def _advantages(self, samples: Sequence[SampleData]) -> torch.Tensor:
         computed = grpo.group_advantages(
