@@ -3,12 +3,16 @@ then one table (compare.md) and overlaid plots."""
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from coordinator.config import CoordinatorConfig, over
 from coordinator.metrics import read_metrics, summarize
+from fp8rl.config import format_validation_error
 
 COLUMNS = [
     ("final val accuracy", "final_val_accuracy", "{:.3f}"),
@@ -38,7 +42,11 @@ def compare(base: CoordinatorConfig, recipes: list[str], no_is: bool, out_dir: P
         }
         if no_is:
             changes["learner"] = {"loss": {"is_mode": "none"}}
-        config = CoordinatorConfig.model_validate(over(base.model_dump(), changes))
+        try:
+            config = CoordinatorConfig.model_validate(over(base.model_dump(), changes))
+        except ValidationError as exc:
+            print(f"coordinator: {format_validation_error(exc)}", file=sys.stderr)
+            return 2
         status = start(config)
         if status != 0:
             return status

@@ -44,7 +44,15 @@ def records(path: Path) -> Iterator[Any]:
         except Exception as exc:
             raise ValueError(f"{path}: cannot read parquet: {exc}") from exc
         yield from table.to_pylist()
-    elif path.suffix in (".jsonl", ".json"):
+    elif path.suffix == ".json":  # one JSON array of records
+        try:
+            rows = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: invalid JSON: {exc.msg}") from None
+        if not isinstance(rows, list):
+            raise ValueError(f"{path}: a .json dataset is one array of records")
+        yield from rows
+    elif path.suffix == ".jsonl":
         with open(path) as f:
             for i, line in enumerate(f, 1):
                 if line.strip():
@@ -54,12 +62,14 @@ def records(path: Path) -> Iterator[Any]:
                         raise ValueError(f"{path}: row {i}: invalid JSON: {exc.msg}") from None
     else:
         raise ValueError(
-            f"{path}: unknown dataset format (a .jsonl or .parquet file, or a datasets directory)"
+            f"{path}: unknown dataset format (a .jsonl, .json or .parquet file, or a datasets directory)"
         )
 
 
 def final_answer(value: object) -> str:
     """The reference answer: GSM8K's answers end with ``#### <number>`` after their reasoning."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)  # a parquet column of numbers reads 42 as 42.0
     text = str(value)
     return text.rsplit("####", 1)[1].strip().replace(",", "") if "####" in text else text.strip()
 
@@ -102,5 +112,8 @@ def split(
     else:
         train, val = problems[val_size:], problems[:val_size]
     if not train:
-        raise ValueError(f"{len(problems)} rows leave nothing to train on after {len(val)} for validation")
+        raise ValueError(
+            f"{len(problems)} rows leave nothing to train on after {len(val)} for validation: "
+            "lower val_size (--val-size) or hold out a fraction (--val-fraction)"
+        )
     return train, val[:val_size]

@@ -174,9 +174,11 @@ def serve(
     gone, and stop within a deadline."""
     running = start_server(register, service_names, host, port, max_workers, max_receive_bytes)
     print(f"{prog} bound to {host}:{running.port}; loading", flush=True)
+    stop = shutdown_event()  # a signal while loading stops the process once loading is done
     try:
         detail, cleanup = load()
-        stop = shutdown_event()  # after loading: vLLM installs signal handlers of its own while it starts
+        stop.install_handlers()  # again: vLLM installs signal handlers of its own while it starts
+        stop.serving = True
         running.set_serving()
         print(f"{prog} serving on {host}:{running.port}{detail}", flush=True)
         stop.wait()
@@ -211,7 +213,12 @@ class Shutdown:
 
     def __init__(self) -> None:
         self.signalled = False
+        self.serving = False  # until then, a dead parent ends the process at once (nothing to drain)
         self._event = threading.Event()
+
+    def install_handlers(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: setattr(self, "signalled", True))
 
     def request(self) -> None:
         self._event.set()
@@ -228,8 +235,7 @@ def shutdown_event() -> Shutdown:
     parent is gone, whatever happened to the signal it was sent meanwhile: no orphan outlives its run.
     """
     stop = Shutdown()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: setattr(stop, "signalled", True))
+    stop.install_handlers()
     parent = os.environ.get(PARENT_ENV)
     if parent:
         threading.Thread(
@@ -254,6 +260,8 @@ def _watch_parent(parent: int, stop: Shutdown) -> None:
     while not stop.signalled:
         if os.getppid() != parent:
             log.warning("parent process %d is gone; shutting down", parent)
+            if not stop.serving:  # still loading: no request to finish, and loading may take minutes
+                os._exit(1)
             stop.request()
             return
         time.sleep(1.0)

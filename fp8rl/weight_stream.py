@@ -56,27 +56,22 @@ def receive_update(
 
 class Reassembler:
     """Collects data chunks and releases the update only if its total size matches the header and its
-    own header (which seals every tensor's digest, checked when it is decoded) matches the digest.
-
-    With ``max_bytes`` (the receiver's bound, checked before anything is allocated) the buffer is
-    allocated once at the announced size; without it, it grows as data arrives."""
+    own header (which seals every tensor's digest, checked when it is decoded) matches the digest. The
+    buffer grows with the data that arrives: an announced size allocates nothing."""
 
     def __init__(self, total_bytes: int, digest: str, max_bytes: int | None = None) -> None:
         if total_bytes < 0 or (max_bytes is not None and total_bytes > max_bytes):
             raise CorruptUpdateError(f"total_bytes {total_bytes} outside [0, {max_bytes}]")
         self.total_bytes = total_bytes
         self.digest = digest
-        self._buffer = bytearray(total_bytes) if max_bytes is not None else bytearray()
+        self._buffer = bytearray()
         self._filled = 0
 
     def add(self, data: bytes) -> None:
         end = self._filled + len(data)
         if end > self.total_bytes:
             raise CorruptUpdateError(f"received more than the announced {self.total_bytes} bytes")
-        if len(self._buffer) == self.total_bytes:
-            self._buffer[self._filled : end] = data
-        else:
-            self._buffer += data
+        self._buffer += data
         self._filled = end
 
     def finish(self) -> bytearray:

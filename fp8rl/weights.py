@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import struct
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -81,6 +83,8 @@ def tensor_digest(t: torch.Tensor) -> str:
 
 
 _POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+MAX_TENSOR_BYTES = 1 << 40  # no tensor is larger; a claim beyond it is corrupt
 
 
 def parallel_map(fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
@@ -89,8 +93,9 @@ def parallel_map(fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
     global _POOL
     if len(items) < 2:
         return [fn(x) for x in items]
-    if _POOL is None:
-        _POOL = ThreadPoolExecutor(max_workers=os.cpu_count() or 2, thread_name_prefix="codec")
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(max_workers=os.cpu_count() or 2, thread_name_prefix="codec")
     return list(_POOL.map(fn, items))
 
 
@@ -196,12 +201,29 @@ def _read_header(blob: bytes | bytearray | memoryview) -> tuple[dict[str, object
         (header_len,) = struct.unpack("<Q", bytes(blob[:8]))
         if header_len > len(blob) - 8:
             raise ValueError(f"header of {header_len} bytes in a blob of {len(blob)}")
-        header = json.loads(bytes(blob[8 : 8 + header_len]))
+        text = bytes(blob[8 : 8 + header_len])
+        header = json.loads(text)
         if not isinstance(header, dict):
             raise ValueError("header is not a JSON object")
+        canonical = json.dumps(header, separators=(",", ":")).encode()
+        if text != canonical + b" " * (-len(canonical) % 8):  # one spelling: no byte of it goes unchecked
+            raise ValueError("header is not in its canonical form")
     except Exception as exc:
         raise CorruptUpdateError(f"cannot read weight update header: {exc}") from exc
     return header, 8 + header_len
+
+
+def _nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:
+    """Bytes of a tensor, for shapes read from an update (bounded: no overflow, no absurd claim)."""
+    if any(d < 0 for d in shape):
+        raise ValueError(f"negative dimension in shape {list(shape)}")
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    if nbytes > MAX_TENSOR_BYTES:
+        raise ValueError(f"shape {list(shape)} claims {nbytes} bytes")
+    return nbytes
+
+
+Admit = Callable[[str, torch.dtype, tuple[int, ...]], None]
 
 
 def _tensors_of(
@@ -219,8 +241,8 @@ def _tensors_of(
             assert isinstance(spec, dict) and set(spec) == {"dtype", "shape", "data_offsets"}, "bad entry"
             dtype, shape = _DTYPES[spec["dtype"]], [int(d) for d in spec["shape"]]
             begin, end = (int(x) for x in spec["data_offsets"])
-            nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty(0, dtype=dtype).element_size()
-            if begin != offset or end - begin != nbytes or min(shape, default=0) < 0:
+            nbytes = _nbytes(dtype, shape)
+            if begin != offset or end - begin != nbytes:
                 raise ValueError(f"data_offsets {[begin, end]} do not fit shape {shape} at offset {offset}")
         except Exception as exc:
             raise CorruptUpdateError(f"bad header entry for tensor {name!r}: {exc}") from exc
@@ -458,10 +480,15 @@ class DecodedUpdate:
 
 
 def decode_update(
-    blob: bytes | bytearray | memoryview, held: WeightSet | None = None, held_version: int | None = None
+    blob: bytes | bytearray | memoryview,
+    held: WeightSet | None = None,
+    held_version: int | None = None,
+    admit: Admit | None = None,
 ) -> DecodedUpdate:
     """Verify and apply an encoded update, returning the new set; ``held`` is never modified. A writable
-    ``blob`` (a received buffer) is decoded in place: a keyframe's tensors are views of it.
+    ``blob`` (a received buffer) is decoded in place: a keyframe's tensors are views of it. ``admit(name,
+    dtype, shape)`` sees every tensor the update brings before any of it is allocated or decompressed, and
+    raises to refuse it (the receiver's model decides what it can take).
 
     Raises :class:`BaseMismatchError` for a delta whose base is not (``held_version``, ``held``), and
     :class:`CorruptUpdateError` when any size, parse or digest check fails.
@@ -478,10 +505,13 @@ def decode_update(
     if weight_format not in WEIGHT_FORMATS:
         raise CorruptUpdateError(f"unknown weight format {weight_format!r}")
     if kind == "full":
+        for name, t in tensors.items():
+            if admit is not None:
+                admit(name, t.dtype, tuple(t.shape))
         new = _decode_full(tensors, metadata, weight_format)
         return DecodedUpdate(new, version, "keyframe", len(new.tensors))
     if kind == "delta":
-        new, updated = _decode_delta(tensors, metadata, held, held_version, weight_format)
+        new, updated = _decode_delta(tensors, metadata, held, held_version, weight_format, admit)
         return DecodedUpdate(new, version, "delta", updated)
     raise CorruptUpdateError(f"unknown update kind {kind!r}")
 
@@ -530,6 +560,7 @@ def _decode_delta(
     held: WeightSet | None,
     held_version: int | None,
     weight_format: WeightFormat,
+    admit: Admit | None = None,
 ) -> tuple[WeightSet, int]:
     try:
         base_version = int(metadata["base_version"])
@@ -549,6 +580,12 @@ def _decode_delta(
     for name, entry in entries.items():
         if not isinstance(entry, dict) or set(entry) != _DELTA_ENTRY_FIELDS:
             raise CorruptUpdateError(f"delta entry for tensor {name!r} is malformed")
+        if admit is not None:
+            try:
+                dtype, shape = _DTYPES[str(entry["dtype"])], tuple(int(d) for d in entry["shape"])
+            except Exception as exc:
+                raise CorruptUpdateError(f"bad entry for tensor {name!r}: {exc}") from exc
+            admit(name, dtype, shape)
     new = {name: t for name, t in held.tensors.items() if name not in removed}
     digests = {name: d for name, d in held.tensor_digests.items() if name not in removed}
     names = sorted(entries, key=lambda n: -payload[n].numel())
@@ -571,14 +608,9 @@ def _unpack(
     try:
         dtype = _DTYPES[str(entry["dtype"])]
         shape = [int(d) for d in entry["shape"]]  # type: ignore[attr-defined]
-        nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty(0, dtype=dtype).element_size()
+        nbytes = _nbytes(dtype, shape)
         word, changes = int(entry["word"]), int(entry["changes"])  # type: ignore[call-overload]
-        if (
-            min(shape, default=0) < 0
-            or word not in (1, 2, 4, 8)
-            or nbytes % word
-            or not 0 <= changes <= nbytes
-        ):
+        if word not in (1, 2, 4, 8) or nbytes % word or not 0 <= changes <= nbytes // word:
             raise ValueError(f"shape {shape}, word {word}, changes {changes}")
     except Exception as exc:
         raise CorruptUpdateError(f"bad entry for tensor {name!r}: {exc}") from exc

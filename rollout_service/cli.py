@@ -40,9 +40,15 @@ def serve(config: RolloutConfig) -> None:
 
         http = HttpServer(config.host, config.http_port)  # bound now: a taken port fails before vLLM loads
 
+    loaded: list[RolloutService] = []  # bound now, so a taken port fails before vLLM loads
+    metrics = serving.metrics_server(
+        "rollout-service", config.host, config.metrics_port, lambda: loaded[0].prometheus() if loaded else []
+    )
+
     def load() -> tuple[str, Callable[[], None]]:
         service = RolloutService(config, VllmEngine(config))
         servicer.attach(service)
+        loaded.append(service)
         heartbeat = None
         if config.redis_url:
             import redis
@@ -52,9 +58,6 @@ def serve(config: RolloutConfig) -> None:
             info = {"model": str(config.model), "recipe": config.recipe}
             client = redis.Redis.from_url(config.redis_url)
             heartbeat = Heartbeat(client, str(config.advertise), info, config.heartbeat_s)
-        metrics = serving.metrics_server(
-            "rollout-service", config.host, config.metrics_port, service.prometheus
-        )
         if http:
             from rollout_service.openai_api import build_app
 

@@ -5,6 +5,7 @@ Plain Python over the engine loop; the gRPC servicer only converts messages and 
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -58,13 +59,20 @@ def check_schema(weights: WeightSet, schema: Schema) -> None:
         raise InvalidRequest(
             "weights", f"tensor names differ from the model's: missing {missing[:3]}, extra {extra[:3]}"
         )
-    for name, (shape, fp8) in schema.items():
-        t = weights.tensors[name]
-        if tuple(t.shape) != shape:
-            raise InvalidRequest("weights", f"{name} has shape {tuple(t.shape)}, the model needs {shape}")
-        wants = torch.float8_e4m3fn if fp8 else (torch.float32 if name.endswith(SCALE_SUFFIX) else None)
-        if (wants is not None and t.dtype != wants) or (wants is None and not t.dtype.is_floating_point):
-            raise InvalidRequest("weights", f"{name} has dtype {t.dtype}")
+    for name, t in weights.tensors.items():
+        admit_tensor(schema, name, t.dtype, tuple(t.shape))
+
+
+def admit_tensor(schema: Schema, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    """One tensor of an update, checked against the model before anything is allocated for it."""
+    if name not in schema:
+        raise InvalidRequest("weights", f"{name} is not a tensor of this model")
+    wanted_shape, fp8 = schema[name]
+    if shape != wanted_shape:
+        raise InvalidRequest("weights", f"{name} has shape {shape}, the model needs {wanted_shape}")
+    wants = torch.float8_e4m3fn if fp8 else (torch.float32 if name.endswith(SCALE_SUFFIX) else None)
+    if (wants is not None and dtype != wants) or (wants is None and not dtype.is_floating_point):
+        raise InvalidRequest("weights", f"{name} has dtype {dtype}")
 
 
 def max_update_bytes(schema: Schema) -> int:
@@ -168,7 +176,12 @@ class RolloutService:
                     f"delta against version {header.base_version}, but replica holds {held}"
                 )
             started = time.perf_counter()
-            decoded = decode_update(blob, self.held, self.version if self.held is not None else None)
+            decoded = decode_update(
+                blob,
+                self.held,
+                self.version if self.held is not None else None,
+                functools.partial(admit_tensor, self.schema),
+            )
             if decoded.version != header.version:
                 raise PreconditionFailed(f"header says version {header.version}, payload {decoded.version}")
             check_schema(decoded.weights, self.schema)

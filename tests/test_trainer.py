@@ -258,3 +258,61 @@ def test_a_non_finite_gradient_in_a_later_mini_batch_undoes_the_earlier_ones(
     with pytest.raises(PreconditionFailed, match="mini-batch 1"):
         service.train_step(step_request(1, huge_advantages(samples(1), range(3, 6))))
     assert weight_bytes(service) == before and service.step == 1
+
+
+def checkpoint_steps(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir())
+
+
+def test_checkpoints_are_kept_to_the_newest_and_leftovers_cleaned(
+    tiny_model_dir_f32: Path, tmp_path: Path
+) -> None:
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    (root / ".tmp-step-00000009-999999999").mkdir()  # left by a process that is gone
+    (root / "step-00000042").mkdir()  # a torn checkpoint of an abandoned timeline
+    config = TrainerConfig(
+        model=tiny_model_dir_f32,
+        recipe="bf16",
+        compute_dtype="float32",
+        checkpoint_dir=root,
+        checkpoint_every=1,
+        keep_checkpoints=2,
+    )
+    service = TrainerService(config)
+    assert checkpoint_steps(root) == ["step-00000042"]
+    for step in range(3):
+        service.train_step(step_request(step, samples(step)))
+    assert checkpoint_steps(root) == ["step-00000002", "step-00000003"]
+    resumed = TrainerService(config.model_copy(update={"resume": True}))
+    assert resumed.step == 3 and weight_bytes(resumed) == weight_bytes(service)
+
+
+def test_a_failed_checkpoint_does_not_fail_the_step_and_is_retried(
+    tiny_model_dir_f32: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from trainer_service import checkpoint
+
+    root = tmp_path / "ckpt"
+    config = TrainerConfig(
+        model=tiny_model_dir_f32,
+        recipe="bf16",
+        compute_dtype="float32",
+        checkpoint_dir=root,
+        checkpoint_every=2,
+    )
+    service = TrainerService(config)
+    service.train_step(step_request(0, samples(0)))
+    real_save = checkpoint.save
+
+    def disk_full(*args: object, **kwargs: object) -> Path:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "save", disk_full)
+    response = service.train_step(step_request(1, samples(1)))  # due to checkpoint: the disk is full
+    assert response.weight_version == 2 and service.step == 2 and service.save_failures == 1
+    assert not root.exists() or checkpoint_steps(root) == []
+    monkeypatch.setattr(checkpoint, "save", real_save)
+    service.train_step(step_request(2, samples(2)))  # not due, but the failed one is retried now
+    assert checkpoint_steps(root) == ["step-00000003"] and not service.save_pending
+    assert {s.name: s.value for s in service.prometheus()}["trainer_checkpoint_failures"] == 1

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import json
+import math
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fp8rl import quant
-from fp8rl.errors import BaseMismatchError, CorruptUpdateError, WeightCodecError
+from fp8rl.errors import BaseMismatchError, CorruptUpdateError, InvalidRequest, WeightCodecError
 from fp8rl.weight_stream import Reassembler
 from fp8rl.weights import (
     WeightSet,
@@ -17,6 +22,7 @@ from fp8rl.weights import (
     encode_delta,
     encode_keyframe,
     raw_bytes,
+    read_metadata,
 )
 
 
@@ -265,3 +271,65 @@ def test_property_delta_round_trip(pair: tuple[WeightSet, WeightSet]) -> None:
     out = decode_update(encode_delta(new, base, 8, 7).blob, key.weights, held_version=7)
     assert out.version == 8
     assert_sets_identical(new, out.weights)
+
+
+def recrafted(blob: bytes, edit: Callable[[dict[str, Any]], None]) -> bytes:
+    """``blob`` with its delta entries edited and every digest and length recomputed, as an attacker
+    holding no secret could: only the receiver's own bounds can refuse it."""
+    from fp8rl.weights import _layout, sealed
+
+    header_len = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8 : 8 + header_len])
+    metadata = {k: v for k, v in header.pop("__metadata__").items() if k != "metadata_digest"}
+    entries = json.loads(metadata["tensors"])
+    edit(entries)
+    metadata["tensors"] = json.dumps(entries, sort_keys=True)
+    layout = {
+        n: (torch.uint8, spec["shape"], spec["data_offsets"][1] - spec["data_offsets"][0])
+        for n, spec in header.items()
+    }
+    return _layout(layout, sealed(metadata)) + blob[8 + header_len :]
+
+
+def test_sizes_claimed_by_an_update_are_bounded_before_anything_is_allocated(gen: torch.Generator) -> None:
+    sd = model_like_state_dict(gen, layers=1)
+    v0 = build_weight_set(sd, "fp8-block128")
+    stepped = adam_like_step(sd, gen, 1e-4)  # sparse changes: xor-sparse entries
+    fresh = {**stepped, "model.extra.weight": torch.randn(64, 64, generator=gen)}  # no base: a zstd entry
+    delta = encode_delta(build_weight_set(fresh, "fp8-block128"), v0, 1, 0).blob
+
+    def claim(shape: list[int]) -> Callable[[dict[str, Any]], None]:
+        return lambda entries: entries["model.extra.weight"].update(shape=shape)
+
+    with pytest.raises(CorruptUpdateError, match="claims"):
+        decode_update(recrafted(delta, claim([2**20, 2**20])), v0, held_version=0)
+    with pytest.raises(CorruptUpdateError, match="bad entry"):
+        decode_update(recrafted(delta, claim([2**32, 2**32])), v0, held_version=0)
+
+    def refuse(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        if name == "model.extra.weight":
+            raise InvalidRequest("weights", f"{name} is not a tensor of this model")
+
+    with pytest.raises(InvalidRequest, match="not a tensor of this model"):
+        decode_update(delta, v0, held_version=0, admit=refuse)
+    sparse = next(
+        n for n, e in json.loads(read_metadata(delta)["tensors"]).items() if e["encoding"] == "xor-sparse"
+    )
+    entry = json.loads(read_metadata(delta)["tensors"])[sparse]
+    too_many = math.prod(entry["shape"])  # more (index, XOR) pairs than the tensor has words
+    with pytest.raises(CorruptUpdateError, match="bad entry"):
+        decode_update(recrafted(delta, lambda e: e[sparse].update(changes=too_many)), v0, held_version=0)
+
+
+def test_only_the_canonical_header_is_accepted(gen: torch.Generator) -> None:
+    """Whitespace is invisible to JSON: a header re-spelled with it must still be refused."""
+    blob = encode_keyframe(build_weight_set(model_like_state_dict(gen, layers=1), "bf16"), 1).blob
+    header_len = int.from_bytes(blob[:8], "little")
+    spaced = json.dumps(json.loads(blob[8 : 8 + header_len])).encode()  # ", " and ": " separators
+    spaced += b" " * (-len(spaced) % 8)
+    with pytest.raises(CorruptUpdateError, match="canonical"):
+        decode_update(len(spaced).to_bytes(8, "little") + spaced + blob[8 + header_len :])
+    padded = bytearray(blob)
+    padded[8 + header_len - 1] = ord("\n")  # the last padding space (or the closing brace) as a newline
+    with pytest.raises(CorruptUpdateError):
+        decode_update(bytes(padded))

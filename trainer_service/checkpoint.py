@@ -44,28 +44,76 @@ def _digest(path: Path) -> str:
 
 
 def save(
-    root: Path, step: int, tensors: Mapping[str, Mapping[str, torch.Tensor]], meta: Mapping[str, Any]
+    root: Path,
+    step: int,
+    tensors: Mapping[str, Mapping[str, torch.Tensor]],
+    meta: Mapping[str, Any],
+    keep: int | None = None,
 ) -> Path:
-    """Write ``tensors`` (file stem -> named tensors) and ``meta`` as checkpoint ``step``, atomically."""
+    """Write ``tensors`` (file stem -> named tensors) and ``meta`` as checkpoint ``step``, atomically; then
+    keep only the newest ``keep`` checkpoints. A failed write (a full disk) leaves nothing behind."""
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{step:08d}"
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    for stem, named in tensors.items():
-        save_file({k: v.detach().cpu().contiguous() for k, v in named.items()}, tmp / f"{stem}.safetensors")
-        with open(tmp / f"{stem}.safetensors", "rb+") as f:
-            os.fsync(f.fileno())
-    _fsync_write(tmp / "trainer.json", json.dumps(meta, indent=2, sort_keys=True).encode())
-    files = sorted(p.name for p in tmp.iterdir())
-    manifest = {name: {"bytes": (tmp / name).stat().st_size, "sha256": _digest(tmp / name)} for name in files}
-    _fsync_write(tmp / "manifest.json", json.dumps(manifest, indent=2).encode())
-    _fsync_dir(tmp)
-    if final.exists():  # re-saving the same step replaces it
-        shutil.rmtree(final)
+    try:
+        tmp.mkdir()
+        for stem, named in tensors.items():
+            path = tmp / f"{stem}.safetensors"
+            save_file({k: v.detach().cpu().contiguous() for k, v in named.items()}, path)
+            with open(path, "rb+") as f:
+                os.fsync(f.fileno())
+        _fsync_write(tmp / "trainer.json", json.dumps(meta, indent=2, sort_keys=True).encode())
+        files = sorted(p.name for p in tmp.iterdir())
+        manifest = {n: {"bytes": (tmp / n).stat().st_size, "sha256": _digest(tmp / n)} for n in files}
+        _fsync_write(tmp / "manifest.json", json.dumps(manifest, indent=2).encode())
+        _fsync_dir(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = root / f".old-{final.name}-{os.getpid()}"
+    if final.exists():  # re-saving a step: the old copy is set aside, not deleted, until the new one is in
+        os.rename(final, old)
     os.rename(tmp, final)
     _fsync_dir(root)
+    shutil.rmtree(old, ignore_errors=True)
+    if keep is not None:
+        prune(root, keep, step)
     return final
+
+
+def prune(root: Path, keep: int, newest: int) -> list[Path]:
+    """Delete checkpoints past step ``newest`` (a timeline the trainer left: it resumed from an older
+    one, so they are torn or abandoned) and all but the ``keep`` newest up to it; returns what went."""
+    kept = sorted(p for p in root.glob(f"{PREFIX}*") if p.name <= f"{PREFIX}{newest:08d}")
+    gone = [p for p in root.glob(f"{PREFIX}*") if p.name > f"{PREFIX}{newest:08d}"] + kept[
+        : max(len(kept) - keep, 0)
+    ]
+    for path in gone:
+        shutil.rmtree(path, ignore_errors=True)
+    return gone
+
+
+def clean_stale(root: Path) -> list[Path]:
+    """Remove what interrupted saves left (``.tmp-*`` and ``.old-*`` of processes that are gone)."""
+    removed = []
+    for path in [*root.glob(".tmp-*"), *root.glob(".old-*")] if root.is_dir() else []:
+        pid = path.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and int(pid) != os.getpid() and _alive(int(pid)):
+            continue  # another live process is writing it
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def verify(path: Path) -> bool:

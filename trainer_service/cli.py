@@ -35,13 +35,15 @@ def serve(config: TrainerConfig) -> None:
     from trainer_service.servicer import SERVICE_NAME, TrainerServicer
 
     servicer = TrainerServicer()
+    loaded: list[TrainerService] = []  # bound now, so a taken port fails before the model loads
+    metrics = serving.metrics_server(
+        "trainer-service", config.host, config.metrics_port, lambda: loaded[0].prometheus() if loaded else []
+    )
 
     def load() -> tuple[str, Callable[[], None]]:
         service = TrainerService(config)
         servicer.attach(service)
-        metrics = serving.metrics_server(
-            "trainer-service", config.host, config.metrics_port, service.prometheus
-        )
+        loaded.append(service)
 
         def close() -> None:
             service.publisher.close()

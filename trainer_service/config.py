@@ -58,6 +58,8 @@ class LearnerConfig(BaseModel):
     loss: LossConfig = LossConfig()
     checkpoint_every: int = Field(0, ge=0)
     """Write a checkpoint every N steps (0: only on SaveCheckpoint)."""
+    keep_checkpoints: int = Field(3, ge=1)
+    """Checkpoints kept in checkpoint_dir (the newest); older ones are deleted after each save."""
 
 
 class TrainerConfig(LearnerConfig):

@@ -91,7 +91,12 @@ class TrainerService:
         self.started = time.time()
         self.train_seconds: list[float] = []  # per TrainStep of this process
         self.last_metrics: dict[str, float] = {}
+        self.save_failures = 0
+        self.save_pending = False
         self._lock = threading.Lock()  # one TrainStep / checkpoint at a time
+        if config.checkpoint_dir is not None:
+            for path in checkpoint.clean_stale(config.checkpoint_dir):
+                log.warning("removed %s, left by an interrupted checkpoint", path)
         if config.resume:
             self.restore()
 
@@ -128,9 +133,22 @@ class TrainerService:
                 metrics=trainer_pb2.TrainMetrics(**metrics),  # type: ignore[arg-type]
             )
             self._remember(request.step, response)
-            if self.config.checkpoint_every and self.step % self.config.checkpoint_every == 0:
-                self._save()
+            due = self.config.checkpoint_every and self.step % self.config.checkpoint_every == 0
+            if due or self.save_pending:
+                self._save_after_step()
             return response
+
+    def _save_after_step(self) -> None:
+        """A scheduled checkpoint. The step is applied whatever happens here: a failed save (a full disk)
+        is logged, counted and retried after the next step, never reported as the step's failure."""
+        try:
+            self._save()
+        except OSError as exc:
+            self.save_failures += 1
+            self.save_pending = True
+            log.error("checkpoint after step %d failed (%s); retrying after the next step", self.step, exc)
+        else:
+            self.save_pending = False
 
     def _remember(self, step: int, response: trainer_pb2.TrainStepResponse) -> None:
         self.results[step] = response
@@ -207,7 +225,9 @@ class TrainerService:
             "results": {str(k): json_format.MessageToDict(v) for k, v in self.results.items()},
         }
         tensors = {"model": self.learner.master_weights(), "optimizer": optimizer_tensors, "rng": rng}
-        path = checkpoint.save(self.config.checkpoint_dir, self.step, tensors, meta)
+        path = checkpoint.save(
+            self.config.checkpoint_dir, self.step, tensors, meta, keep=self.config.keep_checkpoints
+        )
         log.info("checkpoint %s written", path)
         return path
 
@@ -251,6 +271,12 @@ class TrainerService:
             ),
             Sample(
                 "trainer_token_mult_prob_error", "gauge", "last step's token_mult_prob_error", float(error)
+            ),
+            Sample(
+                "trainer_checkpoint_failures",
+                "counter",
+                "scheduled checkpoints that failed",
+                self.save_failures,
             ),
         ]
 
