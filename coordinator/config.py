@@ -29,7 +29,6 @@ RESUMABLE_FIELDS = (
 # A real model wants far less: lr 1e-6 for a 1B model, set with --lr or in a YAML file.
 DEMO_LEARNER: dict[str, Any] = {
     "micro_batch_size": 64,
-    "checkpoint_every": 1,  # so a crash never loses a committed step
     "optimizer": {"lr": 1e-4, "warmup_steps": 20},  # warm-up keeps Adam's first, noisy steps small
     # The group's mean, not its std: the gradient of log E[r], which lifts greedy accuracy faster on the
     # demo's 0/1 rewards (GRPO's expected gradient favours prompts the policy already mostly solves).

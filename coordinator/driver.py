@@ -224,6 +224,8 @@ class Driver:
             "is_clipped_fraction": m.is_clipped_fraction,
             "max_seq_mult_prob_error": m.max_seq_mult_prob_error,
             "out_of_support_fraction": m.out_of_support_fraction,
+            "abs_log_ratio_counts": list(m.abs_log_ratio_counts),  # histograms: fp8rl/grpo.py HISTOGRAMS
+            "is_weight_counts": list(m.is_weight_counts),
             "loss": m.loss,
             "grad_norm": m.grad_norm,
             "learning_rate": m.learning_rate,

@@ -6,6 +6,7 @@ first) and the same W&B run (its id is derived from the run id), so no step appe
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import re
@@ -79,12 +80,22 @@ class MetricsSink:
             for k, v in record.items()
             if isinstance(v, int | float) and not isinstance(v, bool) and k != "step"
         }
+        histograms = histograms_of(record)
         if self._tb is not None:
             for key, value in numbers.items():
                 self._tb.add_scalar(key, value, record["step"])
+            for key, (counts, edges) in histograms.items():
+                add_histogram(self._tb, key, counts, edges, record["step"])
             self._tb.flush()
         if self._wandb is not None:
-            self._wandb.log(numbers, step=record["step"])
+            import numpy as np
+            import wandb
+
+            logged = numbers | {
+                k: wandb.Histogram(np_histogram=(np.array(c), np.array(e)))
+                for k, (c, e) in histograms.items()
+            }
+            self._wandb.log(logged, step=record["step"])
         warnings = []
         error = record.get("token_mult_prob_error")
         if error is not None and error > self.warn_above:
@@ -120,6 +131,36 @@ class MetricsSink:
             self._console.print(text)
         else:
             print(text, flush=True)
+
+
+def histograms_of(record: dict[str, Any]) -> dict[str, tuple[list[int], list[float]]]:
+    """The record's per-token histograms that hold counts: name -> (counts, bucket edges)."""
+    found = {}
+    for key, value in record.items():
+        if key.endswith("_counts") and isinstance(value, list) and sum(value) > 0:
+            from fp8rl.grpo import HISTOGRAMS
+
+            name = key.removesuffix("_counts")
+            if name in HISTOGRAMS and len(HISTOGRAMS[name]) == len(value) + 1:
+                found[name] = (value, HISTOGRAMS[name])
+    return found
+
+
+def add_histogram(writer: Any, tag: str, counts: list[int], edges: list[float], step: int) -> None:
+    """A histogram of bucket counts, as TensorBoard's writer takes them (moments from bucket midpoints)."""
+    middles = [(a + b) / 2 for a, b in itertools.pairwise(edges)]
+    used = [i for i, c in enumerate(counts) if c]
+    writer.add_histogram_raw(
+        tag,
+        min=edges[used[0]],
+        max=edges[used[-1] + 1],
+        num=sum(counts),
+        sum=sum(c * m for c, m in zip(counts, middles, strict=True)),
+        sum_squares=sum(c * m * m for c, m in zip(counts, middles, strict=True)),
+        bucket_limits=edges[1:],
+        bucket_counts=counts,
+        global_step=step,
+    )
 
 
 def committed(records: list[dict[str, Any]], next_step: int | None = None) -> list[dict[str, Any]]:

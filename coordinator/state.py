@@ -123,10 +123,20 @@ return 1
 """
 )
 
-# KEYS: lease, fence, state, events | ARGV: owner, fence, step, phase, detail, now
+# KEYS: lease, fence, state, events, metrics | ARGV: owner, fence, step, phase, detail, now
+# The records of the steps given up leave the metrics stream (a record's own "step" is the version it
+# reached: committed step k records step k + 1), so each step appears once.
 _REWIND = (
     _GUARD
     + """
+for _, entry in ipairs(redis.call('XRANGE', KEYS[5], '-', '+')) do
+  local fields = entry[2]
+  for i = 1, #fields, 2 do
+    if fields[i] == 'record' and cjson.decode(fields[i + 1])['step'] > tonumber(ARGV[3]) then
+      redis.call('XDEL', KEYS[5], entry[1])
+    end
+  end
+end
 redis.call('HSET', KEYS[3], 'step', ARGV[3], 'phase', ARGV[4], 'updated', ARGV[6])
 redis.call('XADD', KEYS[4], '*', 'kind', 'recovery', 'step', ARGV[3], 'phase', ARGV[4], 'detail', ARGV[5])
 return 1
@@ -268,7 +278,7 @@ class RunStore:
         return bool(self.client.hget(self.key("state"), "base_recorded"))
 
     def rewind(self, step: int, detail: str) -> None:
-        keys = [*self._lease_keys, self.key("state"), self.key("events")]
+        keys = [*self._lease_keys, self.key("state"), self.key("events"), self.key("metrics")]
         self._checked(
             self._rewind(keys=keys, args=[self.owner, self.fence, step, "generate", detail, time.time()]),
             f"rewind to step {step}",

@@ -151,6 +151,33 @@ def divergence_metrics(
     }
 
 
+# Bucket edges of the per-token histograms a TrainStep reports (TrainMetrics *_counts): bucket i holds
+# values in [edges[i], edges[i + 1]); the last bucket also takes everything above. Fixed, so counts from
+# every step and every trainer line up.
+HISTOGRAMS = {
+    "abs_log_ratio": [0.0, *(10 ** (-7 + i / 4) for i in range(33))],  # |prev - gen|, 1e-7 ... 10
+    "is_weight": [i / 20 for i in range(61)],  # exp(prev - gen), 0 ... 3
+}
+
+
+def histogram_counts(values: torch.Tensor, edges: list[float]) -> list[int]:
+    """Counts of ``values`` (1-D) per bucket of ``edges`` (values above the last edge go to the last
+    bucket; below the first, to the first)."""
+    bounds = torch.tensor(edges[1:-1], dtype=torch.float64)
+    index = torch.bucketize(values.double().contiguous(), bounds, right=True)
+    return torch.bincount(index, minlength=len(edges) - 1).tolist()
+
+
+def token_histograms(prev: torch.Tensor, gen: torch.Tensor, mask: torch.Tensor) -> dict[str, list[int]]:
+    """The per-token histograms of a step, over the tokens ``mask`` covers."""
+    valid = mask > 0
+    d = (prev - gen)[valid].double()
+    return {
+        "abs_log_ratio_counts": histogram_counts(d.abs(), HISTOGRAMS["abs_log_ratio"]),
+        "is_weight_counts": histogram_counts(torch.exp(d), HISTOGRAMS["is_weight"]),
+    }
+
+
 @dataclass(frozen=True)
 class LossTerms:
     loss: torch.Tensor  # scalar: sum over tokens of per-token loss / normalizer

@@ -68,6 +68,15 @@ def tensorboard_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
 
+def tensorboard_histograms(run_dir: Path) -> dict[str, list[int]]:
+    """The steps of each histogram tag, as TensorBoard's reader sees them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    return {tag: [e.step for e in events.Histograms(tag)] for tag in events.Tags()["histograms"]}
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -133,6 +142,8 @@ def test_embedded_run_writes_metrics_and_leaves_no_child(tiny_model_dir_f32: Pat
     assert [s for s, _ in scalars["token_mult_prob_error"]] == [1, 2, 3]
     assert [s for s, _ in scalars["val_accuracy"]] == [0, 3]
     assert [v for _, v in scalars["reward_mean"]] == pytest.approx([r["reward_mean"] for r in recs[1:]])
+    histograms = tensorboard_histograms(run_dir)
+    assert histograms["abs_log_ratio"] == histograms["is_weight"] == [1, 2, 3]
     offline = list((run_dir / "wandb").glob("offline-run-*-embedded"))
     assert len(offline) == 1 and list(offline[0].glob("*.wandb")), list((run_dir / "wandb").iterdir())
     assert_children_gone(run_dir)

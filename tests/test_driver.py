@@ -233,6 +233,7 @@ def test_a_trainer_restarted_from_an_older_checkpoint_rewinds_the_run(
     records = run.drive(steps=4)
     assert run.trainer.trained == [0, 1, 2, 1, 2, 3]
     assert [r["step"] for r in records] == [0, 1, 2, 3, 4]  # the redone steps count once
+    assert [r["step"] for r in run.store.metrics()] == [0, 1, 2, 3, 4]  # in Redis's stream too
     written = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in written] == [0, 1, 2, 3, 4]
     assert run.store.read() == RunState(4, "generate")

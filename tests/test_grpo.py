@@ -229,3 +229,21 @@ def test_metrics_of_a_batch_with_no_covered_token_are_nan_not_a_crash() -> None:
     weights = grpo.importance_weights(PREV, GEN, nothing, ImportanceSampling(mode="tis"))
     metrics = grpo.divergence_metrics(PREV, GEN, nothing, weights)
     assert metrics.keys() == set(grpo.DIVERGENCE_METRICS) and all(math.isnan(v) for v in metrics.values())
+
+
+def test_token_histograms_count_the_covered_tokens_per_fixed_bucket() -> None:
+    import numpy as np
+
+    from fp8rl.grpo import HISTOGRAMS, histogram_counts, token_histograms
+
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))  # fresh inputs each run
+    prev, gen = -torch.rand(4, 50, generator=g) * 5, -torch.rand(4, 50, generator=g) * 5
+    mask = (torch.rand(4, 50, generator=g) > 0.3).float()
+    counts = token_histograms(prev, gen, mask)
+    d = (prev - gen)[mask > 0].double().numpy()
+    for name, values in (("abs_log_ratio", np.abs(d)), ("is_weight", np.exp(d))):
+        edges = np.array(HISTOGRAMS[name])
+        clipped = np.clip(values, edges[0], np.nextafter(edges[-1], 0))  # the end buckets take the rest
+        expected = np.histogram(clipped, bins=edges)[0].tolist()
+        assert counts[f"{name}_counts"] == expected and sum(expected) == int(mask.sum())
+    assert histogram_counts(torch.tensor([0.0, 0.5, 1.0, 7.0]), [0.0, 1.0, 2.0]) == [2, 2]

@@ -56,8 +56,9 @@ class LearnerConfig(BaseModel):
     """Samples per forward/backward; gradients accumulate over a mini-batch."""
     optimizer: OptimizerConfig = OptimizerConfig()
     loss: LossConfig = LossConfig()
-    checkpoint_every: int = Field(0, ge=0)
-    """Write a checkpoint every N steps (0: only on SaveCheckpoint)."""
+    checkpoint_every: int = Field(1, ge=0)
+    """With checkpoint_dir: write a checkpoint every N steps, so a restarted trainer loses at most N - 1
+    committed steps (0: only on SaveCheckpoint)."""
     keep_checkpoints: int = Field(3, ge=1)
     """Checkpoints kept in checkpoint_dir (the newest); older ones are deleted after each save."""
 

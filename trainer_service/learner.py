@@ -157,14 +157,15 @@ class Learner:
         scale = min(1.0, (self.step + 1) / warmup) if warmup else 1.0
         return self.config.optimizer.lr * scale
 
-    def train(self, samples: Sequence[SampleData], sampling: SamplingSettings) -> dict[str, float]:
+    def train(self, samples: Sequence[SampleData], sampling: SamplingSettings) -> dict[str, Any]:
         """One GRPO step on ``samples``; afterwards the weights are version ``step + 1``."""
         start = time.perf_counter()
         batch = self.collate(samples)
         prev = self.score(batch, sampling)
         support = grpo.sampling_support(prev, batch.mask)  # the tokens the loss and metrics cover
         weights = grpo.importance_weights(prev, batch.gen, support, self.is_config)
-        metrics = grpo.divergence_metrics(prev, batch.gen, support, weights)
+        metrics: dict[str, Any] = grpo.divergence_metrics(prev, batch.gen, support, weights)
+        metrics |= grpo.token_histograms(prev, batch.gen, support)
         metrics["out_of_support_fraction"] = 1 - support.sum().item() / max(batch.mask.sum().item(), 1)
         advantages = self._advantages(samples).to(self.device)
         ref = self._reference_logprobs(batch, sampling)

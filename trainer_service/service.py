@@ -90,7 +90,7 @@ class TrainerService:
         self.results: OrderedDict[int, trainer_pb2.TrainStepResponse] = OrderedDict()
         self.started = time.time()
         self.train_seconds: list[float] = []  # per TrainStep of this process
-        self.last_metrics: dict[str, float] = {}
+        self.last_metrics: dict[str, Any] = {}
         self.save_failures = 0
         self.save_pending = False
         self._lock = threading.Lock()  # one TrainStep / checkpoint at a time
@@ -130,11 +130,11 @@ class TrainerService:
             response = trainer_pb2.TrainStepResponse(
                 step=request.step,
                 weight_version=self.step,
-                metrics=trainer_pb2.TrainMetrics(**metrics),  # type: ignore[arg-type]
+                metrics=trainer_pb2.TrainMetrics(**metrics),
             )
             self._remember(request.step, response)
-            due = self.config.checkpoint_every and self.step % self.config.checkpoint_every == 0
-            if due or self.save_pending:
+            every = self.config.checkpoint_every if self.config.checkpoint_dir is not None else 0
+            if (every and self.step % every == 0) or self.save_pending:
                 self._save_after_step()
             return response
 

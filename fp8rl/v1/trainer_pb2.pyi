@@ -36,7 +36,7 @@ class TrainStepRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class TrainMetrics(_message.Message):
-    __slots__ = ("loss", "grad_norm", "learning_rate", "tokens_per_s", "token_mult_prob_error", "gen_kl_error", "is_weight_mean", "is_weight_min", "is_weight_max", "is_clipped_fraction", "max_seq_mult_prob_error", "num_tokens", "num_samples", "train_s", "ppo_clipped_fraction", "reward_mean", "out_of_support_fraction")
+    __slots__ = ("loss", "grad_norm", "learning_rate", "tokens_per_s", "token_mult_prob_error", "gen_kl_error", "is_weight_mean", "is_weight_min", "is_weight_max", "is_clipped_fraction", "max_seq_mult_prob_error", "num_tokens", "num_samples", "train_s", "ppo_clipped_fraction", "reward_mean", "out_of_support_fraction", "abs_log_ratio_counts", "is_weight_counts")
     LOSS_FIELD_NUMBER: _ClassVar[int]
     GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,8 @@ class TrainMetrics(_message.Message):
     PPO_CLIPPED_FRACTION_FIELD_NUMBER: _ClassVar[int]
     REWARD_MEAN_FIELD_NUMBER: _ClassVar[int]
     OUT_OF_SUPPORT_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    ABS_LOG_RATIO_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    IS_WEIGHT_COUNTS_FIELD_NUMBER: _ClassVar[int]
     loss: float
     grad_norm: float
     learning_rate: float
@@ -71,7 +73,9 @@ class TrainMetrics(_message.Message):
     ppo_clipped_fraction: float
     reward_mean: float
     out_of_support_fraction: float
-    def __init__(self, loss: _Optional[float] = ..., grad_norm: _Optional[float] = ..., learning_rate: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., token_mult_prob_error: _Optional[float] = ..., gen_kl_error: _Optional[float] = ..., is_weight_mean: _Optional[float] = ..., is_weight_min: _Optional[float] = ..., is_weight_max: _Optional[float] = ..., is_clipped_fraction: _Optional[float] = ..., max_seq_mult_prob_error: _Optional[float] = ..., num_tokens: _Optional[int] = ..., num_samples: _Optional[int] = ..., train_s: _Optional[float] = ..., ppo_clipped_fraction: _Optional[float] = ..., reward_mean: _Optional[float] = ..., out_of_support_fraction: _Optional[float] = ...) -> None: ...
+    abs_log_ratio_counts: _containers.RepeatedScalarFieldContainer[int]
+    is_weight_counts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, loss: _Optional[float] = ..., grad_norm: _Optional[float] = ..., learning_rate: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., token_mult_prob_error: _Optional[float] = ..., gen_kl_error: _Optional[float] = ..., is_weight_mean: _Optional[float] = ..., is_weight_min: _Optional[float] = ..., is_weight_max: _Optional[float] = ..., is_clipped_fraction: _Optional[float] = ..., max_seq_mult_prob_error: _Optional[float] = ..., num_tokens: _Optional[int] = ..., num_samples: _Optional[int] = ..., train_s: _Optional[float] = ..., ppo_clipped_fraction: _Optional[float] = ..., reward_mean: _Optional[float] = ..., out_of_support_fraction: _Optional[float] = ..., abs_log_ratio_counts: _Optional[_Iterable[int]] = ..., is_weight_counts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TrainStepResponse(_message.Message):
     __slots__ = ("step", "weight_version", "metrics", "replayed")
