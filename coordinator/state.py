@@ -46,13 +46,21 @@ return 1
 """
 )
 
+
+def _at(phase: str) -> str:
+    """Lua: go on only while the state (KEYS[3]) is at step ARGV[3] in ``phase``."""
+    return f"""
+if redis.call('HGET', KEYS[3], 'step') ~= ARGV[3] or redis.call('HGET', KEYS[3], 'phase') ~= '{phase}' then
+  return 0
+end
+"""
+
+
 # KEYS: lease, fence, state, events, metrics, batch | ARGV: owner, fence, step, record, next_phase, now
 _COMMIT = (
     _GUARD
+    + _at("commit")
     + """
-if redis.call('HGET', KEYS[3], 'step') ~= ARGV[3] or redis.call('HGET', KEYS[3], 'phase') ~= 'commit' then
-  return 0
-end
 local next_step = tostring(tonumber(ARGV[3]) + 1)
 redis.call('XADD', KEYS[5], '*', 'step', ARGV[3], 'record', ARGV[4])
 redis.call('HSET', KEYS[3], 'step', next_step, 'phase', ARGV[5], 'updated', ARGV[6])
@@ -111,10 +119,8 @@ return 1
 # KEYS: lease, fence, state, events, batch | ARGV: owner, fence, step, detail, now
 _REDO_BATCH = (
     _GUARD
+    + _at("train")
     + """
-if redis.call('HGET', KEYS[3], 'step') ~= ARGV[3] or redis.call('HGET', KEYS[3], 'phase') ~= 'train' then
-  return 0
-end
 redis.call('DEL', KEYS[5])
 redis.call('HSET', KEYS[3], 'phase', 'generate', 'updated', ARGV[5])
 redis.call('XADD', KEYS[4], '*', 'kind', 'redo-batch', 'step', ARGV[3], 'phase', 'generate',

@@ -260,6 +260,11 @@ def test_a_non_finite_gradient_in_a_later_mini_batch_undoes_the_earlier_ones(
     assert weight_bytes(service) == before and service.step == 1
 
 
+def checkpointing(model: Path, root: Path, **settings: int) -> TrainerConfig:
+    """A float32 bf16-recipe trainer that checkpoints into ``root``."""
+    return TrainerConfig(model=model, recipe="bf16", compute_dtype="float32", checkpoint_dir=root, **settings)  # type: ignore[arg-type]
+
+
 def checkpoint_steps(root: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir())
 
@@ -271,14 +276,7 @@ def test_checkpoints_are_kept_to_the_newest_and_leftovers_cleaned(
     root.mkdir()
     (root / ".tmp-step-00000009-999999999").mkdir()  # left by a process that is gone
     (root / "step-00000042").mkdir()  # a torn checkpoint of an abandoned timeline
-    config = TrainerConfig(
-        model=tiny_model_dir_f32,
-        recipe="bf16",
-        compute_dtype="float32",
-        checkpoint_dir=root,
-        checkpoint_every=1,
-        keep_checkpoints=2,
-    )
+    config = checkpointing(tiny_model_dir_f32, root, checkpoint_every=1, keep_checkpoints=2)
     service = TrainerService(config)
     assert checkpoint_steps(root) == ["step-00000042"]
     for step in range(3):
@@ -294,14 +292,7 @@ def test_a_failed_checkpoint_does_not_fail_the_step_and_is_retried(
     from trainer_service import checkpoint
 
     root = tmp_path / "ckpt"
-    config = TrainerConfig(
-        model=tiny_model_dir_f32,
-        recipe="bf16",
-        compute_dtype="float32",
-        checkpoint_dir=root,
-        checkpoint_every=2,
-    )
-    service = TrainerService(config)
+    service = TrainerService(checkpointing(tiny_model_dir_f32, root, checkpoint_every=2))
     service.train_step(step_request(0, samples(0)))
     real_save = checkpoint.save
 
