@@ -88,7 +88,7 @@ def test_recovery_from_every_service_restart(tiny_model_dir_f32: Path, tmp_path:
 
         store = RunStore(redis.Redis.from_url(redis_url), "dist")
         steps = [r["step"] for r in store.metrics()]
-        assert steps == [0, 1, 2, 3, 4, 5, 6, 5, 6, 7, 8]  # steps 5 and 6 retrained after the rewind to 4
+        assert steps == list(range(9))  # steps 5 and 6 retrained after the rewind to 4, recorded once
         assert store.read().step == 8
         kinds = [e["kind"] for e in store.events()]
         assert "recovery" in kinds

@@ -72,7 +72,7 @@ def tensorboard_histograms(run_dir: Path) -> dict[str, list[int]]:
     """The steps of each histogram tag, as TensorBoard's reader sees them."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"histograms": 0})  # 0: keep all
     events.Reload()
     return {tag: [e.step for e in events.Histograms(tag)] for tag in events.Tags()["histograms"]}
 
