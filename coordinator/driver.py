@@ -27,6 +27,7 @@ from coordinator.metrics import MetricsSink, committed
 from coordinator.state import RunState, RunStore
 from coordinator.tasks import Task
 from coordinator.weight_sync import WeightSync
+from fp8rl.serving import pid_alive
 from fp8rl.v1 import trainer_pb2
 
 log = logging.getLogger(__name__)
@@ -44,15 +45,7 @@ def coordinator_is_dead(holder: str) -> bool:
     host, _, pid = holder.rpartition(":")
     if host != socket.gethostname() or not pid.isdigit():
         return False
-    if int(pid) == os.getpid():
-        return True
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
+    return int(pid) == os.getpid() or not pid_alive(int(pid))
 
 
 class Driver:

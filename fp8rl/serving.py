@@ -256,6 +256,17 @@ def exit_deadline(seconds: float = 20.0) -> None:
     timer.start()
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (one of another user counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _watch_parent(parent: int, stop: Shutdown) -> None:
     while not stop.signalled:
         if os.getppid() != parent:

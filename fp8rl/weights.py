@@ -493,8 +493,8 @@ def decode_update(
     Raises :class:`BaseMismatchError` for a delta whose base is not (``held_version``, ``held``), and
     :class:`CorruptUpdateError` when any size, parse or digest check fails.
     """
-    metadata = read_metadata(blob)
     header, start = _read_header(blob)
+    metadata = _checked_metadata(header)
     tensors = _tensors_of(blob, header, start)
     try:
         version = int(metadata["version"])
@@ -519,7 +519,10 @@ def decode_update(
 def read_metadata(blob: bytes | bytearray | memoryview) -> dict[str, str]:
     """The string metadata of a safetensors blob (its JSON header's ``__metadata__``), checked against
     its own digest."""
-    header, _ = _read_header(blob)
+    return _checked_metadata(_read_header(blob)[0])
+
+
+def _checked_metadata(header: Mapping[str, object]) -> dict[str, str]:
     metadata = header.get("__metadata__")
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise CorruptUpdateError("weight update metadata is not a map of strings")

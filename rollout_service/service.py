@@ -141,7 +141,7 @@ class RolloutService:
         self._update_lock = threading.Lock()
         self.started = time.time()
         self.requests_admitted = 0
-        self.update_seconds: list[float] = []  # per applied update (decode and load)
+        self.updates_applied, self.update_seconds = 0, 0.0  # decode and load, for /metrics
 
     @property
     def version(self) -> int:
@@ -188,7 +188,8 @@ class RolloutService:
             start = time.perf_counter()
             self.loop.run_exclusive(lambda: self._apply(decoded.weights, decoded.version))
             self.held = decoded.weights
-            self.update_seconds.append(time.perf_counter() - started)
+            self.updates_applied += 1
+            self.update_seconds += time.perf_counter() - started
             return UpdateResult(
                 decoded.version, decoded.encoding, decoded.tensors_updated, time.perf_counter() - start
             )
@@ -228,8 +229,8 @@ class RolloutService:
                 "rollout_update_apply_seconds",
                 "summary",
                 "weight update decode and load time",
-                len(self.update_seconds),
-                sum(self.update_seconds),
+                self.updates_applied,
+                self.update_seconds,
             ),
         ]
 

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from fp8rl.serving import pid_alive
+
 log = logging.getLogger(__name__)
 PREFIX = "step-"
 
@@ -99,21 +101,11 @@ def clean_stale(root: Path) -> list[Path]:
     removed = []
     for path in [*root.glob(".tmp-*"), *root.glob(".old-*")] if root.is_dir() else []:
         pid = path.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and int(pid) != os.getpid() and _alive(int(pid)):
+        if pid.isdigit() and int(pid) != os.getpid() and pid_alive(int(pid)):
             continue  # another live process is writing it
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def verify(path: Path) -> bool:

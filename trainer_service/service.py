@@ -89,7 +89,7 @@ class TrainerService:
         self.run_id = ""
         self.results: OrderedDict[int, trainer_pb2.TrainStepResponse] = OrderedDict()
         self.started = time.time()
-        self.train_seconds: list[float] = []  # per TrainStep of this process
+        self.steps_trained, self.train_seconds = 0, 0.0  # by this process, for /metrics
         self.last_metrics: dict[str, Any] = {}
         self.save_failures = 0
         self.save_pending = False
@@ -122,9 +122,9 @@ class TrainerService:
                 rewards_non_negative=self.config.loss.advantage_norm == "mean",
             )
             sampling = sampling_settings(request.sampling)
-            started = time.perf_counter()
             metrics = self.learner.train(samples, sampling)
-            self.train_seconds.append(time.perf_counter() - started)
+            self.steps_trained += 1
+            self.train_seconds += metrics["train_s"]
             self.last_metrics = metrics
             self.run_id = self.run_id or request.run_id
             response = trainer_pb2.TrainStepResponse(
@@ -266,8 +266,8 @@ class TrainerService:
                 "trainer_train_step_seconds",
                 "summary",
                 "TrainStep compute time",
-                len(self.train_seconds),
-                sum(self.train_seconds),
+                self.steps_trained,
+                self.train_seconds,
             ),
             Sample(
                 "trainer_token_mult_prob_error", "gauge", "last step's token_mult_prob_error", float(error)
