@@ -1,21 +1,43 @@
 """The one FP8 implementation every engine uses: DeepSeek-V3 style blockwise E4M3 with FP32 scales.
 
 Weights are scaled per 128x128 block, activations (and gradients) per token in groups of 128 along the
-last dimension. For every block: ``scale_inv = amax(|block|) / 448`` in float32, ``q = clamp(x /
-scale_inv, -448, 448)`` cast to float8_e4m3fn, and ``x ≈ q * scale_inv``. A block whose scale would be
-zero (all zeros, or an amax so small that amax/448 underflows) gets ``scale_inv = 1.0``.
+last dimension. Each engine derives a block's scale from its amax with its own float32 arithmetic, and
+the emulations mirror them bit for bit (see the README's contract table):
+
+* ``te`` (Transformer Engine, and every weight code we ship): ``scale = 448 / amax``, ``q =
+  sat(x * scale)``, ``scale_inv = 1 / scale``; an all-zero block gets ``scale = 1`` and an amax so small
+  that the division overflows gets ``scale = FLT_MAX``.
+* ``vllm`` (vLLM's per-token-group activation quantizer on CUDA): ``scale_inv = max(amax, 1e-10) /
+  448``, ``q = sat(x / scale_inv)``.
+
+The two differ in the last bit of a scale and, through rounding ties, in about 4 codes per 10 million.
+With ``scale_format="pow2"`` (UE8M0, DeepGEMM's and MXFP8's format) every scale is a power of two: TE
+rounds ``scale`` down to one, vLLM rounds ``scale_inv`` up to ``2^ceil(log2(scale_inv))``; both give the
+same power of two for every finite float32 amax, and scaling by it is exact, so the two engines' codes
+agree bit for bit (save for blocks with amax below 1e-10, which vLLM floors).
 
 Pure torch: nothing here does I/O, so the rollout, the trainer and the tests share it unchanged.
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
+
+from fp8rl.recipes import SCALE_FORMATS, ScaleFormat
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 WEIGHT_BLOCK = (128, 128)
 ACTIVATION_GROUP = 128
+VLLM_AMAX_FLOOR = 1e-10
+"""The amax floor (``eps``) of vLLM's per-token-group quantizer."""
+
+Arithmetic = Literal["te", "vllm"]
+
+CONTRACT_VERSION = "2"
+"""Changes whenever the codes of a given weight change (a cached FP8 checkpoint must then be remade)."""
 
 
 class NonFiniteError(ValueError):
@@ -26,13 +48,39 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _scale_inv_from_amax(amax: torch.Tensor, what: str) -> torch.Tensor:
-    # Finiteness is checked on the block maxima, which NaN and inf propagate to: a fraction of the cost
-    # of checking the input.
+def _check_finite(amax: torch.Tensor, what: str) -> None:
+    # Checked on the block maxima, which NaN and inf propagate to: a fraction of the cost of checking
+    # the input.
     if not torch.isfinite(amax).all():
         raise NonFiniteError(f"{what} contains NaN or inf; FP8 quantization needs finite values")
-    scale_inv = amax / FP8_MAX
-    return torch.where(scale_inv == 0, torch.ones_like(scale_inv), scale_inv)
+
+
+def round_down_pow2(t: torch.Tensor) -> torch.Tensor:
+    """Positive normal float32 values rounded down to powers of two (their mantissa bits cleared)."""
+    return (t.view(torch.int32) & 0x7F800000).view(torch.float32)
+
+
+def _codes_and_scale_inv(
+    blocks: torch.Tensor, amax: torch.Tensor, scale_format: ScaleFormat, arithmetic: Arithmetic
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 codes of float32 ``blocks`` and their float32 ``scale_inv``, from ``amax`` kept broadcastable
+    against ``blocks`` (``keepdim``), with one engine's arithmetic."""
+    if scale_format not in SCALE_FORMATS:
+        raise ValueError(f"unknown scale format {scale_format!r}; expected one of {SCALE_FORMATS}")
+    if arithmetic == "te":
+        # (``FP8_MAX / amax`` would be ``448 * (1 / amax)`` in torch: two roundings.)
+        scale = torch.where(amax == 0, 1.0, torch.full_like(amax, FP8_MAX) / amax)
+        scale = torch.where(torch.isinf(scale), torch.finfo(torch.float32).max, scale)
+        if scale_format == "pow2":
+            scale = round_down_pow2(scale)
+        return _cast(blocks * scale), torch.reciprocal(scale)
+    if arithmetic == "vllm":
+        scale_inv = amax.clamp(min=VLLM_AMAX_FLOOR) / FP8_MAX
+        if scale_format == "pow2":  # 2^ceil(log2(s)): round down, then up a step unless already exact
+            down = round_down_pow2(scale_inv)
+            scale_inv = torch.where(down == scale_inv, down, down * 2)
+        return _cast(blocks / scale_inv), scale_inv
+    raise ValueError(f"unknown arithmetic {arithmetic!r}; expected te or vllm")
 
 
 def _cast(scaled: torch.Tensor) -> torch.Tensor:
@@ -73,20 +121,21 @@ def _from_groups(groups: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def quantize_blockwise(
-    w: torch.Tensor, block: tuple[int, int] = WEIGHT_BLOCK
+    w: torch.Tensor, block: tuple[int, int] = WEIGHT_BLOCK, scale_format: ScaleFormat = "fp32"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize a 2-D weight [N, K] per block.
+    """Quantize a 2-D weight [N, K] per block, with Transformer Engine's arithmetic.
 
     Returns ``q`` (float8_e4m3fn, shape [N, K]) and ``scale_inv`` (float32, shape
     [ceil(N/bn), ceil(K/bk)]). Edge blocks are the partial blocks at the border; padding never
-    changes an amax because it is zero.
+    changes an amax because it is zero. These are the codes the trainer computes with and ships.
     """
     if w.ndim != 2:
         raise ValueError(f"quantize_blockwise expects a 2-D tensor, got shape {tuple(w.shape)}")
     blocks = _as_blocks(w, block)
-    scale_inv = _scale_inv_from_amax(blocks.abs().amax(dim=(1, 3)), "weight")
-    q = _from_blocks(_cast(blocks / scale_inv[:, None, :, None]), w.shape)
-    return q.contiguous(), scale_inv
+    amax = blocks.abs().amax(dim=(1, 3), keepdim=True)
+    _check_finite(amax, "weight")
+    q, scale_inv = _codes_and_scale_inv(blocks, amax, scale_format, "te")
+    return _from_blocks(q, w.shape).contiguous(), scale_inv[:, 0, :, 0].contiguous()
 
 
 def dequantize_blockwise(
@@ -106,16 +155,23 @@ def dequantize_blockwise(
     return _from_blocks(blocks, q.shape).to(dtype)
 
 
-def quantize_activation(x: torch.Tensor, group: int = ACTIVATION_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_activation(
+    x: torch.Tensor,
+    group: int = ACTIVATION_GROUP,
+    scale_format: ScaleFormat = "fp32",
+    arithmetic: Arithmetic = "te",
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize per token in groups of ``group`` along the last dimension (1 x 128 tiles).
 
     ``x`` is [..., K]; returns ``q`` float8_e4m3fn [..., K] and ``scale_inv`` float32
-    [..., ceil(K/group)]. Used for input activations and for output gradients.
+    [..., ceil(K/group)]. Used for input activations and for output gradients; ``arithmetic`` is the
+    engine's whose codes to reproduce (``te`` in the trainer, ``vllm`` in the rollout).
     """
     groups = _as_groups(x, group)
-    scale_inv = _scale_inv_from_amax(groups.abs().amax(dim=-1), "activation")
-    q = _from_groups(_cast(groups / scale_inv[..., None]), x.shape[-1])
-    return q.contiguous(), scale_inv
+    amax = groups.abs().amax(dim=-1, keepdim=True)
+    _check_finite(amax, "activation")
+    q, scale_inv = _codes_and_scale_inv(groups, amax, scale_format, arithmetic)
+    return _from_groups(q, x.shape[-1]).contiguous(), scale_inv.squeeze(-1)
 
 
 def dequantize_activation(
@@ -129,11 +185,28 @@ def dequantize_activation(
     return _from_groups(groups, q.shape[-1]).to(dtype)
 
 
-def fake_quantize_weight(w: torch.Tensor, block: tuple[int, int] = WEIGHT_BLOCK) -> torch.Tensor:
+def fake_quantize_weight(
+    w: torch.Tensor, block: tuple[int, int] = WEIGHT_BLOCK, scale_format: ScaleFormat = "fp32"
+) -> torch.Tensor:
     """Quantize then dequantize a weight; the result has ``w``'s dtype."""
-    return dequantize_blockwise(*quantize_blockwise(w, block), block=block, dtype=w.dtype)
+    q, scale_inv = quantize_blockwise(w, block, scale_format)
+    return dequantize_blockwise(q, scale_inv, block=block, dtype=w.dtype)
 
 
-def fake_quantize_activation(x: torch.Tensor, group: int = ACTIVATION_GROUP) -> torch.Tensor:
+def fake_quantize_activation(
+    x: torch.Tensor,
+    group: int = ACTIVATION_GROUP,
+    scale_format: ScaleFormat = "fp32",
+    arithmetic: Arithmetic = "te",
+) -> torch.Tensor:
     """Quantize then dequantize per token in 1 x ``group`` tiles; the result has ``x``'s dtype."""
-    return dequantize_activation(*quantize_activation(x, group), group=group, dtype=x.dtype)
+    q, scale_inv = quantize_activation(x, group, scale_format, arithmetic)
+    return dequantize_activation(q, scale_inv, group=group, dtype=x.dtype)
+
+
+def fake_quantize_columnwise(
+    x: torch.Tensor, group: int = ACTIVATION_GROUP, scale_format: ScaleFormat = "fp32"
+) -> torch.Tensor:
+    """A 2-D ``x`` [M, K] quantized then dequantized in groups of ``group`` consecutive rows per column
+    (TE's columnwise 1x128 tiles of the wgrad GEMM: 128 tokens per feature), TE arithmetic."""
+    return fake_quantize_activation(x.t(), group, scale_format).t()

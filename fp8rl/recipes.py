@@ -1,4 +1,4 @@
-"""The four precision recipes of the FP8 RL study, as typed configs every process reads.
+"""The precision recipes of the FP8 RL study, as typed configs every process reads.
 
 | recipe        | rollout weights | KV cache | trainer linears | IS correction |
 | ------------- | --------------- | -------- | --------------- | ------------- |
@@ -6,23 +6,35 @@
 | `fp8-rollout` | FP8 block 128   | bf16     | bf16            | tis, cap 2    |
 | `fp8`         | FP8 block 128   | bf16     | FP8 block 128   | tis, cap 2    |
 | `fp8-kv`      | FP8 block 128   | FP8      | FP8 block 128   | tis, cap 2    |
+
+Every FP8 recipe uses FP32 scales (the study's); its `-pow2` twin (`fp8-pow2`, ...) uses power-of-two
+(UE8M0) scales in every engine, the format DeepGEMM and MXFP8 hardware want.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-WeightFormat = Literal["bf16", "fp8-block128"]
-"""How a rollout holds its weights: bf16 tensors, or FP8 E4M3 128x128 blocks with FP32 scales."""
-WEIGHT_FORMATS: tuple[WeightFormat, ...] = ("bf16", "fp8-block128")
+ScaleFormat = Literal["fp32", "pow2"]
+"""FP8 scales as any float32 (the study's) or as powers of two (UE8M0); see fp8rl.quant."""
+SCALE_FORMATS: tuple[ScaleFormat, ...] = get_args(ScaleFormat)
+
+WeightFormat = Literal["bf16", "fp8-block128", "fp8-block128-pow2"]
+"""How a rollout holds its weights: bf16 tensors, or FP8 E4M3 128x128 blocks with FP32 (or power-of-two)
+scales."""
+WEIGHT_FORMATS: tuple[WeightFormat, ...] = get_args(WeightFormat)
 
 
-RecipeName = Literal["bf16", "fp8-rollout", "fp8", "fp8-kv"]
-RECIPE_NAMES: tuple[RecipeName, ...] = ("bf16", "fp8-rollout", "fp8", "fp8-kv")
+RecipeName = Literal["bf16", "fp8-rollout", "fp8", "fp8-kv", "fp8-rollout-pow2", "fp8-pow2", "fp8-kv-pow2"]
+RECIPE_NAMES: tuple[RecipeName, ...] = get_args(RecipeName)
 ISMode = Literal["none", "tis", "icepop", "seq-mask-tis"]
 AdvantageNorm = Literal["std", "mean", "none"]  # see fp8rl.grpo.group_advantages
+
+
+def weight_scale_format(weight_format: WeightFormat) -> ScaleFormat:
+    return "pow2" if weight_format.endswith("-pow2") else "fp32"
 
 
 class ImportanceSampling(BaseModel):
@@ -64,7 +76,12 @@ class Recipe(BaseModel):
 
     @property
     def fp8_rollout(self) -> bool:
-        return self.rollout_weights == "fp8-block128"
+        return self.rollout_weights != "bf16"
+
+    @property
+    def scale_format(self) -> ScaleFormat:
+        """The format of every FP8 scale under this recipe: weights, activations and gradients."""
+        return weight_scale_format(self.rollout_weights)
 
 
 _TIS = ImportanceSampling(mode="tis", cap=2.0)
@@ -99,6 +116,15 @@ RECIPES: dict[RecipeName, Recipe] = {
         importance_sampling=_TIS,
     ),
 }
+RECIPES.update(
+    {
+        f"{name}-pow2": recipe.model_copy(  # type: ignore[misc]
+            update={"name": f"{name}-pow2", "rollout_weights": "fp8-block128-pow2"}
+        )
+        for name, recipe in list(RECIPES.items())
+        if recipe.fp8_rollout
+    }
+)
 
 
 def get_recipe(name: str) -> Recipe:

@@ -1,10 +1,11 @@
 """WeightSet — the rollout's view of the policy weights — and its safetensors wire codec.
 
 A WeightSet maps HF parameter names (unfused q/k/v and gate/up; vLLM's loader fuses them) to tensors in
-the rollout's format. For ``fp8-block128`` every linear weight inside the transformer blocks ships as
-``<module>.weight`` (float8_e4m3fn) plus ``<module>.weight_scale_inv`` (float32 block scales, from
-:mod:`fp8rl.quant`); everything else, and every tensor of ``bf16``, in the high-precision dtype (bf16
-unless a float32 exactness run asks for float32).
+the rollout's format. For ``fp8-block128`` (and ``fp8-block128-pow2``) every linear weight inside the
+transformer blocks ships as ``<module>.weight`` (float8_e4m3fn) plus ``<module>.weight_scale_inv``
+(float32 block scales, powers of two under ``-pow2``, from :mod:`fp8rl.quant`); everything else, and
+every tensor of ``bf16``, in the high-precision dtype (bf16 unless a float32 exactness run asks for
+float32).
 
 Two encodings, both laid out as one safetensors file with string metadata:
 
@@ -45,7 +46,7 @@ import zstandard
 
 from fp8rl import quant
 from fp8rl.errors import BaseMismatchError, CorruptUpdateError
-from fp8rl.recipes import WEIGHT_FORMATS, WeightFormat
+from fp8rl.recipes import WEIGHT_FORMATS, WeightFormat, weight_scale_format
 
 FORMAT_VERSION = "3"  # 3: XXH3-128 digests; the update digest covers the header (which seals the rest)
 Encoding = Literal["keyframe", "delta"]
@@ -155,15 +156,17 @@ def build_weight_set(
     """Convert a model state dict (HF names) to the rollout's format.
 
     ``hp_dtype`` is the dtype of every tensor that is not FP8 (bf16 normally; float32 for exactness
-    checks). FP8 codes and scales are exactly :func:`fp8rl.quant.quantize_blockwise` of the weight.
+    checks). FP8 codes and scales are exactly :func:`fp8rl.quant.quantize_blockwise` of the weight, in
+    the format's scale format.
     """
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight format {weight_format!r}; expected one of {WEIGHT_FORMATS}")
+    scale_format = weight_scale_format(weight_format)
     out: dict[str, torch.Tensor] = {}
     for name, t in state_dict.items():
         t = t.detach().cpu()
-        if weight_format == "fp8-block128" and is_block_linear(name, t.ndim):
-            out[name], out[scale_name(name)] = quant.quantize_blockwise(t)
+        if weight_format != "bf16" and is_block_linear(name, t.ndim):
+            out[name], out[scale_name(name)] = quant.quantize_blockwise(t, scale_format=scale_format)
         else:
             # Always a copy: a set must never alias live parameters the optimizer keeps changing.
             out[name] = t.to(hp_dtype, copy=True).contiguous()

@@ -4,6 +4,11 @@ On CPU the engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so a re
 through ``collective_rpc`` without copying weights between processes. FP8 recipes load as block-FP8
 checkpoints: on CUDA through vLLM's own ``fp8`` method (the bf16 checkpoint is converted once with
 :mod:`fp8rl.quant` into a cached FP8 checkpoint), on CPU through :mod:`rollout_service.vllm_fp8`.
+
+On CUDA the recipe's scale format is also vLLM's: ``VLLM_USE_DEEP_GEMM_E8M0`` is 1 for ``pow2`` (DeepGEMM's
+power-of-two scales) and 0 for ``fp32``, and ``VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER`` is 0, because
+FlashInfer's block-scale GEMM quantizes small batches (M < 32) itself, so codes would depend on the batch
+size. Both are set before vLLM is imported; a conflicting value already in the environment is an error.
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ from typing import Any, cast
 
 import torch
 
-from fp8rl.recipes import get_recipe
+from fp8rl import quant
+from fp8rl.quant import ScaleFormat
+from fp8rl.recipes import WeightFormat, get_recipe
 from rollout_service.config import RolloutConfig
 
 BLOCK_FP8_QUANT_CONFIG = {
@@ -57,6 +64,22 @@ class FinishedSample:
     finish_reason: str
 
 
+def pin_vllm_fp8_environment(scale_format: ScaleFormat, environ: dict[str, str] | None = None) -> None:
+    """Make vLLM's CUDA kernels use ``scale_format`` and one activation quantizer for every batch size."""
+    env = os.environ if environ is None else environ
+    wanted = {
+        "VLLM_USE_DEEP_GEMM_E8M0": "1" if scale_format == "pow2" else "0",
+        "VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER": "0",
+    }
+    for name, value in wanted.items():
+        if env.get(name, value) != value:
+            raise ValueError(
+                f"{name}={env[name]} conflicts with the recipe's {scale_format} scales (needs {value}); "
+                "unset it"
+            )
+        env[name] = value
+
+
 def _reload(worker: Any, items: list[tuple[str, torch.Tensor]]) -> None:
     worker.reload_weights(weights_iterator=iter(items), is_checkpoint_format=True)
 
@@ -79,22 +102,25 @@ class VllmEngine:
             # on a CPU without AVX2 (or under ATEN_CPU_CAPABILITY=default) run it eagerly.
             os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # worker processes, if any
             torch._dynamo.config.disable = True
-        from rollout_service.vllm_fp8 import NAME, register
+        from rollout_service.vllm_fp8 import NAME, quantization_config, register
 
         register()
         import vllm
 
-        model_dir, quantization = str(config.model), cast(Any, None)
+        model_dir, quantization, overrides = str(config.model), cast(Any, None), None
         if recipe.fp8_rollout:
             if self.device == "cuda":
-                model_dir = str(fp8_checkpoint(config.model))
+                pin_vllm_fp8_environment(recipe.scale_format)
+                model_dir = str(fp8_checkpoint(config.model, recipe.scale_format))
             else:
                 quantization = NAME
+                overrides = {"quantization_config": quantization_config(recipe.scale_format)}
         self._llm_args: dict[str, Any] = dict(
             model=model_dir,
             tokenizer=str(config.model),
             dtype=config.dtype,
             quantization=quantization,
+            hf_overrides=overrides,
             kv_cache_dtype=recipe.kv_cache_dtype,
             max_model_len=config.max_model_len,
             seed=config.seed,
@@ -195,8 +221,11 @@ class VllmEngine:
         return self.llm.collective_rpc(_named_parameters)[0]
 
 
-def fp8_checkpoint(model_dir: Path, cache_root: Path | None = None) -> Path:
-    """A block-FP8 copy of a high-precision checkpoint, in vLLM's format, made once and cached.
+def fp8_checkpoint(
+    model_dir: Path, scale_format: ScaleFormat = "fp32", cache_root: Path | None = None
+) -> Path:
+    """A block-FP8 copy of a high-precision checkpoint, in vLLM's format, made once and cached (keyed by
+    the checkpoint's bytes, the scale format and the FP8 contract's version).
 
     Codes and scales come from :func:`fp8rl.weights.build_weight_set`, so the checkpoint is bit-identical
     to what the trainer publishes.
@@ -206,7 +235,7 @@ def fp8_checkpoint(model_dir: Path, cache_root: Path | None = None) -> Path:
     from fp8rl.weights import build_weight_set
 
     weights_files = sorted(model_dir.glob("*.safetensors"))
-    digest = hashlib.sha256()
+    digest = hashlib.sha256(f"fp8rl contract {quant.CONTRACT_VERSION} {scale_format}".encode())
     for path in [model_dir / "config.json", *weights_files]:
         digest.update(path.read_bytes())
     root = (
@@ -222,11 +251,10 @@ def fp8_checkpoint(model_dir: Path, cache_root: Path | None = None) -> Path:
     )
     state = {k: v for path in weights_files for k, v in load_file(path).items()}
     config = json.loads((model_dir / "config.json").read_text())
+    weight_format: WeightFormat = "fp8-block128-pow2" if scale_format == "pow2" else "fp8-block128"
     declared = config.get("dtype") or config.get("torch_dtype") or "bfloat16"
     dtype = {"float32": torch.float32, "float16": torch.float16}.get(declared, torch.bfloat16)
-    save_file(
-        dict(build_weight_set(state, "fp8-block128", hp_dtype=dtype).tensors), tmp / "model.safetensors"
-    )
+    save_file(dict(build_weight_set(state, weight_format, hp_dtype=dtype).tensors), tmp / "model.safetensors")
     config["quantization_config"] = BLOCK_FP8_QUANT_CONFIG
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     os.replace(tmp, out)

@@ -18,7 +18,7 @@ import torch
 
 from fp8rl.errors import InvalidRequest, PreconditionFailed
 from fp8rl.prometheus import Sample
-from fp8rl.recipes import WeightFormat, get_recipe
+from fp8rl.recipes import WeightFormat, get_recipe, weight_scale_format
 from fp8rl.v1 import rollout_pb2, weights_pb2
 from fp8rl.weights import SCALE_SUFFIX, WeightSet, decode_update, is_block_linear, scale_name
 from rollout_service.config import RolloutConfig
@@ -41,7 +41,7 @@ def expected_schema(model_dir: Path, weight_format: WeightFormat) -> Schema:
         with safe_open(str(path), "pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 shape = tuple(f.get_slice(name).get_shape())
-                fp8 = weight_format == "fp8-block128" and is_block_linear(name, len(shape))
+                fp8 = weight_format != "bf16" and is_block_linear(name, len(shape))
                 schema[name] = (shape, fp8)
                 if fp8:
                     schema[scale_name(name)] = (tuple(-(-d // 128) for d in shape), False)
@@ -50,7 +50,8 @@ def expected_schema(model_dir: Path, weight_format: WeightFormat) -> Schema:
 
 def check_schema(weights: WeightSet, schema: Schema) -> None:
     """Refuse, before the engine sees it, a set the model cannot take: an engine that fails midway
-    through a refit may not recover without a restart."""
+    through a refit may not recover without a restart. FP8 scales must be positive and finite, and
+    powers of two under a ``-pow2`` format (the engines' contract, checked where it is cheap)."""
     if set(weights.tensors) != set(schema):
         missing, extra = (
             sorted(set(schema) - set(weights.tensors)),
@@ -59,8 +60,14 @@ def check_schema(weights: WeightSet, schema: Schema) -> None:
         raise InvalidRequest(
             "weights", f"tensor names differ from the model's: missing {missing[:3]}, extra {extra[:3]}"
         )
+    pow2 = weight_scale_format(weights.format) == "pow2"
     for name, t in weights.tensors.items():
         admit_tensor(schema, name, t.dtype, tuple(t.shape))
+        if name.endswith(SCALE_SUFFIX):
+            if not bool(((t > 0) & torch.isfinite(t)).all()):
+                raise InvalidRequest("weights", f"{name} holds a scale that is not positive and finite")
+            if pow2 and not bool((torch.frexp(t).mantissa == 0.5).all()):
+                raise InvalidRequest("weights", f"{name} holds a scale that is not a power of two")
 
 
 def admit_tensor(schema: Schema, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:

@@ -9,9 +9,12 @@ on CPU as on GPU. Three differences from vLLM's ``Fp8LinearMethod``:
 * a bf16/float32 checkpoint is quantized at first load with :mod:`fp8rl.quant` (the trainer's own
   quantizer, so both sides hold identical codes and scales);
 * after loading, the weight is dequantized once to the compute dtype;
-* ``apply`` fake-quantizes activations per token in 1x128 groups, then runs a plain GEMM.
+* ``apply`` fake-quantizes activations per token in 1x128 groups with vLLM's own arithmetic (that of
+  its CUDA per-token-group quantizer), then runs a plain GEMM.
 
-The numerics are those of the FP8 recipe, computed in the compute dtype. Registered in-process by
+The numerics are those of the FP8 recipe, computed in the compute dtype. The scale format (``fp32`` or
+``pow2``) comes with the quantization config: ``{"quant_method": NAME, "scale_format": ...}``, which the
+engine passes through ``hf_overrides``. Registered in-process by
 :func:`register` and, for engine worker processes, through the ``vllm.general_plugins`` entry point.
 """
 
@@ -35,6 +38,7 @@ from vllm.model_executor.layers.quantization.utils.fp8_utils import (
 from vllm.model_executor.parameter import BlockQuantScaleParameter
 
 from fp8rl import quant
+from fp8rl.quant import SCALE_FORMATS, ScaleFormat
 
 NAME = "fp8_block_emulated"
 BLOCK = list(quant.WEIGHT_BLOCK)
@@ -43,9 +47,10 @@ BLOCK = list(quant.WEIGHT_BLOCK)
 class EmulatedBlockFP8Config(QuantizationConfig):
     """Block-FP8 (128x128 weights, dynamic 1x128 activations) for every linear layer."""
 
-    def __init__(self) -> None:
+    def __init__(self, scale_format: ScaleFormat = "fp32") -> None:
         super().__init__()
         self.weight_block_size = BLOCK
+        self.scale_format = scale_format
 
     def get_name(self) -> str:  # type: ignore[override]
         return NAME
@@ -64,13 +69,26 @@ class EmulatedBlockFP8Config(QuantizationConfig):
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> EmulatedBlockFP8Config:
-        return cls()
+        scale_format = config.get("scale_format", "fp32")
+        if scale_format not in SCALE_FORMATS:
+            raise ValueError(f"{NAME}: scale_format {scale_format!r} is not one of {SCALE_FORMATS}")
+        return cls(scale_format)
 
     def get_quant_method(self, layer: Any, prefix: str) -> QuantizeMethodBase | None:
-        return EmulatedBlockFP8LinearMethod() if isinstance(layer, LinearBase) else None
+        if isinstance(layer, LinearBase):
+            return EmulatedBlockFP8LinearMethod(self.scale_format)
+        return None
+
+
+def quantization_config(scale_format: ScaleFormat) -> dict[str, str]:
+    """The model config's ``quantization_config`` that selects this method in ``scale_format``."""
+    return {"quant_method": NAME, "scale_format": scale_format}
 
 
 class EmulatedBlockFP8LinearMethod(LinearMethodBase):
+    def __init__(self, scale_format: ScaleFormat = "fp32") -> None:
+        self.scale_format = scale_format
+
     def create_weights(
         self,
         layer: Any,
@@ -91,7 +109,9 @@ class EmulatedBlockFP8LinearMethod(LinearMethodBase):
             param: torch.nn.Parameter, loaded_weight: torch.Tensor, *args: Any, **kwargs: Any
         ) -> Any:
             if loaded_weight.dtype != quant.FP8_DTYPE:  # a high-precision checkpoint: quantize it here
-                loaded_weight, scale_inv = quant.quantize_blockwise(loaded_weight)
+                loaded_weight, scale_inv = quant.quantize_blockwise(
+                    loaded_weight, scale_format=self.scale_format
+                )
                 weight_loader(layer.weight_scale_inv, scale_inv, *args, **kwargs)
             return weight_loader(param, loaded_weight, *args, **kwargs)
 
@@ -123,7 +143,8 @@ class EmulatedBlockFP8LinearMethod(LinearMethodBase):
         layer.weight = torch.nn.Parameter(weight, requires_grad=False)
 
     def apply(self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return F.linear(quant.fake_quantize_activation(x), layer.weight, bias)
+        xq = quant.fake_quantize_activation(x, scale_format=self.scale_format, arithmetic="vllm")
+        return F.linear(xq, layer.weight, bias)
 
 
 def register() -> None:

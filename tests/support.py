@@ -62,9 +62,12 @@ def redis_server(
         yield url
 
 
-def load_reference(model_dir: Path, fp8: bool, activation_fake_quant: bool = True) -> torch.nn.Module:
+def load_reference(
+    model_dir: Path, fp8: bool, activation_fake_quant: bool = True, arithmetic: quant.Arithmetic = "te"
+) -> torch.nn.Module:
     """A float32 transformers model; with ``fp8`` every linear inside the blocks computes with
-    fake-quantized weights (and, optionally, fake-quantized 1x128 activations)."""
+    fake-quantized weights (and, optionally, 1x128 activations fake-quantized with the ``arithmetic`` of
+    the engine it stands for: ``te`` for the trainer, ``vllm`` for the rollout)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -74,7 +77,7 @@ def load_reference(model_dir: Path, fp8: bool, activation_fake_quant: bool = Tru
                 module.weight.data = quant.fake_quantize_weight(module.weight.data)
                 if activation_fake_quant:
                     module.register_forward_pre_hook(
-                        lambda _m, args: (quant.fake_quantize_activation(args[0]),)
+                        lambda _m, args: (quant.fake_quantize_activation(args[0], arithmetic=arithmetic),)
                     )
     return model
 

@@ -36,8 +36,15 @@ class Example(BaseModel):
 
 
 def test_recipes_describe_each_engine() -> None:
-    assert RECIPE_NAMES == ("bf16", "fp8-rollout", "fp8", "fp8-kv")
-    bf16, fp8_rollout, fp8, fp8_kv = (get_recipe(n) for n in RECIPE_NAMES)
+    base = ("bf16", "fp8-rollout", "fp8", "fp8-kv")
+    assert (*base, "fp8-rollout-pow2", "fp8-pow2", "fp8-kv-pow2") == RECIPE_NAMES
+    bf16, fp8_rollout, fp8, fp8_kv = (get_recipe(n) for n in base)
+    for name in base[1:]:  # each FP8 recipe has a pow2 twin that differs only in its scale format
+        twin = get_recipe(f"{name}-pow2")
+        assert (twin.scale_format, get_recipe(name).scale_format) == ("pow2", "fp32")
+        assert twin.model_dump(exclude={"name", "rollout_weights"}) == get_recipe(name).model_dump(
+            exclude={"name", "rollout_weights"}
+        )
     assert (bf16.rollout_weights, bf16.train_linears, bf16.importance_sampling.mode) == (
         "bf16",
         "bf16",

@@ -1,5 +1,7 @@
-"""The emulated FP8 linear: forward and gradients against float64 references of the same fake-quant
-graph, and weight codes identical to the WeightSet's."""
+"""The emulated FP8 linear: each GEMM's operands quantized as Transformer Engine's Float8BlockScaling
+quantizes them, checked against float64 GEMMs over operands quantized tile by tile by the reference of
+tests/test_quant.py; weight codes identical to the WeightSet's; with pow2 scales, the trainer's forward
+bit-identical to the rollout's."""
 
 from __future__ import annotations
 
@@ -10,31 +12,57 @@ import torch
 
 from fp8rl import quant
 from fp8rl.weights import build_weight_set
+from tests.test_quant import reference_dequantize, reference_quantize
 from trainer_service.fp8_linear import EmulatedFP8Linear, convert_linears, fp8_linear
 
 
-def test_forward_and_gradients_match_float64_reference(gen: torch.Generator) -> None:
-    x = torch.randn(3, 5, 384, generator=gen, requires_grad=True)
+def spec_quantized(t: torch.Tensor, rows: int, cols: int, scale_format: str = "fp32") -> torch.Tensor:
+    """``t`` (2-D) quantized per rows x cols tile with TE's arithmetic, dequantized, in float64."""
+    return reference_dequantize(*reference_quantize(t, rows, cols, scale_format), rows, cols).double()
+
+
+def assert_gemm_close(got: torch.Tensor, want: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``got`` (float32 GEMM) within float32 accumulation error of ``want`` (float64), i.e. a small
+    fraction of sum |a||b| per element; one flipped FP8 code would move an element by ~|a||b| / 16."""
+    bound = 1e-5 * (a.abs().double() @ b.abs().double())
+    assert ((got.double() - want).abs() <= bound).all(), ((got.double() - want).abs() / bound).max()
+
+
+@pytest.mark.parametrize("scale_format", ["fp32", "pow2"])
+def test_each_gemm_quantizes_as_transformer_engine(scale_format: str, gen: torch.Generator) -> None:
+    """fprop: X 1x128 along K, W 128x128. dgrad: dY 1x128 along N, W 128x128. wgrad: dY and X 128x1,
+    i.e. 128 consecutive tokens per feature, re-quantized from high precision. 300 tokens: the last
+    columnwise group is partial."""
+    x = torch.randn(3, 100, 384, generator=gen, requires_grad=True)
     w = (torch.randn(256, 384, generator=gen) * 0.05).requires_grad_()
     b = torch.randn(256, generator=gen, requires_grad=True)
-    y = fp8_linear(x, w, b)
-    dy = torch.randn(y.shape, generator=gen)
+    y = fp8_linear(x, w, b, scale_format)  # type: ignore[arg-type]
+    dy = torch.randn(y.shape, generator=gen) * 10.0 ** torch.randint(-3, 3, (3, 100, 1), generator=gen)
     y.backward(dy)
 
-    xq = quant.fake_quantize_activation(x.detach()).double()
-    wq = quant.fake_quantize_weight(w.detach()).double()
-    dyq = quant.fake_quantize_activation(dy).double()
-    torch.testing.assert_close(y.double(), xq @ wq.t() + b.detach().double(), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(x.grad.double(), dyq @ wq, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(
-        w.grad.double(), dyq.reshape(-1, 256).t() @ xq.reshape(-1, 384), rtol=1e-5, atol=1e-4
-    )
-    torch.testing.assert_close(b.grad.double(), dy.double().sum((0, 1)), rtol=1e-5, atol=1e-5)
-    # Quantization is active: a plain linear differs.
+    x2, dy2 = x.detach().reshape(-1, 384), dy.reshape(-1, 256)
+    wq = spec_quantized(w.detach(), 128, 128, scale_format)
+    fprop = spec_quantized(x2, 1, 128, scale_format) @ wq.t() + b.detach().double()
+    dgrad = spec_quantized(dy2, 1, 128, scale_format) @ wq
+    wgrad = spec_quantized(dy2, 128, 1, scale_format).t() @ spec_quantized(x2, 128, 1, scale_format)
+    assert_gemm_close(y.reshape(-1, 256) - b.detach(), fprop - b.detach().double(), x2, w.detach().t())
+    assert_gemm_close(x.grad.reshape(-1, 384), dgrad, dy2, w.detach())
+    assert_gemm_close(w.grad, wgrad, dy2.t(), x2)
+    assert_gemm_close(b.grad[None], dy2.double().sum(0)[None], torch.ones(1, 300), dy2)
+
+    # Each quantization is active: a plain linear differs, and so does a wgrad over row-quantized
+    # operands (what the emulation computed before it followed TE).
     assert (y - torch.nn.functional.linear(x, w, b)).abs().max() > 1e-3
+    # With fp32 scales they differ by ~5% on random inputs. (With pow2 scales, E4M3 rounding is the same
+    # under any power-of-two scale, so the layout matters only where small values underflow.)
+    if scale_format == "fp32":
+        xs, dys = torch.randn(256, 384, generator=gen), torch.randn(256, 256, generator=gen)
+        columnwise = spec_quantized(dys, 128, 1).t() @ spec_quantized(xs, 128, 1)
+        rowwise = spec_quantized(dys, 1, 128).t() @ spec_quantized(xs, 1, 128)
+        assert (rowwise - columnwise).norm() > 0.02 * columnwise.norm()
 
 
-def test_gradients_equal_autograd_of_the_fake_quant_graph(gen: torch.Generator) -> None:
+def test_dgrad_equals_autograd_of_the_fake_quant_graph(gen: torch.Generator) -> None:
     """Autograd through fq(x), fq(w) with straight-through quantizers and dY quantized by a hook."""
     x = torch.randn(4, 256, generator=gen, dtype=torch.float64)
     w = torch.randn(128, 256, generator=gen, dtype=torch.float64) * 0.1
@@ -53,7 +81,36 @@ def test_gradients_equal_autograd_of_the_fake_quant_graph(gen: torch.Generator) 
     xe, we = x.float().requires_grad_(), w.float().requires_grad_()
     fp8_linear(xe, we).backward(dy.float())
     torch.testing.assert_close(xe.grad.double(), xr.grad, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(we.grad.double(), wr.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_pow2_forward_is_bit_identical_to_the_rollouts(gen: torch.Generator) -> None:
+    """The rollout emulation multiplies its activations, quantized with vLLM's arithmetic, by the shipped
+    weight. With pow2 scales that is the trainer's forward bit for bit; with fp32 scales rounding ties
+    make the odd code differ."""
+    from rollout_service.vllm_fp8 import EmulatedBlockFP8LinearMethod
+
+    x = torch.randn(64, 384, generator=gen) * 10.0 ** torch.randint(-3, 4, (64, 1), generator=gen)
+    w = torch.randn(256, 384, generator=gen) * 0.05
+    for scale_format in ("pow2", "fp32"):
+        shipped = build_weight_set(
+            {"model.layers.0.mlp.up_proj.weight": w},
+            f"fp8-block128-{scale_format}".replace("-fp32", ""),
+            torch.float32,
+        )  # type: ignore[arg-type]
+        layer = torch.nn.Module()
+        layer.weight = torch.nn.Parameter(
+            quant.dequantize_blockwise(
+                shipped.tensors["model.layers.0.mlp.up_proj.weight"],
+                shipped.tensors["model.layers.0.mlp.up_proj.weight_scale_inv"],
+            ),
+            requires_grad=False,
+        )
+        rollout = EmulatedBlockFP8LinearMethod(scale_format).apply(layer, x)  # type: ignore[arg-type]
+        trainer = fp8_linear(x, w, None, scale_format)  # type: ignore[arg-type]
+        if scale_format == "pow2":
+            assert torch.equal(rollout, trainer)
+        else:
+            torch.testing.assert_close(rollout, trainer, rtol=1e-2, atol=1e-3)
 
 
 def test_forward_codes_are_the_weight_set_codes(gen: torch.Generator) -> None:
@@ -65,13 +122,10 @@ def test_forward_codes_are_the_weight_set_codes(gen: torch.Generator) -> None:
     ws = build_weight_set(state, "fp8-block128", hp_dtype=torch.float32)
     linear = model.model.layers[1].mlp.down_proj
     assert isinstance(linear, EmulatedFP8Linear)
-    # What the forward multiplies with is dequant(q(W)); its re-quantization gives back the codes.
+    # What the forward multiplies with is exactly the shipped codes times the shipped scales.
     used = quant.fake_quantize_weight(linear.weight.detach())
-    codes, scales = quant.quantize_blockwise(used)
-    assert torch.equal(
-        codes.view(torch.uint8), ws.tensors["model.layers.1.mlp.down_proj.weight"].view(torch.uint8)
-    )
-    assert torch.equal(scales, ws.tensors["model.layers.1.mlp.down_proj.weight_scale_inv"])
+    name = "model.layers.1.mlp.down_proj.weight"
+    assert torch.equal(used, quant.dequantize_blockwise(ws.tensors[name], ws.tensors[name + "_scale_inv"]))
     assert not isinstance(model.lm_head, EmulatedFP8Linear)
 
 

@@ -1,35 +1,62 @@
-"""fp8rl.quant against a block-by-block reference written here, bit for bit, on fresh random inputs."""
+"""fp8rl.quant against tile-by-tile references written here, bit for bit, on fresh random inputs.
+
+The references compute each engine's documented scale arithmetic with numpy float32 scalars (IEEE
+division and reciprocal, one rounding each), independently of the vectorised torch code under test:
+
+* Transformer Engine: ``scale = 448 / amax`` (1 for an all-zero block, FLT_MAX when it overflows; for
+  ``pow2`` rounded down to a power of two), ``q = sat(x * scale)``, ``scale_inv = 1 / scale``;
+* vLLM (CUDA per-token-group quantizer): ``scale_inv = max(amax, 1e-10) / 448`` (for ``pow2`` rounded
+  up to a power of two), ``q = sat(x / scale_inv)``.
+"""
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from fp8rl import quant
 
 E4M3 = torch.float8_e4m3fn
+F32 = np.float32
 
 
-def reference_quantize(x: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize each rows x cols tile of a 2-D tensor with the contract's rule, one tile at a time."""
-    x = x.float()
-    n, k = x.shape
+def reference_scale(amax: np.float32, scale_format: str, arithmetic: str) -> tuple[np.float32, np.float32]:
+    """(what x is multiplied by, scale_inv) for one tile."""
+    if arithmetic == "te":
+        scale = F32(1.0) if amax == 0 else F32(448.0) / amax
+        if np.isinf(scale):
+            scale = np.finfo(F32).max
+        if scale_format == "pow2":
+            mantissa, exponent = np.frexp(scale)  # scale = mantissa * 2^exponent, mantissa in [0.5, 1)
+            scale = F32(np.ldexp(F32(1.0), exponent - 1))
+        return scale, F32(1.0) / scale
+    scale_inv = max(amax, F32(1e-10)) / F32(448.0)
+    if scale_format == "pow2":
+        mantissa, exponent = np.frexp(scale_inv)
+        scale_inv = scale_inv if mantissa == 0.5 else F32(np.ldexp(F32(1.0), exponent))
+    return F32(1.0) / scale_inv, F32(scale_inv)  # (the multiplier is unused for vLLM, which divides)
+
+
+def reference_quantize(
+    x: torch.Tensor, rows: int, cols: int, scale_format: str = "fp32", arithmetic: str = "te"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize each rows x cols tile of a 2-D tensor with one engine's rule, one tile at a time."""
+    a = x.float().numpy()
+    n, k = a.shape
     nb, kb = math.ceil(n / rows), math.ceil(k / cols)
-    q = torch.empty(n, k, dtype=E4M3)
-    scales = torch.empty(nb, kb, dtype=torch.float32)
-    for i in range(nb):
-        for j in range(kb):
-            tile = x[i * rows : (i + 1) * rows, j * cols : (j + 1) * cols]
-            scale = tile.abs().max() / torch.tensor(448.0, dtype=torch.float32)
-            if scale == 0:
-                scale = torch.tensor(1.0)
-            scales[i, j] = scale
-            q[i * rows : (i + 1) * rows, j * cols : (j + 1) * cols] = torch.clamp(tile / scale, -448, 448).to(
-                E4M3
-            )
-    return q, scales
+    scaled = np.empty((n, k), dtype=F32)
+    scales = np.empty((nb, kb), dtype=F32)
+    with np.errstate(over="ignore", divide="ignore"):
+        for i in range(nb):
+            for j in range(kb):
+                tile = (slice(i * rows, (i + 1) * rows), slice(j * cols, (j + 1) * cols))
+                scale, scales[i, j] = reference_scale(np.abs(a[tile]).max(), scale_format, arithmetic)
+                scaled[tile] = a[tile] * scale if arithmetic == "te" else a[tile] / scales[i, j]
+    q = torch.from_numpy(np.clip(scaled, -448.0, 448.0)).to(E4M3)
+    return q, torch.from_numpy(scales)
 
 
 def reference_dequantize(q: torch.Tensor, scales: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -91,11 +118,17 @@ def test_bf16_input_quantizes_its_float32_value(gen: torch.Generator) -> None:
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-def test_requantizing_dequantized_weight_is_identity(shape: tuple[int, int], gen: torch.Generator) -> None:
+def test_dequantized_weight_gives_back_its_codes(shape: tuple[int, int], gen: torch.Generator) -> None:
+    """What a replica computes with, dequant(q, s), holds the codes: dividing by the held scales gives
+    them back exactly, and so does re-quantizing (whose scales may differ from the held ones by an ulp,
+    as 1 / (448 / amax) need not round back to the same float)."""
     q, s = quant.quantize_blockwise(random_weight(shape, gen))
-    q2, s2 = quant.quantize_blockwise(quant.dequantize_blockwise(q, s))
-    assert torch.equal(s, s2)
-    assert_codes_equal(q, q2)
+    dq = quant.dequantize_blockwise(q, s)
+    per_element = s.repeat_interleave(128, 0).repeat_interleave(128, 1)[: shape[0], : shape[1]]
+    assert_codes_equal((dq / per_element).to(E4M3), q)
+    q2, s2 = quant.quantize_blockwise(dq)
+    assert_codes_equal(q2, q)
+    assert ((s2 - s).abs() <= s * 2.0**-23).all()
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -143,8 +176,8 @@ def test_activation_quantization_matches_reference(shape: tuple[int, ...], gen: 
     dq = quant.dequantize_activation(q, s)
     assert torch.equal(dq.reshape(rows.shape), reference_dequantize(rq, rs, 1, 128))
     q2, s2 = quant.quantize_activation(quant.dequantize_activation(q, s))
-    assert torch.equal(s, s2)
     assert_codes_equal(q, q2)
+    assert ((s2 - s).abs() <= s * 2.0**-23).all()
 
 
 def test_fake_quant_keeps_dtype_and_equals_dequantized_codes(gen: torch.Generator) -> None:
@@ -157,3 +190,97 @@ def test_fake_quant_keeps_dtype_and_equals_dequantized_codes(gen: torch.Generato
         quant.fake_quantize_activation(x), quant.dequantize_activation(*quant.quantize_activation(x))
     )
     assert quant.fake_quantize_activation(x.bfloat16()).dtype == torch.bfloat16
+
+
+FORMATS = ["fp32", "pow2"]
+
+
+@pytest.mark.parametrize("scale_format", FORMATS)
+@pytest.mark.parametrize("arithmetic", ["te", "vllm"])
+def test_each_engines_arithmetic_is_reproduced_bit_for_bit(
+    scale_format: quant.ScaleFormat, arithmetic: quant.Arithmetic, gen: torch.Generator
+) -> None:
+    """Activations over 60 decades, with zero, tiny (below vLLM's floor, and subnormal) and huge groups."""
+    x = torch.randn(64, 384, generator=gen) * 10.0 ** torch.randint(-30, 31, (64, 1), generator=gen).float()
+    x[0] = 0
+    x[1, :128] = 1e-39
+    x[2, 128:] = torch.randn(256, generator=gen) * 1e-11
+    x[3, 0] = 3e38
+    q, s = quant.quantize_activation(x, scale_format=scale_format, arithmetic=arithmetic)
+    rq, rs = reference_quantize(x, 1, 128, scale_format, arithmetic)
+    assert torch.equal(s, rs)
+    assert_codes_equal(q, rq)
+
+
+@pytest.mark.parametrize("scale_format", FORMATS)
+def test_weight_codes_follow_transformer_engine(
+    scale_format: quant.ScaleFormat, gen: torch.Generator
+) -> None:
+    w = random_weight((300, 260), gen)
+    w[:128, :128] = 0
+    q, s = quant.quantize_blockwise(w, scale_format=scale_format)
+    rq, rs = reference_quantize(w, 128, 128, scale_format, "te")
+    assert torch.equal(s, rs)
+    assert_codes_equal(q, rq)
+
+
+def test_the_two_engines_differ_with_fp32_scales(gen: torch.Generator) -> None:
+    """The arithmetic matters: on random inputs rounding ties move about 4 codes in ten million, and
+    scales differ by an ulp; on values built to sit on a tie (odd multiples of scale_inv between 16 and
+    32, where E4M3 steps by 2) the two engines round apart often."""
+    x = torch.randn(80_000, 128, generator=gen) * 10.0 ** torch.randint(-4, 5, (80_000, 1), generator=gen)
+    q_te, s_te = quant.quantize_activation(x, arithmetic="te")
+    q_vllm, s_vllm = quant.quantize_activation(x, arithmetic="vllm")
+    assert (q_te.view(torch.uint8) != q_vllm.view(torch.uint8)).sum().item() < 1e-5 * x.numel()
+    assert (s_te != s_vllm).float().mean() > 0.05
+    assert ((s_te - s_vllm).abs() <= s_te * 2.0**-23).all()
+
+    amax = torch.rand(2000, 1, generator=gen) * 100 + 0.01
+    ties = (torch.randint(8, 16, (2000, 127), generator=gen) * 2 + 1).float() * (amax / 448.0)
+    tied = torch.cat([amax, ties], dim=1)
+    q_te, _ = quant.quantize_activation(tied, arithmetic="te")
+    q_vllm, _ = quant.quantize_activation(tied, arithmetic="vllm")
+    assert (q_te.view(torch.uint8) != q_vllm.view(torch.uint8)).float().mean() > 0.01
+    rq, _ = reference_quantize(tied, 1, 128, "fp32", "vllm")
+    assert_codes_equal(q_vllm, rq)
+
+
+def test_pow2_scales_agree_across_engines_for_every_mantissa() -> None:
+    """Every float32 amax in [2^e, 2^(e+1)) for exponents around 448's: TE's rounded-down scale and
+    vLLM's rounded-up scale_inv are the same power of two, so the codes are the same."""
+    mantissas = torch.arange(0x3F800000, 0x40000000, dtype=torch.int32).view(torch.float32)
+    for exponent in (-33, -9, 0, 8, 9, 60):  # (vLLM floors amax at 1e-10 > 2^-34)
+        amax = (mantissas * 2.0**exponent)[:, None]
+        _, s_te = quant._codes_and_scale_inv(amax, amax, "pow2", "te")
+        _, s_vllm = quant._codes_and_scale_inv(amax, amax, "pow2", "vllm")
+        assert torch.equal(s_te, s_vllm), exponent
+        assert (torch.frexp(s_te).mantissa == 0.5).all()
+
+
+def test_pow2_activation_codes_are_identical_in_trainer_and_rollout(gen: torch.Generator) -> None:
+    x = torch.randn(5000, 384, generator=gen) * 10.0 ** torch.randint(-8, 9, (5000, 1), generator=gen).float()
+    x[0] = 0
+    q_te, s_te = quant.quantize_activation(x, scale_format="pow2", arithmetic="te")
+    q_vllm, s_vllm = quant.quantize_activation(x, scale_format="pow2", arithmetic="vllm")
+    assert_codes_equal(q_te, q_vllm)
+    assert torch.equal(s_te[1:], s_vllm[1:])  # the all-zero row: TE's scale is 1, vLLM's its floor
+    assert torch.equal(quant.dequantize_activation(q_te, s_te), quant.dequantize_activation(q_vllm, s_vllm))
+
+
+def test_vllm_requantizes_pow2_weights_to_the_same_values(gen: torch.Generator) -> None:
+    """Under DeepGEMM's E8M0 mode vLLM re-quantizes every block-FP8 weight at load and refit
+    (``requant_weight_ue8m0_inplace`` -> ``per_block_cast_to_fp8(use_ue8m0=True)``); run vLLM's own
+    function on what we ship: with ``pow2`` it gives back the same dequantized weight."""
+    deep_gemm = pytest.importorskip("vllm.utils.deep_gemm")
+    w = random_weight((384, 512), gen)
+    for scale_format, same in (("pow2", True), ("fp32", False)):
+        q, s = quant.quantize_blockwise(w, scale_format=scale_format)
+        shipped = quant.dequantize_blockwise(q, s)
+        with torch.compiler.set_stance("force_eager"):
+            q_vllm, s_vllm = deep_gemm.per_block_cast_to_fp8(shipped, [128, 128], use_ue8m0=True)
+        assert torch.equal(quant.dequantize_blockwise(q_vllm, s_vllm), shipped) is same, scale_format
+
+
+def test_pow2_requires_a_known_format() -> None:
+    with pytest.raises(ValueError, match="scale format"):
+        quant.quantize_activation(torch.ones(2, 128), scale_format="e8m0")  # type: ignore[arg-type]

@@ -49,3 +49,30 @@ def test_scaled_mm_over_our_codes_matches_float64(gen: torch.Generator) -> None:
     )
     # Each 128-term FP8 partial product is exact in float32 up to its accumulation order.
     torch.testing.assert_close(out.cpu(), reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("scale_format", ["fp32", "pow2"])
+def test_transformer_engine_quantizers_give_the_emulations_values(
+    scale_format: quant.ScaleFormat, gen: torch.Generator
+) -> None:
+    """TE's own Float8BlockQuantizer (1x128 rowwise, 1x128 columnwise, 128x128) against fp8rl.quant in
+    TE's arithmetic, value for value."""
+    blockwise = pytest.importorskip("transformer_engine.pytorch.tensor.float8_blockwise_tensor")
+    import transformer_engine_torch as tex
+
+    x = (torch.randn(256, 384, generator=gen) * 10.0 ** torch.randint(-3, 4, (256, 1), generator=gen)).cuda()
+
+    def te(dim: int, rowwise: bool) -> torch.Tensor:
+        quantizer = blockwise.Float8BlockQuantizer(
+            tex.DType.kFloat8E4M3,
+            rowwise=rowwise,
+            columnwise=not rowwise,
+            amax_epsilon=0.0,
+            force_pow_2_scales=scale_format == "pow2",
+            block_scaling_dim=dim,
+        )
+        return quantizer(x).dequantize(dtype=torch.float32)
+
+    assert torch.equal(te(1, True), quant.fake_quantize_activation(x, scale_format=scale_format))
+    assert torch.equal(te(2, True), quant.fake_quantize_weight(x, scale_format=scale_format))
+    assert torch.equal(te(1, False), quant.fake_quantize_columnwise(x, scale_format=scale_format))

@@ -117,7 +117,7 @@ def test_fp8_logprobs_match_a_fake_quant_reference(rollout_fp8: InProcessRollout
     reply = rollout_fp8.stub.Generate(
         request(prompts, n=2, max_tokens=12, temperature=0.8, seed=3), timeout=120
     )
-    with_act = load_reference(rollout_fp8.model_dir, fp8=True)
+    with_act = load_reference(rollout_fp8.model_dir, fp8=True, arithmetic="vllm")
     without_act = load_reference(rollout_fp8.model_dir, fp8=True, activation_fake_quant=False)
     errors = {"fp8 reference": [], "no activation fake-quant": []}
     for c in reply.completions:
@@ -133,32 +133,28 @@ def test_fp8_logprobs_match_a_fake_quant_reference(rollout_fp8: InProcessRollout
 
 def engine_weight_set(rollout: InProcessRollout) -> dict[str, torch.Tensor]:
     """The engine's weights re-expressed as a WeightSet: fused q/k/v and gate/up split back into HF names,
-    dequantized linears re-quantized (which reproduces their codes and scales exactly)."""
-    from fp8rl import quant
-
+    dequantized linears divided by the scales the engine holds (which gives back their codes exactly)."""
     engine = rollout.service.engine_weights()
     out: dict[str, torch.Tensor] = {}
+    fused = {
+        "qkv_proj": (("q_proj", "k_proj", "v_proj"), [256, 128, 128]),
+        "gate_up_proj": (("gate_proj", "up_proj"), [512, 512]),
+    }
     for name, t in engine.items():
-        if name.endswith("weight_scale_inv"):
-            continue
-        prefix = name.removesuffix("weight").removesuffix("bias")
-        fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-        parts = [(name, t)]
-        for fused_name, shard_names in fused.items():
+        pieces = [(name, t)]
+        for fused_name, (shard_names, rows) in fused.items():
             if fused_name in name:
-                sizes = {"qkv_proj": [256, 128, 128], "gate_up_proj": [512, 512]}[fused_name]
-                parts = [
-                    (name.replace(fused_name, s), piece)
-                    for s, piece in zip(shard_names, t.split(sizes), strict=True)
+                if name.endswith("weight_scale_inv"):
+                    rows = [r // 128 for r in rows]
+                pieces = [
+                    (name.replace(fused_name, s), p) for s, p in zip(shard_names, t.split(rows), strict=True)
                 ]
-        for part_name, piece in parts:
-            if ".layers." in part_name and part_name.endswith("_proj.weight"):
-                codes, scales = quant.quantize_blockwise(piece)
-                assert torch.equal(quant.dequantize_blockwise(codes, scales), piece)
-                out[part_name], out[part_name.removesuffix("weight") + "weight_scale_inv"] = codes, scales
-            else:
-                out[part_name] = piece
-        del prefix
+        out.update(pieces)
+    for name in [n for n in out if n.endswith("weight_scale_inv")]:
+        weight_name = name.removesuffix("_scale_inv")
+        w, scales = out[weight_name], out[name]
+        per_element = scales.repeat_interleave(128, 0).repeat_interleave(128, 1)[: w.shape[0], : w.shape[1]]
+        out[weight_name] = (w / per_element).to(torch.float8_e4m3fn)
     return out
 
 
@@ -176,7 +172,7 @@ def logprob_error_vs_reference(
     """|engine logprob - float64 fake-quant reference| per token of a greedy ``completion``. Greedy logprobs
     are those of the unscaled distribution. FP8 rounding turns 1e-7 differences of kernel arithmetic into
     the odd flipped code (~1e-3 in a logprob); stale KV or stale weights would be far off."""
-    reference = load_reference(model_dir, fp8=True)
+    reference = load_reference(model_dir, fp8=True, arithmetic="vllm")
     set_weights(reference, state, fp8=True)
     got = torch.tensor(list(completion.logprobs))
     return (reference_logprobs(reference, prompt, list(completion.token_ids)) - got).abs()
@@ -279,7 +275,7 @@ def test_no_completion_mixes_weight_versions(rollout_fp8: InProcessRollout) -> N
     assert held == 34 and len(results) == 18
     references = {}
     for v, s in states.items():
-        references[v] = load_reference(model_dir, fp8=True)
+        references[v] = load_reference(model_dir, fp8=True, arithmetic="vllm")
         set_weights(references[v], s, fp8=True)
     versions_seen = set()
     for c in results:
@@ -360,3 +356,38 @@ def test_an_engine_that_fails_midway_is_healed_by_a_keyframe(rollout_fp8: InProc
     after = stub.Generate(request([prompt], max_tokens=6, temperature=0.0, version=52), timeout=120)
     error = logprob_error_vs_reference(rollout_fp8.model_dir, state, prompt, after.completions[0])
     assert error.mean() < 1e-2 and error.max() < 0.1
+
+
+def test_replica_refuses_scales_outside_the_contract(tiny_model_dir_f32: Path) -> None:
+    """Scales must be positive and finite, and powers of two when the replica serves pow2 weights."""
+    from fp8rl.errors import InvalidRequest
+    from rollout_service.service import check_schema, expected_schema
+
+    state = random_state(tiny_model_dir_f32, 0)
+    scale = "model.layers.0.mlp.up_proj.weight_scale_inv"
+    for weight_format in ("fp8-block128", "fp8-block128-pow2"):
+        schema = expected_schema(tiny_model_dir_f32, weight_format)  # type: ignore[arg-type]
+        good = build_weight_set(state, weight_format, hp_dtype=torch.float32)  # type: ignore[arg-type]
+        check_schema(good, schema)
+        for bad_value in (0.0, -1.0, float("nan"), float("inf")):
+            tensors = dict(good.tensors)
+            tensors[scale] = tensors[scale].clone()
+            tensors[scale][0, 0] = bad_value
+            with pytest.raises(InvalidRequest, match="positive and finite"):
+                check_schema(WeightSet(weight_format, tensors), schema)  # type: ignore[arg-type]
+    fp32_scales = build_weight_set(state, "fp8-block128", hp_dtype=torch.float32).tensors
+    with pytest.raises(
+        InvalidRequest, match=r"weights: model\.layers\..* holds a scale that is not a power of two"
+    ):
+        check_schema(WeightSet("fp8-block128-pow2", fp32_scales), schema)
+
+
+def test_vllm_environment_follows_the_scale_format() -> None:
+    from rollout_service.engine import pin_vllm_fp8_environment
+
+    for scale_format, e8m0 in (("fp32", "0"), ("pow2", "1")):
+        env: dict[str, str] = {}
+        pin_vllm_fp8_environment(scale_format, env)  # type: ignore[arg-type]
+        assert env == {"VLLM_USE_DEEP_GEMM_E8M0": e8m0, "VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER": "0"}
+    with pytest.raises(ValueError, match="VLLM_USE_DEEP_GEMM_E8M0=1 conflicts with the recipe's fp32"):
+        pin_vllm_fp8_environment("fp32", {"VLLM_USE_DEEP_GEMM_E8M0": "1"})

@@ -179,10 +179,18 @@ def test_compute_logprobs_matches_the_fp8_reference(trainer, tiny_model_dir_f32:
         timeout=60,
     )
     assert reply.weight_version == 0
-    reference = load_reference(tiny_model_dir_f32, fp8=True)
-    for (p, c), got in zip(seqs, reply.results, strict=True):
-        ref = reference_logprobs(reference, p, c, temperature=0.8)
-        assert (ref - torch.tensor(list(got.logprobs), dtype=torch.float64)).abs().max() < 1e-4
+    # The trainer batches (and pads) the two sequences, the reference runs each alone: float32 rounding
+    # of other matrix shapes can flip the odd FP8 code (~1e-3 in a logprob); all else agrees to 1e-5.
+    # Without activation quantization the reference is far off: the comparison sees the FP8 path.
+    errors: dict[bool, list[torch.Tensor]] = {True: [], False: []}
+    for quantized in (True, False):
+        reference = load_reference(tiny_model_dir_f32, fp8=True, activation_fake_quant=quantized)
+        for (p, c), got in zip(seqs, reply.results, strict=True):
+            ref = reference_logprobs(reference, p, c, temperature=0.8)
+            errors[quantized].append((ref - torch.tensor(list(got.logprobs), dtype=torch.float64)).abs())
+    fp8_errors, unquantized_errors = torch.cat(errors[True]), torch.cat(errors[False])
+    assert (fp8_errors < 1e-5).sum() >= len(fp8_errors) - 1 and fp8_errors.max() < 1e-2, fp8_errors
+    assert unquantized_errors.median() > 100 * fp8_errors.median()
 
 
 def test_padding_for_transformer_engine_changes_nothing(tiny_model_dir_f32: Path) -> None:

@@ -1,11 +1,19 @@
 """FP8 linear layers for training, behind one interface (:func:`convert_linears`).
 
-* ``emulated`` (anywhere): an autograd function that fake-quantizes the weight (128x128 blocks) and the
-  input (1x128 per token) in the forward pass and the output gradient (1x128 per token) in the backward
-  pass, all with :mod:`fp8rl.quant`. The weight codes are exactly those the WeightSet ships, so under the
-  ``fp8`` recipe trainer and rollout compute with bit-identical FP8 weights.
-* ``te`` (CUDA with Transformer Engine >= 2.3): ``te.Linear`` under the ``Float8BlockScaling`` recipe with
-  FP32 scales, set on the recipe object (:func:`block_scaling_recipe`).
+* ``emulated`` (anywhere): an autograd function that computes what Transformer Engine's
+  ``Float8BlockScaling`` recipe computes, with :mod:`fp8rl.quant` in TE's arithmetic. Each GEMM
+  quantizes its operands as TE does, from high precision:
+
+  ============  =====================================================================
+  fprop  Y=XWᵀ  X rowwise (1x128 along K, per token), W in 128x128 blocks
+  dgrad  dX=dYW dY rowwise (1x128 along N, per token), W in the same 128x128 blocks
+  wgrad  dW=dYᵀX dY and X columnwise (1x128 along the tokens, per feature)
+  ============  =====================================================================
+
+  The weight codes are exactly those the WeightSet ships, so under the ``fp8`` recipe trainer and
+  rollout compute with bit-identical FP8 weights.
+* ``te`` (CUDA with Transformer Engine >= 2.3): ``te.Linear`` under the ``Float8BlockScaling`` recipe,
+  its scale format set on the recipe object (:func:`block_scaling_recipe`).
 
 Only linears inside the transformer blocks are converted; embeddings, lm_head, norms and attention stay
 in the compute dtype. Parameter names do not change.
@@ -22,42 +30,58 @@ import torch
 import torch.nn.functional as F
 
 from fp8rl import quant
+from fp8rl.quant import ScaleFormat
 
 Backend = Literal["emulated", "te"]
 
 
 class _FP8LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale_format: ScaleFormat
+    ) -> torch.Tensor:
         device = x.device.type
         compute = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-        xq = quant.fake_quantize_activation(x.float()).to(compute)
-        wq = quant.fake_quantize_weight(weight.detach().float()).to(compute)
-        ctx.save_for_backward(xq, wq)
-        ctx.has_bias = bias is not None
+        x32 = x.float()
+        xq = quant.fake_quantize_activation(x32, scale_format=scale_format).to(compute)
+        wq = quant.fake_quantize_weight(weight.detach().float(), scale_format=scale_format).to(compute)
+        # wgrad's X: the same activations quantized along the other axis (128 tokens per feature).
+        x_columnwise = quant.fake_quantize_columnwise(x32.reshape(-1, x.shape[-1]), scale_format=scale_format)
+        ctx.save_for_backward(x_columnwise.to(compute), wq)
+        ctx.has_bias, ctx.scale_format = bias is not None, scale_format
         return F.linear(xq, wq, None if bias is None else bias.to(compute))
 
     @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        xq, wq = ctx.saved_tensors
-        # The straight-through estimator for the fake quantizers; dY is quantized like an activation.
-        dyq = quant.fake_quantize_activation(dy.float()).to(wq.dtype)
-        dx = dyq @ wq
-        dw = dyq.reshape(-1, dyq.shape[-1]).t() @ xq.reshape(-1, xq.shape[-1])
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, None]:
+        x_columnwise, wq = ctx.saved_tensors
+        fmt = ctx.scale_format
+        # The straight-through estimator for the fake quantizers; dY quantized per GEMM, as TE does.
+        dy32 = dy.float()
+        dx = quant.fake_quantize_activation(dy32, scale_format=fmt).to(wq.dtype) @ wq
+        dy_columnwise = quant.fake_quantize_columnwise(dy32.reshape(-1, dy.shape[-1]), scale_format=fmt)
+        dw = dy_columnwise.to(wq.dtype).t() @ x_columnwise
         db = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.has_bias else None
-        return dx, dw.float(), db
+        return dx, dw.float(), db, None
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``y = dq(q(x)) · dq(q(W))ᵀ + b`` with blockwise-FP8 fake quantization (and FP8 dY in backward)."""
-    return _FP8LinearFunction.apply(x, weight, bias)
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    scale_format: ScaleFormat = "fp32",
+) -> torch.Tensor:
+    """``y = dq(q(x)) · dq(q(W))ᵀ + b`` with blockwise-FP8 fake quantization, and TE's quantization of
+    every backward GEMM."""
+    return _FP8LinearFunction.apply(x, weight, bias, scale_format)
 
 
 class EmulatedFP8Linear(torch.nn.Linear):
     """An ``nn.Linear`` whose matmul runs through :func:`fp8_linear`."""
 
+    scale_format: ScaleFormat = "fp32"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.weight, self.bias)
+        return fp8_linear(x, self.weight, self.bias, self.scale_format)
 
 
 def block_linears(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Linear]]:
@@ -79,12 +103,14 @@ def resolve_backend(requested: str) -> Backend:
     return "emulated"
 
 
-def convert_linears(model: torch.nn.Module, backend: Backend) -> int:
-    """Swap every block linear for its FP8 version in place; returns how many were converted."""
+def convert_linears(model: torch.nn.Module, backend: Backend, scale_format: ScaleFormat = "fp32") -> int:
+    """Swap every block linear for its FP8 version in place; returns how many were converted. (Under
+    ``te`` the scale format is the recipe's, :func:`fp8_context`.)"""
     converted = list(block_linears(model))
     for _, linear in converted:
         if backend == "emulated":
             linear.__class__ = EmulatedFP8Linear
+            linear.scale_format = scale_format  # type: ignore[assignment]
         else:
             _to_te_linear(model, linear)
     return len(converted)
@@ -120,7 +146,7 @@ QUANTIZERS = ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad")
 @functools.cache
 def block_scaling_recipe(power_2_scales: bool = False) -> Any:
     """TE's ``Float8BlockScaling`` (X and dY 1x128, W 128x128, E4M3) with its scale format set on the
-    recipe object: FP32 scales (the study's and vLLM's) unless ``power_2_scales``.
+    recipe object: FP32 scales (the study's) unless ``power_2_scales`` (UE8M0, the ``pow2`` format).
 
     TE reads ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES`` once, into class defaults, when its recipe module is
     imported; setting the variable any later changes nothing, so the quantizer parameters are replaced
@@ -137,14 +163,16 @@ def block_scaling_recipe(power_2_scales: bool = False) -> Any:
     return recipe
 
 
-def fp8_context(backend: Backend | None) -> contextlib.AbstractContextManager[Any]:
-    """The context the forward (and backward) pass runs in: TE's FP8 autocast with the blockwise
-    FP32-scaled recipe for ``te``; nothing otherwise (the emulated layers quantize themselves)."""
+def fp8_context(
+    backend: Backend | None, scale_format: ScaleFormat = "fp32"
+) -> contextlib.AbstractContextManager[Any]:
+    """The context the forward (and backward) pass runs in: TE's FP8 autocast with the blockwise recipe
+    in ``scale_format`` for ``te``; nothing otherwise (the emulated layers quantize themselves)."""
     if backend != "te":
         return contextlib.nullcontext()
     import transformer_engine.pytorch as te
 
-    recipe = block_scaling_recipe()
+    recipe = block_scaling_recipe(power_2_scales=scale_format == "pow2")
     if hasattr(te, "autocast"):  # TE >= 2.8; fp8_autocast is deprecated there
         return te.autocast(enabled=True, recipe=recipe)
     return te.fp8_autocast(enabled=True, fp8_recipe=recipe)

@@ -104,7 +104,7 @@ class Learner:
         self.backend: Backend | None = None
         if recipe.train_linears == "fp8":
             self.backend = resolve_backend(config.fp8_backend)
-            convert_linears(self.model, self.backend)
+            convert_linears(self.model, self.backend, recipe.scale_format)
         # Transformer Engine's FP8 GEMMs need the flattened token count to be a multiple of 8 (16 to be
         # safe): with `te`, sequences are padded to 16 positions (masked: nothing sees the padding).
         self.token_multiple = TE_TOKEN_MULTIPLE if self.backend == "te" else 1
@@ -138,7 +138,7 @@ class Learner:
         self, batch: Batch, sampling: SamplingSettings, model: torch.nn.Module | None = None
     ) -> torch.Tensor:
         """Processed logprobs of ``batch.targets`` [B, L-1] (grad flows when enabled by the caller)."""
-        with self.autocast(), fp8_context(self.backend):
+        with self.autocast(), fp8_context(self.backend, self.recipe.scale_format):
             logits = (model or self.model)(
                 input_ids=batch.input_ids, attention_mask=batch.attention_mask
             ).logits
