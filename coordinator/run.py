@@ -176,8 +176,17 @@ def launch_embedded(
 
     logs = run_dir / "logs"
     model = config.model or models.verified(models.TINY_ARITH)
-    redis_url, children["redis-server"] = start_redis(stack, run_dir / "redis", logs / "redis.log")
     dtype = resolve_dtype(config.compute_dtype)
+    from rollout_service.config import RolloutConfig
+    from rollout_service.engine import Platform, unsupported_reason
+
+    reason = unsupported_reason(
+        RolloutConfig(model=model, recipe=config.recipe, dtype=dtype), Platform.here()
+    )
+    if reason:  # refused before anything starts
+        print(f"coordinator: {reason}", file=sys.stderr)
+        raise SystemExit(2)
+    redis_url, children["redis-server"] = start_redis(stack, run_dir / "redis", logs / "redis.log")
     trainer_yaml = run_dir / "trainer.yaml"  # the embedded trainer's whole TrainerConfig, validated here
     trainer_yaml.write_text(
         yaml.safe_dump(embedded_trainer(config, model, dtype, run_dir).model_dump(mode="json"))

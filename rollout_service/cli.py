@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from collections.abc import Callable
 
 from fp8rl.config import add_config_flags, config_from_cli
@@ -22,6 +23,12 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, st
 def main(argv: list[str] | None = None) -> None:
     args, flags = parse_args(argv)
     config = config_from_cli(RolloutConfig, "rollout-service", args, flags)
+    from rollout_service.engine import Platform, unsupported_reason
+
+    reason = unsupported_reason(config, Platform.here())
+    if reason:
+        print(f"rollout-service: {reason}", file=sys.stderr)
+        sys.exit(2)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rollout %(levelname)s %(message)s")
     serve(config)
 

@@ -36,6 +36,10 @@ BLOCK_FP8_QUANT_CONFIG = {
 }
 
 
+class UnsupportedPlatform(ValueError):
+    """This machine cannot serve the configured recipe (the message says why and what to do)."""
+
+
 @dataclass(frozen=True)
 class Sampling:
     """Validated sampling settings for one completion."""
@@ -62,6 +66,53 @@ class FinishedSample:
     logprobs: list[float]  # of each sampled token under the distribution it was sampled from
     text: str
     finish_reason: str
+
+
+@dataclass(frozen=True)
+class Platform:
+    """What the machine offers that a recipe may need."""
+
+    cuda_capability: tuple[int, int] | None  # None: no CUDA device
+    cpu_fp8_kv_cache: bool  # x86 with AVX-512 or AMX: vLLM's CPU attention has FP8-cache kernels
+
+    @classmethod
+    def here(cls) -> Platform:
+        cuda = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+        fp8_kv = torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()
+        return cls(cuda, fp8_kv)
+
+
+def unsupported_reason(config: RolloutConfig, platform: Platform) -> str | None:
+    """Why ``platform`` cannot serve ``config`` as its recipe says (checked before vLLM loads), or None."""
+    recipe = get_recipe(config.recipe)
+    if platform.cuda_capability is None:
+        if recipe.kv_cache_dtype == "fp8" and not platform.cpu_fp8_kv_cache:
+            return (
+                f"recipe {recipe.name}: vLLM's FP8 KV cache on CPU needs x86 with AVX-512 or AMX, which this "
+                "CPU lacks; run it on a CUDA host or an AVX-512 machine, or pick a recipe without -kv"
+            )
+        return None
+    if recipe.fp8_rollout:
+        dtype = config.dtype if config.dtype != "auto" else checkpoint_dtype(config.model)
+        if dtype not in ("bfloat16", "float16"):
+            return (
+                f"dtype {dtype}: vLLM's fp8 method computes in bfloat16 or float16 on CUDA; "
+                "set --dtype bfloat16 (float32 is for CPU exactness runs)"
+            )
+        if platform.cuda_capability < (9, 0):
+            major, minor = platform.cuda_capability
+            return (
+                f"recipe {recipe.name}: block-FP8 GEMMs with quantized activations need compute capability "
+                f"9.0 (Hopper) or newer, this GPU has {major}.{minor} (vLLM would fall back to kernels that "
+                "leave activations unquantized, breaking the FP8 contract); use a bf16 recipe here"
+            )
+    return None
+
+
+def checkpoint_dtype(model_dir: Path) -> str:
+    """The dtype a checkpoint declares in config.json (vLLM's ``auto``), bfloat16 if it declares none."""
+    config = json.loads((model_dir / "config.json").read_text())
+    return str(config.get("dtype") or config.get("torch_dtype") or "bfloat16")
 
 
 def pin_vllm_fp8_environment(scale_format: ScaleFormat, environ: dict[str, str] | None = None) -> None:
@@ -92,6 +143,9 @@ class VllmEngine:
     def __init__(self, config: RolloutConfig) -> None:
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         recipe = get_recipe(config.recipe)
+        reason = unsupported_reason(config, Platform.here())
+        if reason:
+            raise UnsupportedPlatform(reason)
         os.environ.setdefault(
             "VLLM_ENABLE_V1_MULTIPROCESSING", "0" if config.tensor_parallel_size == 1 else "1"
         )
@@ -252,8 +306,9 @@ def fp8_checkpoint(
     state = {k: v for path in weights_files for k, v in load_file(path).items()}
     config = json.loads((model_dir / "config.json").read_text())
     weight_format: WeightFormat = "fp8-block128-pow2" if scale_format == "pow2" else "fp8-block128"
-    declared = config.get("dtype") or config.get("torch_dtype") or "bfloat16"
-    dtype = {"float32": torch.float32, "float16": torch.float16}.get(declared, torch.bfloat16)
+    dtype = {"float32": torch.float32, "float16": torch.float16}.get(
+        checkpoint_dtype(model_dir), torch.bfloat16
+    )
     save_file(dict(build_weight_set(state, weight_format, hp_dtype=dtype).tensors), tmp / "model.safetensors")
     config["quantization_config"] = BLOCK_FP8_QUANT_CONFIG
     (tmp / "config.json").write_text(json.dumps(config, indent=2))

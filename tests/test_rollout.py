@@ -391,3 +391,52 @@ def test_vllm_environment_follows_the_scale_format() -> None:
         assert env == {"VLLM_USE_DEEP_GEMM_E8M0": e8m0, "VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER": "0"}
     with pytest.raises(ValueError, match="VLLM_USE_DEEP_GEMM_E8M0=1 conflicts with the recipe's fp32"):
         pin_vllm_fp8_environment("fp32", {"VLLM_USE_DEEP_GEMM_E8M0": "1"})
+
+
+def test_platform_checks_name_what_the_recipe_needs(tiny_model_dir_f32: Path) -> None:
+    from rollout_service.config import RolloutConfig
+    from rollout_service.engine import Platform, unsupported_reason
+
+    def reason(recipe: str, platform: Platform, dtype: str = "auto") -> str | None:
+        return unsupported_reason(
+            RolloutConfig(model=tiny_model_dir_f32, recipe=recipe, dtype=dtype), platform
+        )  # type: ignore[arg-type]
+
+    avx2, avx512 = Platform(None, cpu_fp8_kv_cache=False), Platform(None, cpu_fp8_kv_cache=True)
+    assert "AVX-512 or AMX" in str(reason("fp8-kv", avx2)) and "AVX-512 or AMX" in str(
+        reason("fp8-kv-pow2", avx2)
+    )
+    assert reason("fp8-kv", avx512) is None and reason("fp8", avx2, "float32") is None
+    hopper, ampere = Platform((9, 0), False), Platform((8, 0), False)
+    assert reason("fp8", hopper, "bfloat16") is None and reason("fp8-kv", hopper, "float16") is None
+    assert "dtype float32" in str(reason("fp8", hopper, "float32"))
+    assert "dtype float32" in str(reason("fp8", hopper))  # auto: the float32 checkpoint's own dtype
+    assert "compute capability 9.0" in str(reason("fp8", ampere, "bfloat16"))
+    assert reason("bf16", ampere, "float32") is None
+
+
+@pytest.mark.skipif(
+    torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported(),
+    reason="this CPU has FP8-KV kernels",
+)
+def test_fp8_kv_is_refused_before_anything_starts_on_a_cpu_without_fp8_kv_kernels(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    for argv in (
+        ["rollout_service.cli", "serve", "--recipe", "fp8-kv", "--port", "0"],
+        [
+            "coordinator.cli",
+            "start",
+            "--recipe",
+            "fp8-kv",
+            "--steps",
+            "1",
+            "--run-dir",
+            str(tmp_path / "run"),
+        ],
+    ):
+        proc = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert "FP8 KV cache on CPU needs x86 with AVX-512 or AMX" in proc.stderr
+    assert not (tmp_path / "run" / "logs" / "rollout.log").exists()
