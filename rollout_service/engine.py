@@ -13,11 +13,13 @@ size. Both are set before vLLM is imported; a conflicting value already in the e
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
-from collections.abc import Mapping
+import tempfile
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -131,8 +133,27 @@ def pin_vllm_fp8_environment(scale_format: ScaleFormat, environ: dict[str, str] 
         env[name] = value
 
 
-def _reload(worker: Any, items: list[tuple[str, torch.Tensor]]) -> None:
-    worker.reload_weights(weights_iterator=iter(items), is_checkpoint_format=True)
+TESTED_VLLM = "0.32.0"
+REFIT_PARAMETERS = ("weights_iterator", "is_checkpoint_format")
+
+
+def check_refit_api(runner_cls: type | None = None) -> None:
+    """Refits call the workers' ``reload_weights(weights_iterator=..., is_checkpoint_format=True)``, which
+    older vLLM versions lack (they have ``reload_weights(self)``): check its signature before loading."""
+    import inspect
+
+    import vllm
+
+    if runner_cls is None:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner as runner_cls  # the CPU runner's base too
+    method = getattr(runner_cls, "reload_weights", None)
+    parameters = inspect.signature(method).parameters if method else {}
+    if not all(name in parameters for name in REFIT_PARAMETERS):
+        raise UnsupportedPlatform(
+            f"vLLM {vllm.__version__}: the model runner has no "
+            f"reload_weights({', '.join(REFIT_PARAMETERS)}), which weight updates use; "
+            f"install vllm=={TESTED_VLLM} (the version this project tests)"
+        )
 
 
 def _named_parameters(worker: Any) -> dict[str, torch.Tensor]:
@@ -161,6 +182,8 @@ class VllmEngine:
         register()
         import vllm
 
+        check_refit_api()
+
         model_dir, quantization, overrides = str(config.model), cast(Any, None), None
         if recipe.fp8_rollout:
             if self.device == "cuda":
@@ -185,6 +208,10 @@ class VllmEngine:
             gpu_memory_utilization=config.gpu_memory_utilization,
             tensor_parallel_size=config.tensor_parallel_size,
         )
+        # One process (the refit hands tensors over directly) or worker processes (it hands over a path).
+        self.in_process = (
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and config.tensor_parallel_size == 1
+        )
         self.llm = vllm.LLM(**self._llm_args)
         self.version = vllm.__version__
         self._engine = self.llm.llm_engine
@@ -201,14 +228,16 @@ class VllmEngine:
         import gc
 
         import vllm
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
         core = getattr(self._engine, "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):
             core.shutdown()
         del self.llm, self._engine
         gc.collect()
+        cleanup_dist_env_and_memory()  # vLLM's own teardown: process groups, then the CUDA cache
         if self.device == "cuda":
-            torch.cuda.empty_cache()
+            check_free_gpu_memory(self._llm_args["gpu_memory_utilization"])
         self.llm = vllm.LLM(**self._llm_args)
         self._engine = self.llm.llm_engine
 
@@ -267,12 +296,55 @@ class VllmEngine:
     def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Refit every worker from checkpoint-format tensors (HF names), then drop the prefix cache: KV
         computed under the old weights must not be reused."""
-        self.llm.collective_rpc(_reload, args=(list(tensors.items()),))
-        self.llm.reset_prefix_cache()
+        # By name: worker processes refuse pickled functions. In-process the tensors go as they are; to
+        # worker processes (tensor parallel > 1, or a separate engine core) vLLM's RPC cannot carry them
+        # (its broadcast re-pickles what msgpack decoded, and memoryviews do not pickle), so they go as a
+        # safetensors checkpoint in shared memory that each worker reads its shard from.
+        if self.in_process:
+            self.llm.collective_rpc(
+                "reload_weights",
+                kwargs={"weights_iterator": list(tensors.items()), "is_checkpoint_format": True},
+            )
+        else:
+            with shared_memory_checkpoint(tensors) as path:
+                self.llm.collective_rpc(
+                    "reload_weights", kwargs={"weights_path": path, "is_checkpoint_format": True}
+                )
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM did not reset its prefix cache after a refit: stale KV could be reused")
 
     def named_parameters(self) -> dict[str, torch.Tensor]:
-        """The weights the first worker computes with, in vLLM's (fused) names."""
+        """The weights the first worker computes with, in vLLM's (fused) names. For inspection and tests:
+        it sends a Python function, which only an in-process engine (tensor parallel 1) accepts."""
         return self.llm.collective_rpc(_named_parameters)[0]
+
+
+@contextlib.contextmanager
+def shared_memory_checkpoint(tensors: Mapping[str, torch.Tensor]) -> Iterator[str]:
+    """``tensors`` as ``model.safetensors`` in a fresh directory in /dev/shm (memory, not disk), removed
+    afterwards; yields the directory."""
+    from safetensors.torch import save_file
+
+    root = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    directory = tempfile.mkdtemp(prefix="fp8rl-refit-", dir=root)
+    try:
+        save_file(
+            {k: v.contiguous() for k, v in tensors.items()}, os.path.join(directory, "model.safetensors")
+        )
+        yield directory
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def check_free_gpu_memory(fraction: float) -> None:
+    """vLLM refuses to start when less than ``fraction`` of the GPU is free; say so plainly first."""
+    free, total = torch.cuda.mem_get_info()
+    if free < fraction * total:
+        raise RuntimeError(
+            f"GPU has {free / 2**30:.1f} of {total / 2**30:.1f} GiB free, the engine needs "
+            f"gpu_memory_utilization={fraction} of it: another process (a trainer on the same GPU?) holds "
+            "the rest; give each service its own GPU or lower gpu_memory_utilization"
+        )
 
 
 def fp8_checkpoint(

@@ -63,7 +63,12 @@ def test_dockerfiles_install_what_make_setup_installs() -> None:
     makefile = (ROOT / "Makefile").read_text()
     uninstalled = re.search(r"pip uninstall -y -q ([\w ]+)", makefile).group(1).split()  # type: ignore[union-attr]
     assert re.search(r"pip install -q -e '\.\[cpu,dev\]'", makefile)
-    for dockerfile, extra in (("Dockerfile", "cpu"), ("Dockerfile.gpu", "gpu")):
+    images = (
+        ("Dockerfile", "cpu"),
+        ("Dockerfile.rollout-gpu", "gpu-rollout"),
+        ("Dockerfile.trainer-gpu", "gpu-trainer"),
+    )
+    for dockerfile, extra in images:
         text = (ROOT / dockerfile).read_text()
         assert f'".[{extra}]"' in text, dockerfile  # the pinned extra from pyproject.toml, nothing by hand
         assert re.search(r"pip uninstall -y " + " ".join(uninstalled), text), dockerfile
@@ -71,10 +76,24 @@ def test_dockerfiles_install_what_make_setup_installs() -> None:
         assert not re.search(r"pip install [^\n]*==", text), (
             f"{dockerfile} pins a version outside pyproject.toml"
         )
+        if extra != "cpu":  # the GPU images keep their base's torch: pip runs under the image's own pins
+            assert "-c /tmp/image-constraints.txt" in text and "torch==" in text, dockerfile
+
+
+def test_gpu_compose_gives_each_service_its_own_image_and_device() -> None:
     gpu = yaml.safe_load((ROOT / "docker-compose.gpu.yml").read_text())
-    assert (
-        gpu["services"]["trainer"]["deploy"]["resources"]["reservations"]["devices"][0]["driver"] == "nvidia"
-    )
+    services = gpu["services"]
+    assert services["rollout"]["build"]["dockerfile"] == "Dockerfile.rollout-gpu"
+    assert services["trainer"]["build"]["dockerfile"] == "Dockerfile.trainer-gpu"
+    assert services["coordinator"]["image"] == services["trainer"]["image"]
+    devices = {
+        name: services[name]["deploy"]["resources"]["reservations"]["devices"][0]
+        for name in ("rollout", "trainer")
+    }
+    assert all(d["driver"] == "nvidia" and "count" not in d for d in devices.values())
+    chosen = {name: interpolate(d["device_ids"][0], {}) for name, d in devices.items()}
+    assert chosen == {"rollout": "0", "trainer": "1"}
+    assert interpolate(devices["trainer"]["device_ids"][0], {"FP8RL_TRAINER_GPU": "0"}) == "0"
 
 
 class LocalCompose:

@@ -170,3 +170,19 @@ def test_te_recipe_has_fp32_scales_whatever_the_environment_said() -> None:
         2,
         1,
     )
+
+
+def test_auto_backend_never_falls_back_to_the_emulation_on_cuda() -> None:
+    from trainer_service.fp8_linear import resolve_backend
+
+    assert resolve_backend("auto", cuda=False) == "emulated"
+    assert resolve_backend("emulated", cuda=True) == "emulated"
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except ImportError:
+        with pytest.raises(
+            RuntimeError, match=r"Transformer Engine cannot be imported.*fp8_backend: emulated"
+        ):
+            resolve_backend("auto", cuda=True)
+    else:
+        assert resolve_backend("auto", cuda=True) == "te"

@@ -358,6 +358,21 @@ def test_an_engine_that_fails_midway_is_healed_by_a_keyframe(rollout_fp8: InProc
     assert error.mean() < 1e-2 and error.max() < 0.1
 
 
+def test_a_refit_whose_prefix_cache_is_not_reset_fails_and_heals(
+    rollout_fp8: InProcessRollout, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's reset_prefix_cache() returns False when it could not drop the cache: KV computed under the
+    old weights could then be reused, so the refit fails (and the replica heals with a keyframe)."""
+    stub, engine = rollout_fp8.stub, rollout_fp8.service.engine
+    monkeypatch.setattr(engine.llm, "reset_prefix_cache", lambda *args, **kwargs: False)
+    with pytest.raises(grpc.RpcError) as err:
+        push_keyframe(rollout_fp8, random_state(rollout_fp8.model_dir, 0), version=60)
+    assert "prefix cache" in err.value.details()
+    assert stub.GetStatus(common_pb2.GetStatusRequest(), timeout=10).needs_keyframe
+    healed = push_keyframe(rollout_fp8, random_state(rollout_fp8.model_dir, 0), version=61)  # a fresh engine
+    assert_engine_holds(rollout_fp8, healed)
+
+
 def test_replica_refuses_scales_outside_the_contract(tiny_model_dir_f32: Path) -> None:
     """Scales must be positive and finite, and powers of two when the replica serves pow2 weights."""
     from fp8rl.errors import InvalidRequest
@@ -440,3 +455,20 @@ def test_fp8_kv_is_refused_before_anything_starts_on_a_cpu_without_fp8_kv_kernel
         assert proc.returncode == 2, proc.stderr[-2000:]
         assert "FP8 KV cache on CPU needs x86 with AVX-512 or AMX" in proc.stderr
     assert not (tmp_path / "run" / "logs" / "rollout.log").exists()
+
+
+def test_refit_api_is_checked_before_the_engine_loads() -> None:
+    """The installed vLLM has the refit signature; a vLLM whose runner has the old ``reload_weights(self)``
+    (before 2026) is refused with the version to install."""
+    from rollout_service.engine import TESTED_VLLM, UnsupportedPlatform, check_refit_api
+
+    check_refit_api()
+
+    class OldRunner:
+        def reload_weights(self) -> None: ...
+
+    class NoRunnerMethod: ...
+
+    for runner in (OldRunner, NoRunnerMethod):
+        with pytest.raises(UnsupportedPlatform, match=f"install vllm=={TESTED_VLLM}"):
+            check_refit_api(runner)

@@ -91,16 +91,22 @@ def block_linears(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Linear
             yield name, module
 
 
-def resolve_backend(requested: str) -> Backend:
-    """``auto`` -> ``te`` on CUDA when Transformer Engine imports, else ``emulated``."""
+def resolve_backend(requested: str, cuda: bool | None = None) -> Backend:
+    """``auto`` -> ``te`` on CUDA, ``emulated`` elsewhere. On CUDA without an importable Transformer
+    Engine ``auto`` fails: training there with the emulation is slow and is only done when asked for."""
     if requested in ("emulated", "te"):
         return requested  # type: ignore[return-value]
-    if torch.cuda.is_available():
-        with contextlib.suppress(ImportError):
-            import transformer_engine.pytorch  # noqa: F401
-
-            return "te"
-    return "emulated"
+    if not (torch.cuda.is_available() if cuda is None else cuda):
+        return "emulated"
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except ImportError as exc:
+        raise RuntimeError(
+            f"fp8_backend auto: CUDA is present but Transformer Engine cannot be imported ({exc}); use the "
+            "trainer GPU image (Dockerfile.trainer-gpu) or install the gpu-trainer extra, or set "
+            "fp8_backend: emulated to train with the emulation on purpose"
+        ) from exc
+    return "te"
 
 
 def convert_linears(model: torch.nn.Module, backend: Backend, scale_format: ScaleFormat = "fp32") -> int:

@@ -1,0 +1,211 @@
+"""The proof on a GPU host: each check of the CUDA paths prints one PASS / FAIL / SKIP line with its figure.
+
+    scripts/gpu_checks.sh            # versions, the tests marked gpu, then these checks
+
+(a) TE's blockwise quantizers against fp8rl.quant (each scale format) and our CUDA codes against CPU's;
+(b) a rollout engine per FP8 recipe (fp8, fp8-kv): load, keyframe and delta refits with a bit-exact
+    readback of one layer's codes, then two restarts with the free GPU memory printed;
+(c) a 10-step `coordinator start --recipe fp8 --compute-dtype bfloat16` and its median token_mult_prob_error;
+(d) FP8 against BF16 GEMM time for the model's linear shapes.
+(a) and (d) need only torch (TE's part of (a) is skipped without it); (b) and (c) need vLLM and TE.
+Installs nothing. Exits 1 if any check failed.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from fp8rl import quant  # noqa: E402
+from fp8rl.recipes import WeightFormat  # noqa: E402
+
+results: list[str] = []
+
+
+def check(name: str, run: Callable[[], str]) -> None:
+    """Run one check; it returns its figure, raises AssertionError to fail, or SkipCheck to skip."""
+    try:
+        line = f"PASS {name}: {run()}"
+    except SkipCheck as skip:
+        line = f"SKIP {name}: {skip}"
+    except Exception as exc:  # a check that raises fails; the others still run
+        traceback.print_exc()
+        line = f"FAIL {name}: {type(exc).__name__}: {exc}"
+    results.append(line)
+    print(line, flush=True)
+
+
+class SkipCheck(Exception):
+    pass
+
+
+def quantizers() -> str:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 1024, generator=g) * 10.0 ** torch.randint(-3, 4, (512, 1), generator=g)
+    q_cpu, s_cpu = quant.quantize_activation(x)
+    q_gpu, s_gpu = quant.quantize_activation(x.cuda())
+    assert torch.equal(q_gpu.cpu().view(torch.uint8), q_cpu.view(torch.uint8)) and torch.equal(
+        s_gpu.cpu(), s_cpu
+    )
+    try:
+        import transformer_engine_torch as tex
+        from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockQuantizer
+    except ImportError:
+        return "CUDA codes = CPU codes (Transformer Engine not installed: its quantizers not compared)"
+    xc = x.cuda()
+    for fmt in quant.SCALE_FORMATS:
+        ours = {
+            (1, True): quant.fake_quantize_activation(xc, scale_format=fmt),
+            (2, True): quant.fake_quantize_weight(xc, scale_format=fmt),
+            (1, False): quant.fake_quantize_columnwise(xc, scale_format=fmt),
+        }
+        for (dim, rowwise), want in ours.items():
+            te = Float8BlockQuantizer(
+                tex.DType.kFloat8E4M3,
+                rowwise=rowwise,
+                columnwise=not rowwise,
+                amax_epsilon=0.0,
+                force_pow_2_scales=fmt == "pow2",
+                block_scaling_dim=dim,
+            )
+            got = te(xc).dequantize(dtype=torch.float32)
+            differ = (got != want).sum().item()
+            assert differ == 0, f"{fmt} dim={dim} rowwise={rowwise}: {differ} values differ"
+    return "CUDA codes = CPU codes; TE 1x128 rowwise, 1x128 columnwise, 128x128 = fp8rl.quant (fp32, pow2)"
+
+
+def rollout_refits(recipe: str) -> Callable[[], str]:
+    def run() -> str:
+        try:
+            import vllm  # noqa: F401
+        except ImportError as exc:
+            raise SkipCheck("vLLM not installed") from exc
+        from fp8rl import models
+        from fp8rl.weights import build_weight_set
+        from rollout_service.config import RolloutConfig
+        from rollout_service.engine import VllmEngine
+
+        config = RolloutConfig(recipe=recipe, dtype="bfloat16", gpu_memory_utilization=0.3)
+        engine = VllmEngine(config)
+        from safetensors.torch import load_file
+
+        state = load_file(models.verified(models.TINY_ARITH) / "model.safetensors")
+        g = torch.Generator().manual_seed(1)
+        name = "model.layers.0.mlp.down_proj.weight"
+        for _ in range(2):  # a keyframe, then a changed set (what a delta applies)
+            state = {
+                k: v + 0.01 * v.float().std() * torch.randn(v.shape, generator=g) if v.ndim == 2 else v
+                for k, v in state.items()
+            }
+            sent = build_weight_set(state, get_format(recipe), torch.bfloat16).tensors
+            engine.load_weights(sent)
+        held = engine.named_parameters()
+        codes = next(v for k, v in held.items() if k.endswith("mlp.down_proj.weight"))
+        assert codes.dtype == torch.float8_e4m3fn, codes.dtype
+        assert torch.equal(codes.view(torch.uint8), sent[name].view(torch.uint8)), (
+            "held codes differ from sent"
+        )
+        free = []
+        for _ in range(2):
+            engine.restart()
+            free.append(torch.cuda.mem_get_info()[0] / 2**30)
+        return f"refits bit-exact; free GiB after restarts {free[0]:.1f}, {free[1]:.1f}"
+
+    return run
+
+
+def get_format(recipe: str) -> WeightFormat:
+    from fp8rl.recipes import get_recipe
+
+    return get_recipe(recipe).rollout_weights
+
+
+def short_run() -> str:
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+        import vllm  # noqa: F401
+    except ImportError as exc:
+        raise SkipCheck(f"needs vLLM and Transformer Engine ({exc})") from exc
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir = Path(tmp) / "run"
+        cmd = [
+            sys.executable,
+            "-m",
+            "coordinator.cli",
+            "start",
+            "--recipe",
+            "fp8",
+            "--steps",
+            "10",
+            "--compute-dtype",
+            "bfloat16",
+            "--run-dir",
+            str(run_dir),
+            "--progress",
+            "plain",
+        ]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        errors = sorted(
+            json.loads(line)["token_mult_prob_error"]
+            for line in (run_dir / "metrics.jsonl").read_text().splitlines()[1:]
+        )
+        median = errors[len(errors) // 2]
+        assert median < 1.05, f"median token_mult_prob_error {median:.5f}"
+        return f"median token_mult_prob_error {median:.5f} over {len(errors)} steps"
+
+
+def seconds(fn: Callable[[], object]) -> float:
+    """Mean CUDA time of ``fn`` over 20 calls after 3 warm-up calls."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / 20
+
+
+def gemm_speedup(m: int, n: int, k: int) -> float:
+    """BF16 time over per-tensor-scaled FP8 time of an [m, k] x [k, n] GEMM."""
+    a, b = torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda")
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device="cuda")
+    fp8 = seconds(lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
+    bf_a, bf_b = a.bfloat16(), b.bfloat16().t()
+    return seconds(lambda: bf_a @ bf_b) / fp8
+
+
+def gemm_times() -> str:
+    """Qwen2.5-1.5B's linear shapes (N, K) at 4096 tokens: per-tensor-scaled FP8 vs BF16."""
+    shapes = [(2048, 1536), (256, 1536), (1536, 1536), (17920, 1536), (1536, 8960)]
+    return "FP8 speed-up over BF16: " + ", ".join(
+        f"{n}x{k} {gemm_speedup(4096, n, k):.2f}x" for n, k in shapes
+    )
+
+
+def main() -> int:
+    assert torch.cuda.is_available(), "no CUDA device"
+    check("a quantizers", quantizers)
+    for recipe in ("fp8", "fp8-kv"):
+        check(f"b rollout refits {recipe}", rollout_refits(recipe))
+    check("c 10-step fp8 run", short_run)
+    check("d GEMM time", gemm_times)
+    print("\n".join(results))
+    return 1 if any(line.startswith("FAIL") for line in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
