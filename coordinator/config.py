@@ -93,6 +93,9 @@ class CoordinatorConfig(BaseModel):
     """Validation problems (the most kept from a held-out split or val_dataset)."""
     mult_prob_warn: float = Field(1.05, gt=1)
     """Warn when token_mult_prob_error exceeds this."""
+    max_restarts: int = Field(3, ge=0)
+    """Embedded mode: how many times the processes are restarted after a child (redis-server, trainer,
+    rollout) died, before the run gives up."""
     compute_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """Embedded mode: compute dtype of trainer and rollout. `auto`: bf16 on CUDA, float32 on CPU (bf16
     matmuls are slow on CPUs without AMX, and float32 keeps the comparison of recipes clean)."""

@@ -69,7 +69,10 @@ class Driver:
 
     # -- the run ------------------------------------------------------------------------------------
     def run(self) -> list[dict[str, Any]]:
-        self.store.acquire(f"{socket.gethostname()}:{os.getpid()}", LEASE_TTL_S, coordinator_is_dead)
+        me = f"{socket.gethostname()}:{os.getpid()}"
+        # A lease this very process holds is an earlier attempt's (the supervisor restarted the run's
+        # processes after a crash): take it over like a dead coordinator's.
+        self.store.acquire(me, LEASE_TTL_S, lambda holder: holder == me or coordinator_is_dead(holder))
         renewer = threading.Thread(target=self._renew_lease, name="lease", daemon=True)
         renewer.start()
         try:

@@ -104,7 +104,12 @@ def wait_healthy(child: Child, address: str, service: str, timeout: float = 600)
 
 
 def start_redis(
-    stack: ExitStack, data_dir: Path, log: Path, port: int | None = None, aof: bool = True
+    stack: ExitStack,
+    data_dir: Path,
+    log: Path,
+    port: int | None = None,
+    aof: bool = True,
+    watch: list[Child] | None = None,
 ) -> tuple[str, int]:
     """A private redis-server on loopback keeping its files in ``data_dir``; with ``aof`` every write is
     fsynced to an append-only file, so a restart on the same ``data_dir`` resumes. Returns its URL and
@@ -117,6 +122,8 @@ def start_redis(
         args += ["--appendonly", "yes", "--appendfsync", "always"]
     child = Child("redis-server", args, log)
     stack.callback(child.stop)
+    if watch is not None:
+        watch.append(child)
     url = f"redis://127.0.0.1:{port}/0"
     import redis
 

@@ -40,7 +40,7 @@ def start(config: CoordinatorConfig) -> int:
                     file=sys.stderr,
                 )
                 return 3
-            return drive(config, run_id, run_dir, stack)
+            return supervise(config, run_id, run_dir)
     except KeyboardInterrupt:
         print(f"coordinator: interrupted; resume with --run-id {run_id}", file=sys.stderr)
         return 130
@@ -73,7 +73,41 @@ def _interrupt(*_: object) -> None:
     raise KeyboardInterrupt
 
 
-def drive(config: CoordinatorConfig, run_id: str, run_dir: Path, stack: ExitStack) -> int:
+def supervise(config: CoordinatorConfig, run_id: str, run_dir: Path) -> int:
+    """Drive the run. Embedded, when a child process (redis-server, trainer, rollout) dies, the others are
+    stopped and all three started again, and the run goes on from Redis' append-only file and the
+    trainer's last checkpoint (the resume path of a rerun): at most ``max_restarts`` times, waiting 1, 2,
+    4... s between attempts; each restart is recorded as a `restart` event."""
+    from coordinator.processes import Child
+
+    restarts: list[str] = []
+    while True:
+        watched: list[Child] = []
+        with ExitStack() as stack:
+            try:
+                return drive(config, run_id, run_dir, stack, watched, restarts)
+            except Exception as exc:
+                dead = [c for c in watched if c.proc.poll() is not None]
+                if not (config.embedded and dead) or len(restarts) >= config.max_restarts:
+                    raise
+                what = ", ".join(f"{c.name} (exit status {c.proc.returncode})" for c in dead)
+                restarts.append(f"{what} died ({type(exc).__name__}); restarted the run's processes")
+                print(
+                    f"coordinator: {what} died; restarting ({len(restarts)}/{config.max_restarts})",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        time.sleep(min(2 ** (len(restarts) - 1), 30))
+
+
+def drive(
+    config: CoordinatorConfig,
+    run_id: str,
+    run_dir: Path,
+    stack: ExitStack,
+    watched: list[Any] | None = None,
+    restarts: list[str] | None = None,
+) -> int:
     import redis
 
     from coordinator.clients import RolloutPool, TrainerClient
@@ -86,11 +120,18 @@ def drive(config: CoordinatorConfig, run_id: str, run_dir: Path, stack: ExitStac
     task = build_task(config)
     children: dict[str, int] = {}
     if config.embedded:
-        redis_url, trainer_address, rollouts = launch_embedded(config, run_dir, stack, children)
+        redis_url, trainer_address, rollouts = launch_embedded(config, run_dir, stack, children, watched)
     else:
         redis_url, trainer_address = str(config.redis_url), str(config.trainer)
         rollouts = list(config.rollout)
-    info = {"run_id": run_id, "redis_url": redis_url, "pid": os.getpid(), "children": children}
+    info = {
+        "run_id": run_id,
+        "redis_url": redis_url,
+        "pid": os.getpid(),
+        "children": children,
+        "trainer": trainer_address,
+        "rollouts": rollouts,
+    }
     (run_dir / "run.json").write_text(json.dumps(info))
     client = redis.Redis.from_url(str(redis_url))
     store = RunStore(client, run_id)
@@ -99,6 +140,8 @@ def drive(config: CoordinatorConfig, run_id: str, run_dir: Path, stack: ExitStac
     except ConfigMismatch as exc:
         print(f"coordinator: {exc}", file=sys.stderr)
         return 2
+    if restarts:
+        store.event("restart", restarts[-1], store.read().step)
     addresses = (lambda: rollouts) if rollouts else (lambda: sorted(live_replicas(client)))
     trainer = TrainerClient(str(trainer_address))
     pool = RolloutPool(addresses)
@@ -168,9 +211,14 @@ def embedded_trainer(config: CoordinatorConfig, model: Path, dtype: str, run_dir
 
 
 def launch_embedded(
-    config: CoordinatorConfig, run_dir: Path, stack: ExitStack, children: dict[str, int]
+    config: CoordinatorConfig,
+    run_dir: Path,
+    stack: ExitStack,
+    children: dict[str, int],
+    watched: list[Any] | None = None,
 ) -> tuple[str, str, list[str]]:
-    """Start redis-server, the trainer and one rollout replica; ``children`` gets their PIDs."""
+    """Start redis-server, the trainer and one rollout replica; ``children`` gets their PIDs, ``watched``
+    their processes."""
     from coordinator.processes import Child, python_module, start_redis, wait_healthy
     from fp8rl.serving import PARENT_ENV
 
@@ -186,7 +234,9 @@ def launch_embedded(
     if reason:  # refused before anything starts
         print(f"coordinator: {reason}", file=sys.stderr)
         raise SystemExit(2)
-    redis_url, children["redis-server"] = start_redis(stack, run_dir / "redis", logs / "redis.log")
+    redis_url, children["redis-server"] = start_redis(
+        stack, run_dir / "redis", logs / "redis.log", watch=watched
+    )
     trainer_yaml = run_dir / "trainer.yaml"  # the embedded trainer's whole TrainerConfig, validated here
     trainer_yaml.write_text(
         yaml.safe_dump(embedded_trainer(config, model, dtype, run_dir).model_dump(mode="json"))
@@ -211,6 +261,8 @@ def launch_embedded(
     rollout = Child("rollout", python_module("rollout_service.cli", *rollout_args), logs / "rollout.log", env)
     stack.callback(rollout.stop)
     children |= {"trainer": trainer.pid, "rollout": rollout.pid}
+    if watched is not None:
+        watched += [trainer, rollout]
     trainer_address, rollout_address = trainer.bound_address(), rollout.bound_address()
     wait_healthy(trainer, trainer_address, "fp8rl.v1.Trainer")
     wait_healthy(rollout, rollout_address, "fp8rl.v1.Rollout")

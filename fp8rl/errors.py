@@ -21,6 +21,10 @@ class NotReady(RuntimeError):
     """The server cannot take the request yet (engine loading, shutting down); retrying is safe."""
 
 
+class Overloaded(RuntimeError):
+    """The server is at a configured capacity (queued samples, concurrent calls); retry later."""
+
+
 class Cancelled(RuntimeError):
     """The caller went away; the work it asked for was abandoned."""
 

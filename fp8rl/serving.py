@@ -6,6 +6,7 @@ returned, so tests never race for fixed ports.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -13,7 +14,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -28,6 +29,7 @@ from fp8rl.errors import (
     CorruptUpdateError,
     InvalidRequest,
     NotReady,
+    Overloaded,
     PreconditionFailed,
 )
 
@@ -43,10 +45,12 @@ STATUS_OF: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (BaseMismatchError, grpc.StatusCode.FAILED_PRECONDITION),
     (PreconditionFailed, grpc.StatusCode.FAILED_PRECONDITION),
     (NotReady, grpc.StatusCode.UNAVAILABLE),
+    (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (Cancelled, grpc.StatusCode.CANCELLED),
 ]
 
 Method = TypeVar("Method", bound=Callable[..., Any])
+T = TypeVar("T")
 
 
 def status_of(exc: BaseException) -> grpc.StatusCode:
@@ -129,6 +133,51 @@ def enable_reflection(server: grpc.Server, service_names: Sequence[str]) -> None
     )
 
 
+class Capacity:
+    """At most ``limit`` concurrent calls of one kind; one more is refused at once (RESOURCE_EXHAUSTED), so
+    slow or stalled calls never hold every server thread and health and status always get one."""
+
+    def __init__(self, what: str, limit: int) -> None:
+        self.what, self.limit = what, limit
+        self._slots = threading.BoundedSemaphore(limit)
+
+    @contextlib.contextmanager
+    def slot(self) -> Iterator[None]:
+        if not self._slots.acquire(blocking=False):
+            raise Overloaded(f"{self.what}: {self.limit} calls in flight already; retry later")
+        try:
+            yield
+        finally:
+            self._slots.release()
+
+
+def idle_limited(items: Iterable[T], context: grpc.ServicerContext, idle_s: float) -> Iterator[T]:
+    """``items`` of a client stream; the RPC is cancelled (freeing its thread) when the client sends
+    nothing for ``idle_s`` seconds. Only the wait for the client counts, not the time spent on an item."""
+    timer: threading.Timer | None = None
+
+    def arm() -> None:
+        nonlocal timer
+        timer = threading.Timer(idle_s, context.cancel)
+        timer.daemon = True
+        timer.start()
+
+    try:
+        arm()
+        for item in items:
+            assert timer is not None
+            timer.cancel()
+            yield item
+            arm()
+    finally:
+        if timer is not None:
+            timer.cancel()
+
+
+RESERVED_THREADS = 4
+"""Server threads no capacity-limited call kind may take: health, status and reflection keep them."""
+
+
 def start_server(
     register: Callable[[grpc.Server], None],
     service_names: Sequence[str],
@@ -144,7 +193,12 @@ def start_server(
     RESOURCE_EXHAUSTED) raises ``max_receive_bytes`` and checks sizes in its handlers.
     """
     options = [("grpc.max_receive_message_length", max_receive_bytes)]
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=options)
+    # Calls beyond the threads wait in gRPC's queue, up to a bound; past it gRPC answers RESOURCE_EXHAUSTED.
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers),
+        options=options,
+        maximum_concurrent_rpcs=4 * max_workers,
+    )
     register(server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

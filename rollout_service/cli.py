@@ -40,7 +40,7 @@ def serve(config: RolloutConfig) -> None:
     from rollout_service.service import RolloutService
     from rollout_service.servicer import SERVICE_NAME, RolloutServicer
 
-    servicer = RolloutServicer()
+    servicer = RolloutServicer(generate_slots=config.max_concurrent_generate)
     http = None
     if config.http_port is not None:
         from rollout_service.openai_api import HttpServer

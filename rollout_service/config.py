@@ -38,6 +38,15 @@ class RolloutConfig(BaseModel):
     """Completion tokens for a request that leaves max_tokens unset (capped by the context left)."""
     max_request_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     """Largest accepted Generate request, in serialized bytes."""
+    max_samples_per_request: int = Field(4096, ge=1)
+    """Largest prompts x n of one Generate request; more is refused (RESOURCE_EXHAUSTED)."""
+    max_queued_samples: int = Field(16384, ge=1)
+    """Samples queued or generating at once; a request that would pass it is refused (RESOURCE_EXHAUSTED)."""
+    max_concurrent_generate: int = Field(12, ge=1, le=12)
+    """Generate / GenerateStream calls served at once (of 16 server threads; 4 stay with health and status);
+    one more is refused (RESOURCE_EXHAUSTED)."""
+    stream_idle_s: float = Field(30.0, gt=0)
+    """An UpdateWeights stream that sends nothing for this long is cancelled, freeing its thread."""
     kv_cache_gib: float = Field(1.0, gt=0)
     """KV-cache space on CPU (VLLM_CPU_KVCACHE_SPACE), GiB."""
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)

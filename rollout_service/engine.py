@@ -220,6 +220,7 @@ class VllmEngine:
         self.max_model_len: int = model_config.max_model_len
         self.vocab_size: int = model_config.get_vocab_size()
         self.eos_token_id = self.tokenizer.eos_token_id
+        self.longest_token_bytes = max(len(t.encode()) for t in self.tokenizer.get_vocab())
 
     def restart(self) -> None:
         """A fresh engine on the checkpoint the replica started from. vLLM's in-place reload cannot be

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from fp8rl.errors import Cancelled, NotReady, PreconditionFailed
+from fp8rl.errors import Cancelled, NotReady, Overloaded, PreconditionFailed
 from rollout_service.engine import EngineRequest, FinishedSample
 
 log = logging.getLogger(__name__)
@@ -57,8 +57,9 @@ class _Job:
 
 
 class GenerationLoop:
-    def __init__(self, engine: Engine, version: int = ANY_VERSION) -> None:
+    def __init__(self, engine: Engine, version: int = ANY_VERSION, max_queued: int = 1 << 62) -> None:
         self.engine = engine
+        self.max_queued = max_queued  # samples queued or generating; beyond it submit() is refused
         self.version = version
         self.needs_keyframe = False
         self.tokens_generated = 0
@@ -93,6 +94,12 @@ class GenerationLoop:
             if required_version not in (ANY_VERSION, self.version):
                 raise PreconditionFailed(
                     f"replica holds weight version {self.version}, not {required_version}"
+                )
+            waiting = len(self._pending) + len(self._active)
+            if waiting + len(requests) > self.max_queued:
+                raise Overloaded(
+                    f"{waiting} samples are queued or generating; {len(requests)} more would pass the "
+                    f"replica's limit of {self.max_queued} (max_queued_samples); retry later"
                 )
             ticket = Ticket(self.version, len(requests), request_ids=[r.request_id for r in requests])
             self._pending += [(r, ticket) for r in requests]
@@ -158,8 +165,17 @@ class GenerationLoop:
         self, admitted: list[tuple[EngineRequest, Ticket]], aborts: list[str], job: _Job | None
     ) -> None:
         try:
+            failed: set[int] = set()
             for request, ticket in admitted:
-                self.engine.add(request)
+                if id(ticket) in failed:
+                    continue
+                try:
+                    self.engine.add(request)
+                except Exception as exc:  # the engine refused it: fail that submission only
+                    log.warning("engine refused request %s: %s", request.request_id, exc)
+                    failed.add(id(ticket))
+                    self._fail_ticket(ticket, exc)
+                    continue
                 self._active[request.request_id] = ticket
             if aborts:
                 self.engine.abort(aborts)
@@ -187,6 +203,15 @@ class GenerationLoop:
         finally:
             log.info("exclusive engine job took %.3fs", time.perf_counter() - start)
             job.done.set()
+
+    def _fail_ticket(self, ticket: Ticket, exc: BaseException) -> None:
+        """Fail one submission: abort what of it the engine already holds; its iterator raises ``exc``."""
+        held = [rid for rid, t in self._active.items() if t is ticket]
+        for rid in held:
+            del self._active[rid]
+        if held:
+            self.engine.abort(held)
+        ticket._results.put(exc)
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._cond:

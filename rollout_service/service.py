@@ -131,13 +131,16 @@ class RolloutService:
         self.config = config
         self.engine = engine
         self.recipe = get_recipe(config.recipe)
-        self.loop = GenerationLoop(engine)
+        self.loop = GenerationLoop(engine, max_queued=config.max_queued_samples)
         self.limits = Limits(
             engine.max_model_len,
             engine.vocab_size,
             config.max_n,
             config.max_request_bytes,
             config.default_max_tokens,
+            max_samples=config.max_samples_per_request,
+            # A token is at most the longest vocabulary entry: a longer text has more tokens than fit.
+            max_prompt_bytes=engine.max_model_len * engine.longest_token_bytes,
         )
         self.tokenizer = Tokenizer(
             engine.tokenize, engine.tokenize_chat if engine.has_chat_template else None

@@ -7,7 +7,7 @@ from collections.abc import Iterable, Iterator
 import grpc
 
 from fp8rl.errors import NotReady
-from fp8rl.serving import map_errors
+from fp8rl.serving import Capacity, idle_limited, map_errors
 from fp8rl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, weights_pb2
 from fp8rl.weight_stream import receive_update
 from rollout_service.service import RolloutService
@@ -18,8 +18,10 @@ SERVICE_NAME = "fp8rl.v1.Rollout"
 class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     """Serves as soon as it is bound; every call answers UNAVAILABLE until the engine is attached."""
 
-    def __init__(self, service: RolloutService | None = None) -> None:
+    def __init__(self, service: RolloutService | None = None, generate_slots: int = 12) -> None:
         self._service = service
+        self.generating = Capacity("Generate", generate_slots)
+        self.updating = Capacity("UpdateWeights", 2)  # one applying, the next one arriving
 
     def attach(self, service: RolloutService) -> None:
         self._service = service
@@ -34,10 +36,11 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     def Generate(
         self, request: rollout_pb2.GenerateRequest, context: grpc.ServicerContext
     ) -> rollout_pb2.GenerateResponse:
-        generation = self.service.generate(request)
-        context.add_callback(generation.cancel)  # runs at the end of every RPC; a no-op once all finished
-        order = {p.id or str(i): i for i, p in enumerate(request.prompts)}
-        completions = sorted(generation, key=lambda c: (order[c.prompt_id], c.sample_index))
+        with self.generating.slot():
+            generation = self.service.generate(request)
+            context.add_callback(generation.cancel)  # runs at the end of every RPC; no-op once all finished
+            order = {p.id or str(i): i for i, p in enumerate(request.prompts)}
+            completions = sorted(generation, key=lambda c: (order[c.prompt_id], c.sample_index))
         version = completions[0].weight_version if completions else self.service.version
         usage = rollout_pb2.Usage(
             prompt_tokens=sum(len(c.prompt_token_ids) for c in completions if c.sample_index == 0),
@@ -49,16 +52,19 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     def GenerateStream(
         self, request: rollout_pb2.GenerateRequest, context: grpc.ServicerContext
     ) -> Iterator[rollout_pb2.Completion]:
-        generation = self.service.generate(request)
-        context.add_callback(generation.cancel)  # the client went away: abort what is left
-        yield from generation
+        with self.generating.slot():
+            generation = self.service.generate(request)
+            context.add_callback(generation.cancel)  # the client went away: abort what is left
+            yield from generation
 
     @map_errors
     def UpdateWeights(
         self, request_iterator: Iterable[weights_pb2.WeightChunk], context: grpc.ServicerContext
     ) -> weights_pb2.UpdateWeightsResponse:
-        header, blob = receive_update(request_iterator, self.service.max_update_bytes)
-        result = self.service.update_weights(header, blob)
+        with self.updating.slot():
+            chunks = idle_limited(request_iterator, context, self.service.config.stream_idle_s)
+            header, blob = receive_update(chunks, self.service.max_update_bytes)
+            result = self.service.update_weights(header, blob)
         return weights_pb2.UpdateWeightsResponse(
             version=result.version,
             encoding=result.encoding,

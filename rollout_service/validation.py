@@ -7,7 +7,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from fp8rl.errors import InvalidRequest
+from fp8rl.errors import InvalidRequest, Overloaded
 from fp8rl.sampling import sampling_settings
 from fp8rl.v1 import common_pb2, rollout_pb2
 from rollout_service.engine import EngineRequest, Sampling
@@ -21,6 +21,8 @@ class Limits:
     max_n: int
     max_request_bytes: int
     default_max_tokens: int  # for a request that leaves sampling.max_tokens unset (RolloutConfig's)
+    max_samples: int = 1 << 62  # prompts x n of one request
+    max_prompt_bytes: int = 1 << 62  # a text longer than this cannot fit the context: refused untokenized
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,13 @@ def prompt_token_ids(
 ) -> list[int]:
     field = f"prompts[{index}]"
     kind = prompt.WhichOneof("input")
+    text_bytes = len(prompt.text.encode()) + sum(len(m.content.encode()) for m in prompt.messages.messages)
+    if text_bytes > limits.max_prompt_bytes:  # checked before the tokenizer spends time and memory on it
+        raise InvalidRequest(
+            field,
+            f"{text_bytes} bytes of text cannot fit a context of {limits.max_model_len} tokens "
+            f"(at most {limits.max_prompt_bytes} bytes)",
+        )
     if kind == "text":
         ids = tokenize.text(prompt.text)
     elif kind == "messages":
@@ -118,6 +127,12 @@ def parse_generate(
     n = request.n if request.HasField("n") else 1
     if not 1 <= n <= limits.max_n:
         raise InvalidRequest("n", f"must lie in [1, {limits.max_n}], got {n}")
+    samples = len(request.prompts) * n
+    if samples > limits.max_samples:
+        raise Overloaded(
+            f"prompts x n: {samples} samples pass the per-request limit of {limits.max_samples} "
+            "(max_samples_per_request); split the request"
+        )
     sampling = parse_sampling(request.sampling, limits.max_model_len, limits.default_max_tokens)
     tag = request.request_id or "req"
     batch = f"{tag}-{uuid.uuid4().hex[:12]}"

@@ -59,6 +59,7 @@ class InProcessRollout:
     channel: grpc.Channel
     stub: Any
     model_dir: Path
+    servicer: Any = None
 
 
 @pytest.fixture(scope="session")
@@ -86,7 +87,7 @@ def rollout_fp8(tiny_model_dir_f32: Path) -> Iterator[InProcessRollout]:
     channel = grpc.insecure_channel(running.address)
     try:
         yield InProcessRollout(
-            service, running, channel, rollout_pb2_grpc.RolloutStub(channel), tiny_model_dir_f32
+            service, running, channel, rollout_pb2_grpc.RolloutStub(channel), tiny_model_dir_f32, servicer
         )
     finally:
         channel.close()

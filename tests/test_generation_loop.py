@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from fp8rl.errors import NotReady, PreconditionFailed
+from fp8rl.errors import NotReady, Overloaded, PreconditionFailed
 from fp8rl.v1 import common_pb2, rollout_pb2
 from fp8rl.weight_stream import header_of
 from fp8rl.weights import build_weight_set, encode_keyframe
@@ -26,6 +26,8 @@ class ScriptedEngine:
 
     version, device, max_model_len, vocab_size = "scripted", "cpu", 64, 320
     has_chat_template = False  # chat prompts are refused by validation, before the engine
+    longest_token_bytes = 1
+    refused_prompt = (9, 9)  # add() raises for it, as an engine that rejects a request on its own thread
 
     def __init__(self, steps: int = 3) -> None:
         self.steps, self.fail_loads, self.loads = steps, 0, 0
@@ -36,6 +38,8 @@ class ScriptedEngine:
         return [4 + b for b in text.encode()]
 
     def add(self, request: EngineRequest) -> None:
+        if tuple(request.prompt_token_ids) == self.refused_prompt:
+            raise ValueError("the engine refuses this request")
         self.running[request.request_id] = [request, 0]
         self.events.append(f"add {request.request_id}")
 
@@ -68,10 +72,54 @@ class ScriptedEngine:
             raise RuntimeError("engine failed midway through the refit")
 
 
-def engine_request(rid: str) -> EngineRequest:
+def engine_request(rid: str, prompt: list[int] | None = None) -> EngineRequest:
     from rollout_service.engine import Sampling
 
-    return EngineRequest(rid, [5], Sampling(1.0, 1.0, 0, 2, (), None))
+    return EngineRequest(rid, prompt or [5], Sampling(1.0, 1.0, 0, 2, (), None))
+
+
+def test_an_engine_rejection_fails_only_its_own_submission() -> None:
+    """Requests already taken off the queue in one batch: the refused one's submission fails, its other
+    samples are dropped (or aborted), and the neighbours' submissions complete."""
+    engine = ScriptedEngine(steps=5)
+    loop = GenerationLoop(engine)
+    release = threading.Event()
+    blocker = threading.Thread(target=loop.run_exclusive, args=(lambda: release.wait(5),))
+    blocker.start()  # hold the loop so the three submissions below are admitted as one batch
+    time.sleep(0.05)
+    tickets: dict[str, Any] = {}
+
+    def submit(name: str, requests: list[EngineRequest]) -> None:
+        tickets[name] = loop.submit(requests, -1)
+
+    clients = [
+        threading.Thread(target=submit, args=("good", [engine_request("g1"), engine_request("g2")])),
+        threading.Thread(target=submit, args=("bad", [engine_request("b1"), engine_request("b2", [9, 9])])),
+        threading.Thread(target=submit, args=("after", [engine_request("a1")])),
+    ]
+    for c in clients:
+        c.start()
+    time.sleep(0.05)
+    release.set()
+    blocker.join()
+    for c in clients:
+        c.join()
+    with pytest.raises(ValueError, match="refuses"):
+        list(tickets["bad"])
+    assert len(list(tickets["good"])) == 2 and len(list(tickets["after"])) == 1
+    assert "b1" not in engine.running  # the refused submission's admitted sample was aborted
+    loop.stop()
+
+
+def test_queue_depth_is_capped() -> None:
+    engine = ScriptedEngine(steps=50)
+    loop = GenerationLoop(engine, max_queued=3)
+    first = loop.submit([engine_request("a"), engine_request("b")], -1)
+    with pytest.raises(Overloaded, match="limit of 3"):
+        loop.submit([engine_request("c"), engine_request("d")], -1)
+    assert len(list(loop.submit([engine_request("e")], -1))) == 1
+    assert len(list(first)) == 2
+    loop.stop()
 
 
 def test_update_waits_for_admitted_requests() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import grpc
@@ -472,3 +473,85 @@ def test_refit_api_is_checked_before_the_engine_loads() -> None:
     for runner in (OldRunner, NoRunnerMethod):
         with pytest.raises(UnsupportedPlatform, match=f"install vllm=={TESTED_VLLM}"):
             check_refit_api(runner)
+
+
+def test_capacity_limits_answer_resource_exhausted_and_health_keeps_serving(
+    rollout_fp8: InProcessRollout, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Per-request samples, queue depth and concurrent Generate calls are capped (RESOURCE_EXHAUSTED, the
+    field or setting named); a text too long for the context is refused before tokenizing; a stalled
+    UpdateWeights stream is cancelled after stream_idle_s; health and status answer throughout."""
+    import dataclasses
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from fp8rl.serving import Capacity
+
+    stub, service, servicer = rollout_fp8.stub, rollout_fp8.service, rollout_fp8.servicer
+    push_keyframe(rollout_fp8, random_state(rollout_fp8.model_dir, 0), version=70)
+    health = health_pb2_grpc.HealthStub(rollout_fp8.channel)
+
+    def still_serving() -> None:
+        assert (
+            health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+            == health_pb2.HealthCheckResponse.SERVING
+        )
+        assert stub.GetStatus(common_pb2.GetStatusRequest(), timeout=5).weight_version == 70
+
+    def refused(req: rollout_pb2.GenerateRequest) -> grpc.RpcError:
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Generate(req, timeout=60)
+        return err.value
+
+    monkeypatch.setattr(
+        service, "limits", dataclasses.replace(service.limits, max_samples=4, max_prompt_bytes=100)
+    )
+    err = refused(request([[5, 6], [7, 8]], n=3))
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and err.details().startswith(
+        "prompts x n: 6 samples"
+    )
+    err = refused(request(["1+1=" * 30]))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "120 bytes of text cannot fit" in err.details()
+    monkeypatch.setattr(service.loop, "max_queued", 2)
+    err = refused(request([[5, 6], [7, 8], [9, 10]]))
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_queued_samples" in err.details()
+    still_serving()
+
+    # One Generate slot: while one call holds it (waiting behind an exclusive engine job), a second call
+    # is refused at once, and health and status still answer.
+    monkeypatch.setattr(servicer, "generating", Capacity("Generate", 1))
+    release, replies = threading.Event(), []
+    job = threading.Thread(target=service.loop.run_exclusive, args=(lambda: release.wait(30),))
+    job.start()
+    holder = threading.Thread(
+        target=lambda: replies.append(stub.Generate(request([[5, 6]], max_tokens=2), timeout=60))
+    )
+    holder.start()
+    time.sleep(0.5)
+    err = refused(request([[5, 6]], max_tokens=2))
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "Generate: 1 calls in flight" in err.details()
+    still_serving()
+    release.set()
+    job.join()
+    holder.join()
+    assert len(replies) == 1
+
+    # A stream that sends its header, then nothing: cancelled after stream_idle_s, its thread freed.
+    monkeypatch.setattr(service.config, "stream_idle_s", 0.5)
+    keyframe = encode_keyframe(
+        build_weight_set(random_state(rollout_fp8.model_dir, 0), FP8, torch.float32), 71
+    )
+    header = next(iter(update_to_chunks(keyframe, 1 << 20)))
+    stalled = threading.Event()
+
+    def chunks():  # type: ignore[no-untyped-def]
+        yield header
+        stalled.wait(30)
+
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as stream_err:
+        stub.UpdateWeights(chunks(), timeout=30)
+    stalled.set()
+    assert stream_err.value.code() == grpc.StatusCode.CANCELLED and time.monotonic() - started < 10
+    still_serving()
+    assert len(stub.Generate(request([[5, 6]], max_tokens=2), timeout=60).completions) == 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 
 from fp8rl.errors import NotReady
-from fp8rl.serving import map_errors
+from fp8rl.serving import RESERVED_THREADS, Capacity, map_errors
 from fp8rl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from trainer_service.service import TrainerService
 
@@ -15,8 +15,12 @@ SERVICE_NAME = "fp8rl.v1.Trainer"
 class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     """Serves as soon as it is bound; every call answers UNAVAILABLE until the learner is attached."""
 
-    def __init__(self, service: TrainerService | None = None) -> None:
+    def __init__(self, service: TrainerService | None = None, threads: int = 16) -> None:
         self._service = service
+        # Calls that wait for the model share all threads but a few: status and health always get one.
+        self.model_calls = Capacity(
+            "model calls (TrainStep, ComputeLogprobs, ...)", threads - RESERVED_THREADS
+        )
 
     def attach(self, service: TrainerService) -> None:
         self._service = service
@@ -31,25 +35,29 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     def TrainStep(
         self, request: trainer_pb2.TrainStepRequest, context: grpc.ServicerContext
     ) -> trainer_pb2.TrainStepResponse:
-        return self.service.train_step(request)
+        with self.model_calls.slot():
+            return self.service.train_step(request)
 
     @map_errors
     def ComputeLogprobs(
         self, request: trainer_pb2.ComputeLogprobsRequest, context: grpc.ServicerContext
     ) -> trainer_pb2.ComputeLogprobsResponse:
-        return self.service.compute_logprobs(request)
+        with self.model_calls.slot():
+            return self.service.compute_logprobs(request)
 
     @map_errors
     def PublishWeights(
         self, request: trainer_pb2.PublishWeightsRequest, context: grpc.ServicerContext
     ) -> trainer_pb2.PublishWeightsResponse:
-        return self.service.publish(request)
+        with self.model_calls.slot():
+            return self.service.publish(request)
 
     @map_errors
     def SaveCheckpoint(
         self, request: trainer_pb2.SaveCheckpointRequest, context: grpc.ServicerContext
     ) -> trainer_pb2.SaveCheckpointResponse:
-        return self.service.save_checkpoint()
+        with self.model_calls.slot():
+            return self.service.save_checkpoint()
 
     @map_errors
     def GetStatus(

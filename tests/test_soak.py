@@ -1,0 +1,126 @@
+"""Soak: a 30-step embedded run while a random child (trainer, rollout, redis-server) is killed with
+SIGKILL every few steps and a client floods the replica with valid and invalid Generate requests. The
+coordinator's supervisor restarts the processes each time; at the end every step appears exactly once,
+the trainer's last checkpoint is the run's last step, and no process is left."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import grpc
+import pytest
+
+from coordinator.metrics import read_metrics
+from fp8rl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+from tests.test_coordinator_run import FAST, assert_children_gone, coordinator
+
+pytestmark = pytest.mark.slow
+STEPS, KILL_AT = 30, (5, 13, 21)
+
+
+def committed_steps(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) - 1 if path.exists() else -1
+
+
+def run_info(run_dir: Path) -> dict:
+    try:
+        return json.loads((run_dir / "run.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def flood(run_dir: Path, stop: threading.Event, counts: Counter[str]) -> None:
+    """Valid and invalid requests, as fast as the replica answers, to whichever replica is current."""
+    rng = random.Random(0)
+    bad = [
+        rollout_pb2.GenerateRequest(
+            prompts=[rollout_pb2.Prompt(token_ids=rollout_pb2.TokenIds(ids=[5]))], n=0
+        ),
+        rollout_pb2.GenerateRequest(
+            prompts=[rollout_pb2.Prompt(text="1+1=")],
+            sampling=common_pb2.SamplingParams(temperature=float("inf")),
+        ),
+        rollout_pb2.GenerateRequest(prompts=[rollout_pb2.Prompt(text="9" * 100_000)]),
+        rollout_pb2.GenerateRequest(prompts=[rollout_pb2.Prompt(text=f"{i}+1=") for i in range(100)], n=64),
+    ]
+    good = rollout_pb2.GenerateRequest(
+        prompts=[rollout_pb2.Prompt(text="12+34=")], sampling=common_pb2.SamplingParams(max_tokens=4)
+    )
+    while not stop.is_set():
+        rollouts = run_info(run_dir).get("rollouts") or []
+        if not rollouts:
+            time.sleep(0.2)
+            continue
+        with grpc.insecure_channel(rollouts[0]) as channel:
+            stub = rollout_pb2_grpc.RolloutStub(channel)
+            for _ in range(20):
+                request = good if rng.random() < 0.5 else rng.choice(bad)
+                try:
+                    stub.Generate(request, timeout=30)
+                    counts["served"] += 1
+                except grpc.RpcError as err:
+                    counts[err.code().name] += 1
+                    if err.code() == grpc.StatusCode.UNAVAILABLE:  # restarting: look again shortly
+                        time.sleep(0.1)
+                        break
+                if stop.is_set():
+                    break
+
+
+def test_a_run_survives_random_kills_and_a_flood(tiny_model_dir_f32: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = [
+        "--model",
+        str(tiny_model_dir_f32),
+        "--steps",
+        str(STEPS),
+        "--run-id",
+        "soak",
+        "--run-dir",
+        str(run_dir),
+    ]
+    proc = subprocess.Popen(
+        coordinator("start", "--recipe", "fp8", *args, "--set", "max_restarts=5", *FAST),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    stop, counts, kills = threading.Event(), Counter[str](), []
+    flooder = threading.Thread(target=flood, args=(run_dir, stop, counts), daemon=True)
+    started = time.monotonic()
+    try:
+        flooder.start()
+        victims = random.Random(int(time.time())).sample(["trainer", "rollout", "redis-server"], 3)
+        for at, victim in zip(KILL_AT, victims, strict=True):
+            while committed_steps(run_dir) < at and proc.poll() is None:
+                time.sleep(0.2)
+            assert proc.poll() is None, "the run ended before the kills"
+            pid = run_info(run_dir)["children"][victim]
+            os.kill(pid, signal.SIGKILL)
+            kills.append((victim, committed_steps(run_dir)))
+        out, _ = proc.communicate(timeout=900)
+    finally:
+        stop.set()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    wall = time.monotonic() - started
+    print(f"kills {kills}; requests {dict(counts)}; wall {wall:.0f} s")
+    assert proc.returncode == 0, out[-4000:]
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == list(range(STEPS + 1))  # every step once, in order
+    assert out.count("restarting (") == len(kills)
+    # The trainer's own record of where it is: its newest complete checkpoint is the run's last step.
+    newest = max(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step-"))
+    assert newest == f"step-{STEPS:08d}"
+    assert counts["served"] > 0 and counts["INVALID_ARGUMENT"] > 0 and counts["RESOURCE_EXHAUSTED"] > 0
+    assert_children_gone(run_dir)
