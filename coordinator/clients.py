@@ -147,15 +147,27 @@ class RolloutPool:
         sampling: common_pb2.SamplingParams,
         version: int,
     ) -> list[rollout_pb2.Completion] | grpc.RpcError:
-        request = rollout_pb2.GenerateRequest(prompts=prompts, n=n, sampling=sampling, weight_version=version)
-        try:
-            return list(self.stub(address).Generate(request, timeout=GENERATE_DEADLINE_S).completions)
-        except grpc.RpcError as exc:
-            return exc
+        # In calls of at most SAMPLES_PER_CALL samples: under a replica's per-request cap (4096 by
+        # default) and its reply size, whatever prompts_per_step x group_size is.
+        per_call = max(1, SAMPLES_PER_CALL // n)
+        completions: list[rollout_pb2.Completion] = []
+        for start in range(0, len(prompts), per_call):
+            request = rollout_pb2.GenerateRequest(
+                prompts=prompts[start : start + per_call], n=n, sampling=sampling, weight_version=version
+            )
+            try:
+                reply = self.stub(address).Generate(request, timeout=GENERATE_DEADLINE_S)
+            except grpc.RpcError as exc:
+                return exc
+            completions.extend(reply.completions)
+        return completions
 
     def close(self) -> None:
         for channel in self._channels.values():
             channel.close()
+
+
+SAMPLES_PER_CALL = 1024
 
 
 def rpc_code(exc: Any) -> str:

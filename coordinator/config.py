@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from fp8rl.credentials import check_run_id
 from fp8rl.models import ModelDir
 from fp8rl.recipes import RecipeName
 from trainer_service.config import LearnerConfig
@@ -70,8 +71,9 @@ class CoordinatorConfig(BaseModel):
     """`module:function(prompt, completion, answer) -> float` replacing the task's reward."""
     steps: int = Field(60, ge=1)
     """GRPO steps to run (a resumed run continues up to this many)."""
-    run_id: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]+$")
-    """Names the run; the same id again resumes it. Default: a fresh time-stamped id."""
+    run_id: str | None = None
+    """Names the run; the same id again resumes it (letters, digits, `_`, `.`, `-`; not `.` or `..`).
+    Default: a fresh time-stamped id."""
     run_dir: Path | None = None
     """Where metrics, logs, checkpoints and plots go; default runs/<run-id>."""
     seed: int = 0
@@ -124,6 +126,11 @@ class CoordinatorConfig(BaseModel):
         from coordinator.datasets import resolve
 
         return resolve(Path(value)) if isinstance(value, str | Path) else value
+
+    @field_validator("run_id")
+    @classmethod
+    def _run_id(cls, value: str | None) -> str | None:
+        return None if value is None else check_run_id(value)
 
     @field_validator("learner", mode="before")
     @classmethod

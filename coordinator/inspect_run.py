@@ -7,9 +7,15 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.metrics import METRICS_FILE, committed, read_metrics
+from fp8rl.credentials import PASSWORD_FILE_ENV, check_run_id, redis_url_with_password
 
 
 def _run_dir(run_id: str | None, run_dir: Path | None) -> Path:
+    if run_id is not None:
+        try:
+            check_run_id(run_id)
+        except ValueError as exc:
+            raise SystemExit(f"coordinator: {exc}") from None
     if run_dir is not None:
         return run_dir
     if run_id is not None:
@@ -29,7 +35,9 @@ def _store(run_dir: Path, run_id: str | None, redis_url: str | None) -> Any:
     url = redis_url or info.get("redis_url")
     if not url:
         return None
-    client = redis.Redis.from_url(url, socket_connect_timeout=2)
+    if not redis_url and info.get("redis_password_file"):  # an embedded run's own redis-server
+        url = redis_url_with_password(url, {PASSWORD_FILE_ENV: info["redis_password_file"]})
+    client = redis.Redis.from_url(redis_url_with_password(url), socket_connect_timeout=2)
     try:
         client.ping()
     except redis.RedisError:

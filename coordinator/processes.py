@@ -15,9 +15,12 @@ import sys
 import time
 from contextlib import ExitStack
 from pathlib import Path
+from urllib.parse import quote
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from fp8rl.credentials import write_private
 
 log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
@@ -110,13 +113,19 @@ def start_redis(
     port: int | None = None,
     aof: bool = True,
     watch: list[Child] | None = None,
+    password: str | None = None,
 ) -> tuple[str, int]:
     """A private redis-server on loopback keeping its files in ``data_dir``; with ``aof`` every write is
     fsynced to an append-only file, so a restart on the same ``data_dir`` resumes. Returns its URL and
     PID; ``stack`` stops it. (redis-server cannot bind port 0: a free port is picked for it.)"""
     data_dir.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
-    args = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir)]
+    args = ["redis-server"]
+    if password:  # in a 0600 config file, not in argv (which `ps` shows to every user)
+        conf = data_dir / "redis.conf"
+        write_private(conf, f"requirepass {password}\n")
+        args.append(str(conf))
+    args += ["--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir)]
     args += ["--save", "", "--protected-mode", "yes"]
     if aof:
         args += ["--appendonly", "yes", "--appendfsync", "always"]
@@ -124,7 +133,7 @@ def start_redis(
     stack.callback(child.stop)
     if watch is not None:
         watch.append(child)
-    url = f"redis://127.0.0.1:{port}/0"
+    url = f"redis://{':' + quote(password, safe='') + '@' if password else ''}127.0.0.1:{port}/0"
     import redis
 
     client = redis.Redis.from_url(url)

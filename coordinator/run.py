@@ -18,6 +18,14 @@ import yaml
 from coordinator.config import CoordinatorConfig
 from fp8rl import models
 from fp8rl.config import config_hash
+from fp8rl.credentials import (
+    PASSWORD_IN_URL,
+    has_password,
+    new_password,
+    redacted,
+    redis_url_with_password,
+    write_private,
+)
 from trainer_service.config import TrainerConfig
 
 
@@ -27,6 +35,8 @@ def run_paths(config: CoordinatorConfig) -> tuple[str, Path]:
 
 
 def start(config: CoordinatorConfig) -> int:
+    if has_password(config.redis_url):
+        print(PASSWORD_IN_URL.format(prog="coordinator"), file=sys.stderr)
     run_id, run_dir = run_paths(config)
     run_dir.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, _interrupt)
@@ -50,6 +60,7 @@ def start(config: CoordinatorConfig) -> int:
 
 
 LOCK_FILE = "coordinator.lock"
+PASSWORD_FILE = "password"  # under run_dir/redis: the embedded redis-server's password, mode 0600
 
 
 def lock_run_dir(run_dir: Path, stack: ExitStack) -> str | None:
@@ -80,24 +91,26 @@ def supervise(config: CoordinatorConfig, run_id: str, run_dir: Path) -> int:
     4... s between attempts; each restart is recorded as a `restart` event."""
     from coordinator.processes import Child
 
-    restarts: list[str] = []
+    restarts = 0
+    unrecorded: list[str] = []  # restart events not in Redis yet (drive records them once it is back)
     while True:
         watched: list[Child] = []
         with ExitStack() as stack:
             try:
-                return drive(config, run_id, run_dir, stack, watched, restarts)
+                return drive(config, run_id, run_dir, stack, watched, unrecorded)
             except Exception as exc:
                 dead = [c for c in watched if c.proc.poll() is not None]
-                if not (config.embedded and dead) or len(restarts) >= config.max_restarts:
+                if not (config.embedded and dead) or restarts >= config.max_restarts:
                     raise
+                restarts += 1
                 what = ", ".join(f"{c.name} (exit status {c.proc.returncode})" for c in dead)
-                restarts.append(f"{what} died ({type(exc).__name__}); restarted the run's processes")
+                unrecorded.append(f"{what} died ({type(exc).__name__}); restarted the run's processes")
                 print(
-                    f"coordinator: {what} died; restarting ({len(restarts)}/{config.max_restarts})",
+                    f"coordinator: {what} died; restarting ({restarts}/{config.max_restarts})",
                     file=sys.stderr,
                     flush=True,
                 )
-        time.sleep(min(2 ** (len(restarts) - 1), 30))
+        time.sleep(min(2 ** (restarts - 1), 30))
 
 
 def drive(
@@ -124,24 +137,27 @@ def drive(
     else:
         redis_url, trainer_address = str(config.redis_url), str(config.trainer)
         rollouts = list(config.rollout)
+    redis_url = redis_url_with_password(str(redis_url))
     info = {
         "run_id": run_id,
-        "redis_url": redis_url,
+        "redis_url": redacted(redis_url),  # run files never hold a password (only the file meant for it)
         "pid": os.getpid(),
         "children": children,
         "trainer": trainer_address,
         "rollouts": rollouts,
     }
-    (run_dir / "run.json").write_text(json.dumps(info))
-    client = redis.Redis.from_url(str(redis_url))
+    if config.embedded:
+        info["redis_password_file"] = str(run_dir / "redis" / PASSWORD_FILE)
+    write_private(run_dir / "run.json", json.dumps(info))
+    client = redis.Redis.from_url(redis_url)
     store = RunStore(client, run_id)
     try:
         store.init_config(config.identity(), config_hash(config))
     except ConfigMismatch as exc:
         print(f"coordinator: {exc}", file=sys.stderr)
         return 2
-    if restarts:
-        store.event("restart", restarts[-1], store.read().step)
+    while restarts:
+        store.event("restart", restarts.pop(0), store.read().step)
     addresses = (lambda: rollouts) if rollouts else (lambda: sorted(live_replicas(client)))
     trainer = TrainerClient(str(trainer_address))
     pool = RolloutPool(addresses)
@@ -234,8 +250,13 @@ def launch_embedded(
     if reason:  # refused before anything starts
         print(f"coordinator: {reason}", file=sys.stderr)
         raise SystemExit(2)
+    # The embedded redis-server requires a password of its own (kept in a 0600 file, never in argv), so
+    # other local users cannot rewrite the run's state.
+    password_file = run_dir / "redis" / PASSWORD_FILE
+    if not password_file.exists():
+        write_private(password_file, new_password())
     redis_url, children["redis-server"] = start_redis(
-        stack, run_dir / "redis", logs / "redis.log", watch=watched
+        stack, run_dir / "redis", logs / "redis.log", watch=watched, password=password_file.read_text()
     )
     trainer_yaml = run_dir / "trainer.yaml"  # the embedded trainer's whole TrainerConfig, validated here
     trainer_yaml.write_text(

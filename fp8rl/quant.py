@@ -14,7 +14,10 @@ The two differ in the last bit of a scale and, through rounding ties, in about 4
 With ``scale_format="pow2"`` (UE8M0, DeepGEMM's and MXFP8's format) every scale is a power of two: TE
 rounds ``scale`` down to one, vLLM rounds ``scale_inv`` up to ``2^ceil(log2(scale_inv))``; both give the
 same power of two for every finite float32 amax, and scaling by it is exact, so the two engines' codes
-agree bit for bit (save for blocks with amax below 1e-10, which vLLM floors).
+agree bit for bit (save for groups whose amax is below 448e-10, where vLLM floors the scale at 1e-10).
+vLLM's pow2 rounding here is its register kernel's exact one (bf16/fp16 input, groups of 128, the
+Hopper path); its shared-memory kernel computes ``exp2f(ceilf(log2f(s)))``, which can round down when
+``s`` lies a few ulps above a power of two.
 
 Pure torch: nothing here does I/O, so the rollout, the trainer and the tests share it unchanged.
 """
@@ -75,8 +78,10 @@ def _codes_and_scale_inv(
             scale = round_down_pow2(scale)
         return _cast(blocks * scale), torch.reciprocal(scale)
     if arithmetic == "vllm":
-        scale_inv = amax.clamp(min=VLLM_AMAX_FLOOR) / FP8_MAX
-        if scale_format == "pow2":  # 2^ceil(log2(s)): round down, then up a step unless already exact
+        # (A true division: on CUDA, tensor / Python scalar multiplies by its reciprocal, rounding twice.)
+        scale_inv = amax.clamp(min=VLLM_AMAX_FLOOR) / torch.full_like(amax, FP8_MAX)
+        if scale_format == "pow2":  # 2^ceil(log2(max(s, 1e-10))), exactly: round down, then up unless exact
+            scale_inv = scale_inv.clamp(min=VLLM_AMAX_FLOOR)
             down = round_down_pow2(scale_inv)
             scale_inv = torch.where(down == scale_inv, down, down * 2)
         return _cast(blocks / scale_inv), scale_inv

@@ -141,6 +141,10 @@ class Capacity:
         self.what, self.limit = what, limit
         self._slots = threading.BoundedSemaphore(limit)
 
+    @property
+    def in_use(self) -> int:
+        return self.limit - self._slots._value
+
     @contextlib.contextmanager
     def slot(self) -> Iterator[None]:
         if not self._slots.acquire(blocking=False):
@@ -155,16 +159,30 @@ def idle_limited(items: Iterable[T], context: grpc.ServicerContext, idle_s: floa
     """``items`` of a client stream; the RPC is cancelled (freeing its thread) when the client sends
     nothing for ``idle_s`` seconds. Only the wait for the client counts, not the time spent on an item."""
     timer: threading.Timer | None = None
+    expired = threading.Event()
+
+    def expire() -> None:
+        expired.set()
+        context.cancel()
 
     def arm() -> None:
         nonlocal timer
-        timer = threading.Timer(idle_s, context.cancel)
+        timer = threading.Timer(idle_s, expire)
         timer.daemon = True
         timer.start()
 
     try:
         arm()
-        for item in items:
+        iterator = iter(items)
+        while True:
+            try:
+                item = next(iterator)
+            except StopIteration:
+                return
+            except Exception:
+                if expired.is_set():  # our own cancellation: say why, without an INTERNAL traceback
+                    raise Cancelled(f"the client sent nothing for {idle_s:g} s; stream cancelled") from None
+                raise
             assert timer is not None
             timer.cancel()
             yield item
@@ -174,6 +192,7 @@ def idle_limited(items: Iterable[T], context: grpc.ServicerContext, idle_s: floa
             timer.cancel()
 
 
+SERVER_THREADS = 16
 RESERVED_THREADS = 4
 """Server threads no capacity-limited call kind may take: health, status and reflection keep them."""
 
@@ -183,7 +202,7 @@ def start_server(
     service_names: Sequence[str],
     host: str = "127.0.0.1",
     port: int = 0,
-    max_workers: int = 16,
+    max_workers: int = SERVER_THREADS,
     max_receive_bytes: int = 4 * 1024 * 1024,
 ) -> RunningServer:
     """Start a server with ``register(server)``'s servicers plus health and reflection.
@@ -219,7 +238,7 @@ def serve(
     host: str,
     port: int,
     load: Callable[[], tuple[str, Callable[[], None]]],
-    max_workers: int = 16,
+    max_workers: int = SERVER_THREADS,
     max_receive_bytes: int = 4 * 1024 * 1024,
 ) -> None:
     """The life of a service process. Bind first ("PROG bound to HOST:PORT", which a parent reads to learn

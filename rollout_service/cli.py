@@ -23,8 +23,11 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, st
 def main(argv: list[str] | None = None) -> None:
     args, flags = parse_args(argv)
     config = config_from_cli(RolloutConfig, "rollout-service", args, flags)
+    from fp8rl.credentials import PASSWORD_IN_URL, has_password
     from rollout_service.engine import Platform, unsupported_reason
 
+    if has_password(config.redis_url):
+        print(PASSWORD_IN_URL.format(prog="rollout-service"), file=sys.stderr)
     reason = unsupported_reason(config, Platform.here())
     if reason:
         print(f"rollout-service: {reason}", file=sys.stderr)
@@ -63,7 +66,9 @@ def serve(config: RolloutConfig) -> None:
             from fp8rl.registry import Heartbeat
 
             info = {"model": str(config.model), "recipe": config.recipe}
-            client = redis.Redis.from_url(config.redis_url)
+            from fp8rl.credentials import redis_url_with_password
+
+            client = redis.Redis.from_url(redis_url_with_password(config.redis_url))
             heartbeat = Heartbeat(client, str(config.advertise), info, config.heartbeat_s)
         if http:
             from rollout_service.openai_api import build_app

@@ -42,9 +42,9 @@ class RolloutConfig(BaseModel):
     """Largest prompts x n of one Generate request; more is refused (RESOURCE_EXHAUSTED)."""
     max_queued_samples: int = Field(16384, ge=1)
     """Samples queued or generating at once; a request that would pass it is refused (RESOURCE_EXHAUSTED)."""
-    max_concurrent_generate: int = Field(12, ge=1, le=12)
-    """Generate / GenerateStream calls served at once (of 16 server threads; 4 stay with health and status);
-    one more is refused (RESOURCE_EXHAUSTED)."""
+    max_concurrent_generate: int = Field(10, ge=1, le=10)
+    """Generate / GenerateStream calls served at once (of 16 server threads: 2 are for UpdateWeights and 4
+    stay with health and status); one more is refused (RESOURCE_EXHAUSTED)."""
     stream_idle_s: float = Field(30.0, gt=0)
     """An UpdateWeights stream that sends nothing for this long is cancelled, freeing its thread."""
     kv_cache_gib: float = Field(1.0, gt=0)

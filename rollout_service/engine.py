@@ -95,7 +95,9 @@ def unsupported_reason(config: RolloutConfig, platform: Platform) -> str | None:
             )
         return None
     if recipe.fp8_rollout:
-        dtype = config.dtype if config.dtype != "auto" else checkpoint_dtype(config.model)
+        dtype: str = config.dtype
+        if dtype == "auto":  # vLLM's rule: the checkpoint's dtype, float32 computed in bfloat16
+            dtype = checkpoint_dtype(config.model).replace("float32", "bfloat16")
         if dtype not in ("bfloat16", "float16"):
             return (
                 f"dtype {dtype}: vLLM's fp8 method computes in bfloat16 or float16 on CUDA; "
@@ -134,7 +136,7 @@ def pin_vllm_fp8_environment(scale_format: ScaleFormat, environ: dict[str, str] 
 
 
 TESTED_VLLM = "0.32.0"
-REFIT_PARAMETERS = ("weights_iterator", "is_checkpoint_format")
+REFIT_PARAMETERS = ("weights_iterator", "weights_path", "is_checkpoint_format")
 
 
 def check_refit_api(runner_cls: type | None = None) -> None:
@@ -212,6 +214,8 @@ class VllmEngine:
         self.in_process = (
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and config.tensor_parallel_size == 1
         )
+        if not self.in_process:
+            remove_stale_refits()
         self.llm = vllm.LLM(**self._llm_args)
         self.version = vllm.__version__
         self._engine = self.llm.llm_engine
@@ -220,7 +224,9 @@ class VllmEngine:
         self.max_model_len: int = model_config.max_model_len
         self.vocab_size: int = model_config.get_vocab_size()
         self.eos_token_id = self.tokenizer.eos_token_id
-        self.longest_token_bytes = max(len(t.encode()) for t in self.tokenizer.get_vocab())
+        self.longest_token_bytes = max(
+            len(t.encode()) if isinstance(t, str) else len(t) for t in self.tokenizer.get_vocab()
+        )
 
     def restart(self) -> None:
         """A fresh engine on the checkpoint the replica started from. vLLM's in-place reload cannot be
@@ -320,14 +326,30 @@ class VllmEngine:
         return self.llm.collective_rpc(_named_parameters)[0]
 
 
+REFIT_PREFIX = "fp8rl-refit-"
+
+
+def refit_root() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def remove_stale_refits() -> None:
+    """Refit checkpoints left in shared memory by replicas that died mid-refit (their pid is gone)."""
+    from fp8rl.serving import pid_alive
+
+    for entry in Path(refit_root()).glob(f"{REFIT_PREFIX}*"):
+        pid = entry.name.removeprefix(REFIT_PREFIX).split("-", 1)[0]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def shared_memory_checkpoint(tensors: Mapping[str, torch.Tensor]) -> Iterator[str]:
     """``tensors`` as ``model.safetensors`` in a fresh directory in /dev/shm (memory, not disk), removed
     afterwards; yields the directory."""
     from safetensors.torch import save_file
 
-    root = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    directory = tempfile.mkdtemp(prefix="fp8rl-refit-", dir=root)
+    directory = tempfile.mkdtemp(prefix=f"{REFIT_PREFIX}{os.getpid()}-", dir=refit_root())
     try:
         save_file(
             {k: v.contiguous() for k, v in tensors.items()}, os.path.join(directory, "model.safetensors")

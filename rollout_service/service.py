@@ -50,8 +50,9 @@ def expected_schema(model_dir: Path, weight_format: WeightFormat) -> Schema:
 
 def check_schema(weights: WeightSet, schema: Schema) -> None:
     """Refuse, before the engine sees it, a set the model cannot take: an engine that fails midway
-    through a refit may not recover without a restart. FP8 scales must be positive and finite, and
-    powers of two under a ``-pow2`` format (the engines' contract, checked where it is cheap)."""
+    through a refit may not recover without a restart. Every value must be finite (a NaN weight makes
+    every logprob NaN; E4M3 codes have a NaN pattern too), and FP8 scales positive, and powers of two
+    under a ``-pow2`` format (the engines' contract)."""
     if set(weights.tensors) != set(schema):
         missing, extra = (
             sorted(set(schema) - set(weights.tensors)),
@@ -63,11 +64,20 @@ def check_schema(weights: WeightSet, schema: Schema) -> None:
     pow2 = weight_scale_format(weights.format) == "pow2"
     for name, t in weights.tensors.items():
         admit_tensor(schema, name, t.dtype, tuple(t.shape))
+        if not finite(t):
+            raise InvalidRequest("weights", f"{name} holds NaN or inf")
         if name.endswith(SCALE_SUFFIX):
             if not bool(((t > 0) & torch.isfinite(t)).all()):
                 raise InvalidRequest("weights", f"{name} holds a scale that is not positive and finite")
             if pow2 and not bool((torch.frexp(t).mantissa == 0.5).all()):
                 raise InvalidRequest("weights", f"{name} holds a scale that is not a power of two")
+
+
+def finite(t: torch.Tensor) -> bool:
+    """No NaN or inf in ``t``: for E4M3 codes, no NaN pattern (exponent and mantissa bits all set)."""
+    if t.dtype == torch.float8_e4m3fn:
+        return not bool(((t.view(torch.uint8) & 0x7F) == 0x7F).any())
+    return bool(torch.isfinite(t).all())
 
 
 def admit_tensor(schema: Schema, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:

@@ -18,7 +18,7 @@ SERVICE_NAME = "fp8rl.v1.Rollout"
 class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     """Serves as soon as it is bound; every call answers UNAVAILABLE until the engine is attached."""
 
-    def __init__(self, service: RolloutService | None = None, generate_slots: int = 12) -> None:
+    def __init__(self, service: RolloutService | None = None, generate_slots: int = 10) -> None:
         self._service = service
         self.generating = Capacity("Generate", generate_slots)
         self.updating = Capacity("UpdateWeights", 2)  # one applying, the next one arriving

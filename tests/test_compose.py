@@ -19,6 +19,7 @@ import redis
 import yaml
 
 from coordinator.metrics import read_metrics
+from fp8rl.credentials import redis_url_with_password
 from tests.support import child_process, free_port, wait_for_line
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,11 +41,15 @@ def interpolate(text: str, env: dict[str, str]) -> str:
     return text.replace("$$", "$")
 
 
-def test_redis_password_is_required() -> None:
+def test_redis_password_is_required_and_never_in_a_command_line() -> None:
+    for environment in (COMPOSE["x-app"]["environment"], COMPOSE["services"]["redis"]["environment"]):
+        with pytest.raises(ValueError, match="REDIS_PASSWORD"):
+            interpolate(str(environment["REDIS_PASSWORD"]), {})
+    assert "@" not in COMPOSE["x-app"]["environment"]["REDIS_URL"]  # the URL carries no password
     command = " ".join(COMPOSE["services"]["redis"]["command"])
-    with pytest.raises(ValueError, match="REDIS_PASSWORD"):
-        interpolate(command, {})
-    assert "--requirepass" in command and "--appendonly" in command
+    assert "requirepass" in command and "--appendonly" in command
+    # Only the shell's variable is in the command line, expanded by the shell inside printf (a builtin).
+    assert "${REDIS_PASSWORD" not in command and interpolate(command, {}).count("$REDIS_PASSWORD") == 1
 
 
 @pytest.mark.parametrize("config", ["config", "config-gpu"])
@@ -113,7 +118,7 @@ class LocalCompose:
         for port, local in self.ports.items():
             text = re.sub(rf"\b{port}\b", local, text)
         text = (
-            text.replace("@redis:", "@127.0.0.1:")
+            text.replace("redis://redis:", "redis://127.0.0.1:")
             .replace("trainer:", "127.0.0.1:")
             .replace("0.0.0.0", "127.0.0.1")
         )
@@ -169,18 +174,26 @@ def test_compose_wiring_runs_a_short_run(local: LocalCompose, tmp_path: Path) ->
     with ExitStack() as stack:
         redis_cmd = [*local.command("redis"), "--port", local.ports["6379"], "--bind", "127.0.0.1"]
         redis_cmd += ["--dir", str(local.volumes["redis-data"])]
-        proc = stack.enter_context(child_process(redis_cmd, tmp_path / "redis.log"))
+        proc = stack.enter_context(
+            child_process(redis_cmd, tmp_path / "redis.log", local.environment("redis"))
+        )
         wait_for_line(proc, tmp_path / "redis.log", "Ready to accept connections", timeout=30)
         url = local.localize(COMPOSE["x-app"]["environment"]["REDIS_URL"])
-        assert redis.Redis.from_url(url).ping()
+        assert redis.Redis.from_url(redis_url_with_password(url, local.environment("redis"))).ping()
         with pytest.raises(redis.AuthenticationError):  # nothing works without the password
             redis.Redis(port=int(local.ports["6379"])).set("x", 1)
 
+        services = [proc]
         for service in ("trainer", "rollout"):
             env = {**local.environment(service), "PATH": path_env}
-            stack.enter_context(child_process(local.command(service), tmp_path / f"{service}.log", env))
+            services.append(
+                stack.enter_context(child_process(local.command(service), tmp_path / f"{service}.log", env))
+            )
         for service in ("trainer", "rollout"):
             local.healthy(service)
+        for service_proc in services:  # no process shows the password in its command line (`ps`)
+            for pid in [service_proc.pid, *_descendants(service_proc.pid)]:
+                assert b"compose-secret" not in Path(f"/proc/{pid}/cmdline").read_bytes()
         env = {**local.environment("coordinator"), "PATH": path_env}
         run = subprocess.run(
             local.command("coordinator"), env=env, capture_output=True, text=True, timeout=600
@@ -190,3 +203,10 @@ def test_compose_wiring_runs_a_short_run(local: LocalCompose, tmp_path: Path) ->
         assert steps == [0, 1, 2]
         # The replica found the run through its Redis registration (no --rollout in the compose file).
         assert "--rollout" not in " ".join(COMPOSE["services"]["coordinator"]["command"])
+
+
+def _descendants(pid: int) -> list[int]:
+    """PIDs of ``pid``'s children, recursively (from /proc)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    found = [int(c) for c in children.read_text().split()] if children.exists() else []
+    return found + [d for c in found for d in _descendants(c)]

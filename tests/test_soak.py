@@ -19,6 +19,7 @@ import grpc
 import pytest
 
 from coordinator.metrics import read_metrics
+from fp8rl.credentials import redis_url_with_password
 from fp8rl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from tests.test_coordinator_run import FAST, assert_children_gone, coordinator
 
@@ -76,6 +77,25 @@ def flood(run_dir: Path, stop: threading.Event, counts: Counter[str]) -> None:
                     break
 
 
+def assert_secrets_kept(run_dir: Path) -> None:
+    """The embedded redis-server's password is in its 0600 file only: not in run.json (itself 0600), not
+    in any child's command line; without it Redis refuses."""
+    info_path, password_file = run_dir / "run.json", run_dir / "redis" / "password"
+    info = json.loads(info_path.read_text())
+    password = password_file.read_text()
+    assert len(password) >= 24 and password not in info_path.read_text()
+    assert info_path.stat().st_mode & 0o777 == 0o600 and password_file.stat().st_mode & 0o777 == 0o600
+    for pid in info["children"].values():
+        assert password.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
+    import redis
+
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis.from_url(info["redis_url"]).set("x", 1)
+    assert redis.Redis.from_url(
+        redis_url_with_password(info["redis_url"], {"REDIS_PASSWORD": password})
+    ).ping()
+
+
 def test_a_run_survives_random_kills_and_a_flood(tiny_model_dir_f32: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     args = [
@@ -99,7 +119,12 @@ def test_a_run_survives_random_kills_and_a_flood(tiny_model_dir_f32: Path, tmp_p
     started = time.monotonic()
     try:
         flooder.start()
-        victims = random.Random(int(time.time())).sample(["trainer", "rollout", "redis-server"], 3)
+        while committed_steps(run_dir) < 1 and proc.poll() is None:
+            time.sleep(0.2)
+        assert_secrets_kept(run_dir)
+        seed = int(os.environ.get("SOAK_SEED", time.time()))  # printed: SOAK_SEED=... replays the order
+        victims = random.Random(seed).sample(["trainer", "rollout", "redis-server"], 3)
+        print(f"SOAK_SEED={seed}: kills {victims}")
         for at, victim in zip(KILL_AT, victims, strict=True):
             while committed_steps(run_dir) < at and proc.poll() is None:
                 time.sleep(0.2)

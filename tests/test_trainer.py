@@ -90,6 +90,15 @@ def test_train_step_is_exactly_once_and_ordered(trainer) -> None:  # type: ignor
     again = stub.TrainStep(step_request(0, samples(0)), timeout=120)
     assert again.replayed and again.metrics == first.metrics and again.weight_version == 1
     assert weight_bytes(service) == after_first  # nothing trained twice
+    # Only the identical request replays: another batch for a trained step, or no run id, is refused.
+    for bad, code, text in (
+        (step_request(0, samples(1)), grpc.StatusCode.FAILED_PRECONDITION, "step 0 was trained on another"),
+        (step_request(1, samples(1), run_id=""), grpc.StatusCode.INVALID_ARGUMENT, "run_id: required"),
+    ):
+        with pytest.raises(grpc.RpcError) as err:
+            stub.TrainStep(bad, timeout=120)
+        assert err.value.code() == code and err.value.details().startswith(text), err.value.details()
+    assert weight_bytes(service) == after_first
     with pytest.raises(grpc.RpcError) as err:
         stub.TrainStep(step_request(2, samples(1)), timeout=120)
     assert (

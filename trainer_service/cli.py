@@ -25,7 +25,15 @@ def main(argv: list[str] | None = None) -> None:
     args, flags = parse_args(argv)
     config = config_from_cli(TrainerConfig, "trainer-service", args, flags)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(levelname)s %(message)s")
+    if config.checkpoint_dir is None:
+        logging.warning(
+            "no --checkpoint-dir: nothing is checkpointed, and a restarted trainer takes the run back to "
+            "step 0; give it one (with --resume) for a run that survives restarts"
+        )
     serve(config)
+
+
+TRAINER_THREADS = 8  # calls wait for one model anyway; 4 of them stay with health and status
 
 
 def serve(config: TrainerConfig) -> None:
@@ -34,7 +42,7 @@ def serve(config: TrainerConfig) -> None:
     from trainer_service.service import TrainerService
     from trainer_service.servicer import SERVICE_NAME, TrainerServicer
 
-    servicer = TrainerServicer()
+    servicer = TrainerServicer(threads=TRAINER_THREADS)
     loaded: list[TrainerService] = []  # bound now, so a taken port fails before the model loads
     metrics = serving.metrics_server(
         "trainer-service", config.host, config.metrics_port, lambda: loaded[0].prometheus() if loaded else []
@@ -59,7 +67,7 @@ def serve(config: TrainerConfig) -> None:
         config.host,
         config.port,
         load,
-        max_workers=8,
+        max_workers=TRAINER_THREADS,
         max_receive_bytes=256 * 1024 * 1024,  # TrainStep batches may exceed 4 MiB; the handler checks them
     )
 

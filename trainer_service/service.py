@@ -5,6 +5,7 @@ Plain Python over the learner; the gRPC servicer only converts messages and maps
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import threading
@@ -88,6 +89,7 @@ class TrainerService:
         self.publisher = Publisher(self.recipe.rollout_weights, hp_dtype, self.recipe.name)
         self.run_id = ""
         self.results: OrderedDict[int, trainer_pb2.TrainStepResponse] = OrderedDict()
+        self.request_digests: dict[int, str] = {}  # step -> SHA-256 of the request that trained it
         self.started = time.time()
         self.steps_trained, self.train_seconds = 0, 0.0  # by this process, for /metrics
         self.last_metrics: dict[str, Any] = {}
@@ -105,10 +107,17 @@ class TrainerService:
         return self.learner.step
 
     def train_step(self, request: trainer_pb2.TrainStepRequest) -> trainer_pb2.TrainStepResponse:
+        if not request.run_id:
+            raise InvalidRequest("run_id", "required: a trainer serves one run")
+        digest = hashlib.sha256(request.SerializeToString(deterministic=True)).hexdigest()
         with self._lock:
-            if self.run_id and request.run_id and request.run_id != self.run_id:
+            if self.run_id and request.run_id != self.run_id:
                 raise PreconditionFailed(f"trainer belongs to run {self.run_id!r}, not {request.run_id!r}")
             if request.step in self.results:  # already applied: answer again, train nothing
+                if self.request_digests.get(request.step, digest) != digest:
+                    raise PreconditionFailed(
+                        f"step {request.step} was trained on another batch; only the same request replays"
+                    )
                 replay = trainer_pb2.TrainStepResponse()
                 replay.CopyFrom(self.results[request.step])
                 replay.replayed = True
@@ -132,7 +141,7 @@ class TrainerService:
                 weight_version=self.step,
                 metrics=trainer_pb2.TrainMetrics(**metrics),
             )
-            self._remember(request.step, response)
+            self._remember(request.step, response, digest)
             every = self.config.checkpoint_every if self.config.checkpoint_dir is not None else 0
             if (every and self.step % every == 0) or self.save_pending:
                 self._save_after_step()
@@ -150,10 +159,13 @@ class TrainerService:
         else:
             self.save_pending = False
 
-    def _remember(self, step: int, response: trainer_pb2.TrainStepResponse) -> None:
+    def _remember(self, step: int, response: trainer_pb2.TrainStepResponse, digest: str | None) -> None:
         self.results[step] = response
+        if digest:
+            self.request_digests[step] = digest
         while len(self.results) > KEPT_RESULTS:
-            self.results.popitem(last=False)
+            dropped, _ = self.results.popitem(last=False)
+            self.request_digests.pop(dropped, None)
 
     def compute_logprobs(
         self, request: trainer_pb2.ComputeLogprobsRequest
@@ -223,6 +235,7 @@ class TrainerService:
             "config_hash": config_hash(self.config.model_copy(update={"resume": False})),
             "optimizer": optimizer_rest,
             "results": {str(k): json_format.MessageToDict(v) for k, v in self.results.items()},
+            "request_digests": {str(k): v for k, v in self.request_digests.items()},
         }
         tensors = {"model": self.learner.master_weights(), "optimizer": optimizer_tensors, "rng": rng}
         path = checkpoint.save(
@@ -250,8 +263,10 @@ class TrainerService:
             torch.cuda.set_rng_state(tensors["rng"]["cuda"])
         learner.step = meta["step"]
         self.run_id = meta["run_id"]
+        digests = meta.get("request_digests", {})  # (absent from checkpoints of older versions)
         for step, result in sorted(meta["results"].items(), key=lambda kv: int(kv[0])):
-            self._remember(int(step), json_format.ParseDict(result, trainer_pb2.TrainStepResponse()))
+            response = json_format.ParseDict(result, trainer_pb2.TrainStepResponse())
+            self._remember(int(step), response, digests.get(step))
         if meta["config_hash"] != config_hash(self.config.model_copy(update={"resume": False})):
             log.warning("resuming %s under a different trainer config", path)
         log.info("resumed from %s at step %d", path, learner.step)

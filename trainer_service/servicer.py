@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 
 from fp8rl.errors import NotReady
-from fp8rl.serving import RESERVED_THREADS, Capacity, map_errors
+from fp8rl.serving import RESERVED_THREADS, SERVER_THREADS, Capacity, map_errors
 from fp8rl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from trainer_service.service import TrainerService
 
@@ -15,7 +15,7 @@ SERVICE_NAME = "fp8rl.v1.Trainer"
 class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     """Serves as soon as it is bound; every call answers UNAVAILABLE until the learner is attached."""
 
-    def __init__(self, service: TrainerService | None = None, threads: int = 16) -> None:
+    def __init__(self, service: TrainerService | None = None, threads: int = SERVER_THREADS) -> None:
         self._service = service
         # Calls that wait for the model share all threads but a few: status and health always get one.
         self.model_calls = Capacity(
