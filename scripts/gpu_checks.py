@@ -59,10 +59,11 @@ def quantizers() -> str:
         s_gpu.cpu(), s_cpu
     )
     try:
-        import transformer_engine_torch as tex
-        from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockQuantizer
+        import transformer_engine.pytorch  # noqa: F401
     except ImportError:
         return "CUDA codes = CPU codes (Transformer Engine not installed: its quantizers not compared)"
+    from trainer_service.fp8_linear import te_quantizer
+
     xc = x.cuda()
     for fmt in quant.SCALE_FORMATS:
         ours = {
@@ -71,15 +72,7 @@ def quantizers() -> str:
             (1, False): quant.fake_quantize_columnwise(xc, scale_format=fmt),
         }
         for (dim, rowwise), want in ours.items():
-            te = Float8BlockQuantizer(
-                tex.DType.kFloat8E4M3,
-                rowwise=rowwise,
-                columnwise=not rowwise,
-                amax_epsilon=0.0,
-                force_pow_2_scales=fmt == "pow2",
-                block_scaling_dim=dim,
-            )
-            got = te(xc).dequantize(dtype=torch.float32)
+            got = te_quantizer(dim, rowwise, fmt)(xc).dequantize(dtype=torch.float32)
             differ = (got != want).sum().item()
             assert differ == 0, f"{fmt} dim={dim} rowwise={rowwise}: {differ} values differ"
     return "CUDA codes = CPU codes; TE 1x128 rowwise, 1x128 columnwise, 128x128 = fp8rl.quant (fp32, pow2)"

@@ -18,11 +18,13 @@ def test_cuda_codes_equal_cpu_codes(gen: torch.Generator) -> None:
     q_gpu, s_gpu = quant.quantize_blockwise(w.cuda())
     assert torch.equal(s_gpu.cpu(), s_cpu)
     assert torch.equal(q_gpu.cpu().view(torch.uint8), q_cpu.view(torch.uint8))
-    x = torch.randn(7, 640, generator=gen)
-    qa, sa = quant.quantize_activation(x.cuda())
-    qa_cpu, sa_cpu = quant.quantize_activation(x)
-    assert torch.equal(sa.cpu(), sa_cpu)
-    assert torch.equal(qa.cpu().view(torch.uint8), qa_cpu.view(torch.uint8))
+    x = torch.randn(7, 640, generator=gen) * 10.0 ** torch.randint(-6, 7, (7, 1), generator=gen)
+    for arithmetic in ("te", "vllm"):  # each engine's arithmetic, each scale format: CUDA = CPU
+        for fmt in quant.SCALE_FORMATS:
+            qa, sa = quant.quantize_activation(x.cuda(), scale_format=fmt, arithmetic=arithmetic)  # type: ignore[arg-type]
+            qa_cpu, sa_cpu = quant.quantize_activation(x, scale_format=fmt, arithmetic=arithmetic)  # type: ignore[arg-type]
+            assert torch.equal(sa.cpu(), sa_cpu), (arithmetic, fmt)
+            assert torch.equal(qa.cpu().view(torch.uint8), qa_cpu.view(torch.uint8)), (arithmetic, fmt)
 
 
 def test_scaled_mm_over_our_codes_matches_float64(gen: torch.Generator) -> None:
@@ -57,21 +59,13 @@ def test_transformer_engine_quantizers_give_the_emulations_values(
 ) -> None:
     """TE's own Float8BlockQuantizer (1x128 rowwise, 1x128 columnwise, 128x128) against fp8rl.quant in
     TE's arithmetic, value for value."""
-    blockwise = pytest.importorskip("transformer_engine.pytorch.tensor.float8_blockwise_tensor")
-    import transformer_engine_torch as tex
+    pytest.importorskip("transformer_engine.pytorch")
+    from trainer_service.fp8_linear import te_quantizer
 
     x = (torch.randn(256, 384, generator=gen) * 10.0 ** torch.randint(-3, 4, (256, 1), generator=gen)).cuda()
 
     def te(dim: int, rowwise: bool) -> torch.Tensor:
-        quantizer = blockwise.Float8BlockQuantizer(
-            tex.DType.kFloat8E4M3,
-            rowwise=rowwise,
-            columnwise=not rowwise,
-            amax_epsilon=0.0,
-            force_pow_2_scales=scale_format == "pow2",
-            block_scaling_dim=dim,
-        )
-        return quantizer(x).dequantize(dtype=torch.float32)
+        return te_quantizer(dim, rowwise, scale_format)(x).dequantize(dtype=torch.float32)
 
     assert torch.equal(te(1, True), quant.fake_quantize_activation(x, scale_format=scale_format))
     assert torch.equal(te(2, True), quant.fake_quantize_weight(x, scale_format=scale_format))

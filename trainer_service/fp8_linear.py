@@ -169,6 +169,23 @@ def block_scaling_recipe(power_2_scales: bool = False) -> Any:
     return recipe
 
 
+def te_quantizer(block_scaling_dim: int, rowwise: bool, scale_format: ScaleFormat) -> Any:
+    """Transformer Engine's own blockwise quantizer (1: 1x128 tiles, rowwise or columnwise; 2: 128x128),
+    with the amax epsilon and scale format of :func:`block_scaling_recipe`: for checks against
+    :mod:`fp8rl.quant`."""
+    import transformer_engine_torch as tex
+    from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockQuantizer
+
+    return Float8BlockQuantizer(
+        tex.DType.kFloat8E4M3,
+        rowwise=rowwise,
+        columnwise=not rowwise,
+        amax_epsilon=0.0,
+        force_pow_2_scales=scale_format == "pow2",
+        block_scaling_dim=block_scaling_dim,
+    )
+
+
 def fp8_context(
     backend: Backend | None, scale_format: ScaleFormat = "fp32"
 ) -> contextlib.AbstractContextManager[Any]:
