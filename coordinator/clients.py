@@ -45,11 +45,20 @@ CHANNEL_OPTIONS = [
 ]
 
 
+FENCE_METADATA = "fp8rl-fence"
+"""Call metadata carrying the coordinator's fencing token: a trainer refuses calls with an older one."""
+
+
 class TrainerClient:
     def __init__(self, address: str) -> None:
         self.address = address
         self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = trainer_pb2_grpc.TrainerStub(self.channel)
+        self.fence = ""  # set once the coordinator holds the run's lease
+
+    @property
+    def _metadata(self) -> list[tuple[str, str]]:
+        return [(FENCE_METADATA, self.fence)] if self.fence else []
 
     def status(self) -> trainer_pb2.TrainerStatus:
         return with_retries(
@@ -59,14 +68,15 @@ class TrainerClient:
 
     def train(self, request: trainer_pb2.TrainStepRequest) -> trainer_pb2.TrainStepResponse:
         return with_retries(
-            lambda: self.stub.TrainStep(request, timeout=TRAIN_DEADLINE_S), f"TrainStep({request.step})"
+            lambda: self.stub.TrainStep(request, timeout=TRAIN_DEADLINE_S, metadata=self._metadata),
+            f"TrainStep({request.step})",
         )
 
     def publish(self, version: int, held: dict[str, int]) -> trainer_pb2.PublishWeightsResponse:
         targets = [trainer_pb2.PublishTarget(address=a, held_version=v) for a, v in held.items()]
         request = trainer_pb2.PublishWeightsRequest(version=version, targets=targets)
         return with_retries(
-            lambda: self.stub.PublishWeights(request, timeout=PUBLISH_DEADLINE_S),
+            lambda: self.stub.PublishWeights(request, timeout=PUBLISH_DEADLINE_S, metadata=self._metadata),
             f"PublishWeights({version})",
         )
 

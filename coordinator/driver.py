@@ -73,6 +73,7 @@ class Driver:
         # A lease this very process holds is an earlier attempt's (the supervisor restarted the run's
         # processes after a crash): take it over like a dead coordinator's.
         self.store.acquire(me, LEASE_TTL_S, lambda holder: holder == me or coordinator_is_dead(holder))
+        self.trainer.fence = self.store.fence  # every model-changing call carries it: stale ones are refused
         renewer = threading.Thread(target=self._renew_lease, name="lease", daemon=True)
         renewer.start()
         try:

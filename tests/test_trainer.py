@@ -324,3 +324,39 @@ def test_a_failed_checkpoint_does_not_fail_the_step_and_is_retried(
     service.train_step(step_request(2, samples(2)))  # not due, but the failed one is retried now
     assert checkpoint_steps(root) == ["step-00000003"] and not service.save_pending
     assert {s.name: s.value for s in service.prometheus()}["trainer_checkpoint_failures"] == 1
+
+
+def test_a_stale_fencing_token_is_refused(trainer) -> None:  # type: ignore[no-untyped-def]
+    """A coordinator whose lease was taken over (an older fencing token in the call metadata) can no
+    longer train or publish; the newest token goes on; calls without a token are not fenced."""
+    service, stub = trainer
+    step = service.step
+    fenced = [("fp8rl-fence", "7")]
+    stub.TrainStep(step_request(step, samples(step)), timeout=120, metadata=fenced)
+    before = weight_bytes(service)
+    for call in (
+        lambda md: stub.TrainStep(step_request(step + 1, samples(step + 1)), timeout=120, metadata=md),
+        lambda md: stub.PublishWeights(
+            trainer_pb2.PublishWeightsRequest(
+                version=step + 1, targets=[trainer_pb2.PublishTarget(address="127.0.0.1:1")]
+            ),
+            timeout=60,
+            metadata=md,
+        ),
+    ):
+        with pytest.raises(grpc.RpcError) as err:
+            call([("fp8rl-fence", "6")])
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "fencing token 6 is stale" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        stub.TrainStep(
+            step_request(step + 1, samples(step + 1)), timeout=120, metadata=[("fp8rl-fence", "x")]
+        )
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert weight_bytes(service) == before  # nothing trained by the stale coordinator
+    assert (
+        stub.TrainStep(
+            step_request(step + 1, samples(step + 1)), timeout=120, metadata=[("fp8rl-fence", "8")]
+        ).weight_version
+        == step + 2
+    )

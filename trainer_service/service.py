@@ -90,6 +90,7 @@ class TrainerService:
         self.run_id = ""
         self.results: OrderedDict[int, trainer_pb2.TrainStepResponse] = OrderedDict()
         self.request_digests: dict[int, str] = {}  # step -> SHA-256 of the request that trained it
+        self.fence = 0  # the newest coordinator fencing token seen (kept in checkpoints)
         self.started = time.time()
         self.steps_trained, self.train_seconds = 0, 0.0  # by this process, for /metrics
         self.last_metrics: dict[str, Any] = {}
@@ -105,6 +106,20 @@ class TrainerService:
     @property
     def step(self) -> int:
         return self.learner.step
+
+    def check_fence(self, fence: str | None) -> None:
+        """Refuse a coordinator whose fencing token is older than one already seen: another coordinator
+        took the run's lease after it (a call without a token, e.g. from a test client, is not fenced)."""
+        if fence is None:
+            return
+        if not fence.isdigit():
+            raise InvalidRequest("fencing token", f"expected a non-negative integer, got {fence!r}")
+        with self._lock:
+            if int(fence) < self.fence:
+                raise PreconditionFailed(
+                    f"fencing token {fence} is stale: a coordinator with token {self.fence} drives the run"
+                )
+            self.fence = int(fence)
 
     def train_step(self, request: trainer_pb2.TrainStepRequest) -> trainer_pb2.TrainStepResponse:
         if not request.run_id:
@@ -236,6 +251,7 @@ class TrainerService:
             "optimizer": optimizer_rest,
             "results": {str(k): json_format.MessageToDict(v) for k, v in self.results.items()},
             "request_digests": {str(k): v for k, v in self.request_digests.items()},
+            "fence": self.fence,
         }
         tensors = {"model": self.learner.master_weights(), "optimizer": optimizer_tensors, "rng": rng}
         path = checkpoint.save(
@@ -263,6 +279,7 @@ class TrainerService:
             torch.cuda.set_rng_state(tensors["rng"]["cuda"])
         learner.step = meta["step"]
         self.run_id = meta["run_id"]
+        self.fence = int(meta.get("fence", 0))
         digests = meta.get("request_digests", {})  # (absent from checkpoints of older versions)
         for step, result in sorted(meta["results"].items(), key=lambda kv: int(kv[0])):
             response = json_format.ParseDict(result, trainer_pb2.TrainStepResponse())

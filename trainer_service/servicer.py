@@ -10,6 +10,12 @@ from fp8rl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from trainer_service.service import TrainerService
 
 SERVICE_NAME = "fp8rl.v1.Trainer"
+FENCE_METADATA = "fp8rl-fence"  # (coordinator.clients sends it)
+
+
+def fence_of(context: grpc.ServicerContext) -> str | None:
+    """The caller's fencing token, if it sent one."""
+    return next((str(v) for k, v in context.invocation_metadata() if k == FENCE_METADATA), None)
 
 
 class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
@@ -35,6 +41,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     def TrainStep(
         self, request: trainer_pb2.TrainStepRequest, context: grpc.ServicerContext
     ) -> trainer_pb2.TrainStepResponse:
+        self.service.check_fence(fence_of(context))
         with self.model_calls.slot():
             return self.service.train_step(request)
 
@@ -49,6 +56,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     def PublishWeights(
         self, request: trainer_pb2.PublishWeightsRequest, context: grpc.ServicerContext
     ) -> trainer_pb2.PublishWeightsResponse:
+        self.service.check_fence(fence_of(context))
         with self.model_calls.slot():
             return self.service.publish(request)
 
@@ -56,6 +64,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     def SaveCheckpoint(
         self, request: trainer_pb2.SaveCheckpointRequest, context: grpc.ServicerContext
     ) -> trainer_pb2.SaveCheckpointResponse:
+        self.service.check_fence(fence_of(context))
         with self.model_calls.slot():
             return self.service.save_checkpoint()
 
