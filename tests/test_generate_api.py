@@ -312,14 +312,15 @@ def test_a_client_that_goes_away_cancels_its_generation(http: str, rollout_fp8: 
 
     loop = rollout_fp8.service.loop
     work = {"model": MODEL_NAME, "prompt": "1", "n": 32, "max_tokens": 240, "temperature": 1.0, "seed": 1}
-    start = time.monotonic()
+    start, tokens_before = time.monotonic(), loop.tokens_generated
     assert httpx.post(f"{http}/completions", json=work, timeout=120).status_code == 200
-    full = time.monotonic() - start
+    full, full_tokens = time.monotonic() - start, loop.tokens_generated - tokens_before
     where = urlsplit(http)
     for stream in (True, False):
         body = jsonlib.dumps({**work, "stream": stream}).encode()
         head = f"POST {where.path}/completions HTTP/1.1\r\nHost: {where.netloc}\r\n"
         head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        tokens_before = loop.tokens_generated
         with socket.create_connection((where.hostname, where.port), timeout=10) as raw:
             raw.sendall(head.encode() + body)
             deadline = time.monotonic() + 10
@@ -330,5 +331,15 @@ def test_a_client_that_goes_away_cancels_its_generation(http: str, rollout_fp8: 
         while loop.in_flight and time.monotonic() < hung_up + full:
             time.sleep(0.02)
         idle_after = time.monotonic() - hung_up
-        print(f"stream={stream}: idle {idle_after:.2f} s after hanging up; the whole work takes {full:.2f} s")
-        assert loop.in_flight == 0 and idle_after < full / 2, (stream, idle_after, full)
+        tokens = loop.tokens_generated - tokens_before  # of the samples that finished before the cancel
+        print(
+            f"stream={stream}: idle {idle_after:.2f} s after hanging up, {tokens} of {full_tokens} tokens; "
+            f"the whole work takes {full:.2f} s"
+        )
+        # Cancelled, not run to its end: the same seeded work would finish every sample (on an idle
+        # machine the replica is idle again within 0.1 s; under load noticing the hang-up can take seconds).
+        assert loop.in_flight == 0 and tokens < full_tokens and idle_after < full, (
+            stream,
+            idle_after,
+            tokens,
+        )
