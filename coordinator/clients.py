@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from fp8rl.serving import FENCE_METADATA
 from fp8rl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -43,10 +44,6 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
-
-
-FENCE_METADATA = "fp8rl-fence"
-"""Call metadata carrying the coordinator's fencing token: a trainer refuses calls with an older one."""
 
 
 class TrainerClient:

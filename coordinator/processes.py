@@ -15,12 +15,11 @@ import sys
 import time
 from contextlib import ExitStack
 from pathlib import Path
-from urllib.parse import quote
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from fp8rl.credentials import write_private
+from fp8rl.credentials import PASSWORD_ENV, redis_url_with_password, write_private
 
 log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
@@ -133,7 +132,7 @@ def start_redis(
     stack.callback(child.stop)
     if watch is not None:
         watch.append(child)
-    url = f"redis://{':' + quote(password, safe='') + '@' if password else ''}127.0.0.1:{port}/0"
+    url = redis_url_with_password(f"redis://127.0.0.1:{port}/0", {PASSWORD_ENV: password or ""})
     import redis
 
     client = redis.Redis.from_url(url)

@@ -60,7 +60,11 @@ def start(config: CoordinatorConfig) -> int:
 
 
 LOCK_FILE = "coordinator.lock"
-PASSWORD_FILE = "password"  # under run_dir/redis: the embedded redis-server's password, mode 0600
+
+
+def redis_password_file(run_dir: Path) -> Path:
+    """Where an embedded run keeps its redis-server's password (mode 0600)."""
+    return run_dir / "redis" / "password"
 
 
 def lock_run_dir(run_dir: Path, stack: ExitStack) -> str | None:
@@ -147,7 +151,7 @@ def drive(
         "rollouts": rollouts,
     }
     if config.embedded:
-        info["redis_password_file"] = str(run_dir / "redis" / PASSWORD_FILE)
+        info["redis_password_file"] = str(redis_password_file(run_dir))
     write_private(run_dir / "run.json", json.dumps(info))
     client = redis.Redis.from_url(redis_url)
     store = RunStore(client, run_id)
@@ -252,7 +256,7 @@ def launch_embedded(
         raise SystemExit(2)
     # The embedded redis-server requires a password of its own (kept in a 0600 file, never in argv), so
     # other local users cannot rewrite the run's state.
-    password_file = run_dir / "redis" / PASSWORD_FILE
+    password_file = redis_password_file(run_dir)
     if not password_file.exists():
         write_private(password_file, new_password())
     redis_url, children["redis-server"] = start_redis(

@@ -43,9 +43,7 @@ def redis_url_with_password(url: str, environ: Mapping[str, str] = os.environ) -
         password = environ[PASSWORD_ENV]
     if not password:
         return url
-    user = quote(parts.username or "", safe="")
-    netloc = f"{user}:{quote(password, safe='')}@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
+    return _with_userinfo(url, f"{quote(parts.username or '', safe='')}:{quote(password, safe='')}")
 
 
 def redacted(url: str) -> str:
@@ -54,9 +52,15 @@ def redacted(url: str) -> str:
     parts = urlsplit(url)
     if parts.password is None:
         return url
-    user = f"{quote(parts.username, safe='')}@" if parts.username else ""
-    netloc = f"{user}{parts.hostname}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
+    return _with_userinfo(url, quote(parts.username, safe="") if parts.username else "")
+
+
+def _with_userinfo(url: str, userinfo: str) -> str:
+    """``url`` with its user-info part (before ``@``) replaced; host and port kept as written (an IPv6
+    host keeps its brackets)."""
+    parts = urlsplit(url)
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{userinfo}@{host}" if userinfo else host))
 
 
 def has_password(url: str | None) -> bool:

@@ -33,8 +33,16 @@ ISMode = Literal["none", "tis", "icepop", "seq-mask-tis"]
 AdvantageNorm = Literal["std", "mean", "none"]  # see fp8rl.grpo.group_advantages
 
 
+def is_fp8(weight_format: WeightFormat) -> bool:
+    return weight_format != "bf16"
+
+
 def weight_scale_format(weight_format: WeightFormat) -> ScaleFormat:
     return "pow2" if weight_format.endswith("-pow2") else "fp32"
+
+
+def fp8_weight_format(scale_format: ScaleFormat) -> WeightFormat:
+    return "fp8-block128-pow2" if scale_format == "pow2" else "fp8-block128"
 
 
 class ImportanceSampling(BaseModel):
@@ -76,7 +84,7 @@ class Recipe(BaseModel):
 
     @property
     def fp8_rollout(self) -> bool:
-        return self.rollout_weights != "bf16"
+        return is_fp8(self.rollout_weights)
 
     @property
     def scale_format(self) -> ScaleFormat:

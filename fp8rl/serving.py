@@ -192,6 +192,9 @@ def idle_limited(items: Iterable[T], context: grpc.ServicerContext, idle_s: floa
             timer.cancel()
 
 
+FENCE_METADATA = "fp8rl-fence"
+"""Call metadata carrying the coordinator's fencing token: a trainer refuses calls with an older one."""
+
 SERVER_THREADS = 16
 RESERVED_THREADS = 4
 """Server threads no capacity-limited call kind may take: health, status and reflection keep them."""

@@ -46,7 +46,7 @@ import zstandard
 
 from fp8rl import quant
 from fp8rl.errors import BaseMismatchError, CorruptUpdateError
-from fp8rl.recipes import WEIGHT_FORMATS, WeightFormat, weight_scale_format
+from fp8rl.recipes import WEIGHT_FORMATS, WeightFormat, is_fp8, weight_scale_format
 
 FORMAT_VERSION = "3"  # 3: XXH3-128 digests; the update digest covers the header (which seals the rest)
 Encoding = Literal["keyframe", "delta"]
@@ -165,7 +165,7 @@ def build_weight_set(
     out: dict[str, torch.Tensor] = {}
     for name, t in state_dict.items():
         t = t.detach().cpu()
-        if weight_format != "bf16" and is_block_linear(name, t.ndim):
+        if is_fp8(weight_format) and is_block_linear(name, t.ndim):
             out[name], out[scale_name(name)] = quant.quantize_blockwise(t, scale_format=scale_format)
         else:
             # Always a copy: a set must never alias live parameters the optimizer keeps changing.

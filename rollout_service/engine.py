@@ -27,8 +27,7 @@ from typing import Any, cast
 import torch
 
 from fp8rl import quant
-from fp8rl.quant import ScaleFormat
-from fp8rl.recipes import WeightFormat, get_recipe
+from fp8rl.recipes import ScaleFormat, fp8_weight_format, get_recipe
 from rollout_service.config import RolloutConfig
 
 BLOCK_FP8_QUANT_CONFIG = {
@@ -400,11 +399,13 @@ def fp8_checkpoint(
     )
     state = {k: v for path in weights_files for k, v in load_file(path).items()}
     config = json.loads((model_dir / "config.json").read_text())
-    weight_format: WeightFormat = "fp8-block128-pow2" if scale_format == "pow2" else "fp8-block128"
     dtype = {"float32": torch.float32, "float16": torch.float16}.get(
         checkpoint_dtype(model_dir), torch.bfloat16
     )
-    save_file(dict(build_weight_set(state, weight_format, hp_dtype=dtype).tensors), tmp / "model.safetensors")
+    save_file(
+        dict(build_weight_set(state, fp8_weight_format(scale_format), hp_dtype=dtype).tensors),
+        tmp / "model.safetensors",
+    )
     config["quantization_config"] = BLOCK_FP8_QUANT_CONFIG
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     os.replace(tmp, out)

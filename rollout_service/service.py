@@ -18,7 +18,7 @@ import torch
 
 from fp8rl.errors import InvalidRequest, PreconditionFailed
 from fp8rl.prometheus import Sample
-from fp8rl.recipes import WeightFormat, get_recipe, weight_scale_format
+from fp8rl.recipes import WeightFormat, get_recipe, is_fp8, weight_scale_format
 from fp8rl.v1 import rollout_pb2, weights_pb2
 from fp8rl.weights import SCALE_SUFFIX, WeightSet, decode_update, is_block_linear, scale_name
 from rollout_service.config import RolloutConfig
@@ -41,18 +41,19 @@ def expected_schema(model_dir: Path, weight_format: WeightFormat) -> Schema:
         with safe_open(str(path), "pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 shape = tuple(f.get_slice(name).get_shape())
-                fp8 = weight_format != "bf16" and is_block_linear(name, len(shape))
+                fp8 = is_fp8(weight_format) and is_block_linear(name, len(shape))
                 schema[name] = (shape, fp8)
                 if fp8:
                     schema[scale_name(name)] = (tuple(-(-d // 128) for d in shape), False)
     return schema
 
 
-def check_schema(weights: WeightSet, schema: Schema) -> None:
+def check_schema(weights: WeightSet, schema: Schema, checked: WeightSet | None = None) -> None:
     """Refuse, before the engine sees it, a set the model cannot take: an engine that fails midway
     through a refit may not recover without a restart. Every value must be finite (a NaN weight makes
     every logprob NaN; E4M3 codes have a NaN pattern too), and FP8 scales positive, and powers of two
-    under a ``-pow2`` format (the engines' contract)."""
+    under a ``-pow2`` format (the engines' contract). Values of tensors a delta took over unchanged from
+    ``checked`` (the held set, which passed) are not read again."""
     if set(weights.tensors) != set(schema):
         missing, extra = (
             sorted(set(schema) - set(weights.tensors)),
@@ -62,12 +63,15 @@ def check_schema(weights: WeightSet, schema: Schema) -> None:
             "weights", f"tensor names differ from the model's: missing {missing[:3]}, extra {extra[:3]}"
         )
     pow2 = weight_scale_format(weights.format) == "pow2"
+    unchanged = checked.tensors if checked is not None else {}
     for name, t in weights.tensors.items():
         admit_tensor(schema, name, t.dtype, tuple(t.shape))
+        if unchanged.get(name) is t:
+            continue
         if not finite(t):
             raise InvalidRequest("weights", f"{name} holds NaN or inf")
         if name.endswith(SCALE_SUFFIX):
-            if not bool(((t > 0) & torch.isfinite(t)).all()):
+            if not bool((t > 0).all()):  # (finite already)
                 raise InvalidRequest("weights", f"{name} holds a scale that is not positive and finite")
             if pow2 and not bool((torch.frexp(t).mantissa == 0.5).all()):
                 raise InvalidRequest("weights", f"{name} holds a scale that is not a power of two")
@@ -204,7 +208,7 @@ class RolloutService:
             )
             if decoded.version != header.version:
                 raise PreconditionFailed(f"header says version {header.version}, payload {decoded.version}")
-            check_schema(decoded.weights, self.schema)
+            check_schema(decoded.weights, self.schema, self.held)
             start = time.perf_counter()
             self.loop.run_exclusive(lambda: self._apply(decoded.weights, decoded.version))
             self.held = decoded.weights

@@ -27,6 +27,8 @@ def test_password_comes_from_the_environment_or_a_file(tmp_path: Path) -> None:
     )
     assert redis_url_with_password("redis://:given@h/0", {"REDIS_PASSWORD": "env-pw"}) == "redis://:given@h/0"
     assert redis_url_with_password("redis://h/0", {}) == "redis://h/0"
+    ipv6 = redis_url_with_password("redis://[::1]:6379/0", {"REDIS_PASSWORD": "p"})
+    assert ipv6 == "redis://:p@[::1]:6379/0" and redacted(ipv6) == "redis://[::1]:6379/0"
     assert (
         redacted("redis://user:pw@h:1/0") == "redis://user@h:1/0" and redacted("redis://h/0") == "redis://h/0"
     )

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from fp8rl import quant
-from fp8rl.quant import ScaleFormat
+from fp8rl.recipes import ScaleFormat
 
 Backend = Literal["emulated", "te"]
 
@@ -45,23 +45,32 @@ class _FP8LinearFunction(torch.autograd.Function):
         x32 = x.float()
         xq = quant.fake_quantize_activation(x32, scale_format=scale_format).to(compute)
         wq = quant.fake_quantize_weight(weight.detach().float(), scale_format=scale_format).to(compute)
-        # wgrad's X: the same activations quantized along the other axis (128 tokens per feature).
-        x_columnwise = quant.fake_quantize_columnwise(x32.reshape(-1, x.shape[-1]), scale_format=scale_format)
+        # wgrad's X: the same activations quantized along the other axis (128 tokens per feature); not
+        # made when no weight gradient is wanted (scoring under no_grad).
+        x_columnwise = x.new_empty(0)
+        if ctx.needs_input_grad[1]:
+            x_columnwise = quant.fake_quantize_columnwise(
+                x32.reshape(-1, x.shape[-1]), scale_format=scale_format
+            )
         ctx.save_for_backward(x_columnwise.to(compute), wq)
         ctx.has_bias, ctx.scale_format = bias is not None, scale_format
         return F.linear(xq, wq, None if bias is None else bias.to(compute))
 
     @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, None]:
+    def backward(
+        ctx: Any, dy: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, None]:
         x_columnwise, wq = ctx.saved_tensors
         fmt = ctx.scale_format
         # The straight-through estimator for the fake quantizers; dY quantized per GEMM, as TE does.
         dy32 = dy.float()
         dx = quant.fake_quantize_activation(dy32, scale_format=fmt).to(wq.dtype) @ wq
-        dy_columnwise = quant.fake_quantize_columnwise(dy32.reshape(-1, dy.shape[-1]), scale_format=fmt)
-        dw = dy_columnwise.to(wq.dtype).t() @ x_columnwise
+        dw = None
+        if ctx.needs_input_grad[1]:
+            dy_columnwise = quant.fake_quantize_columnwise(dy32.reshape(-1, dy.shape[-1]), scale_format=fmt)
+            dw = (dy_columnwise.to(wq.dtype).t() @ x_columnwise).float()
         db = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.has_bias else None
-        return dx, dw.float(), db, None
+        return dx, dw, db, None
 
 
 def fp8_linear(

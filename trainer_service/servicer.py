@@ -5,12 +5,11 @@ from __future__ import annotations
 import grpc
 
 from fp8rl.errors import NotReady
-from fp8rl.serving import RESERVED_THREADS, SERVER_THREADS, Capacity, map_errors
+from fp8rl.serving import FENCE_METADATA, RESERVED_THREADS, SERVER_THREADS, Capacity, map_errors
 from fp8rl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from trainer_service.service import TrainerService
 
 SERVICE_NAME = "fp8rl.v1.Trainer"
-FENCE_METADATA = "fp8rl-fence"  # (coordinator.clients sends it)
 
 
 def fence_of(context: grpc.ServicerContext) -> str | None:
