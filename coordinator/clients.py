@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from fp8rl.security import SecurityConfig, channel
 from fp8rl.serving import FENCE_METADATA
 from fp8rl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 
@@ -47,9 +48,9 @@ CHANNEL_OPTIONS = [
 
 
 class TrainerClient:
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, security: SecurityConfig | None = None) -> None:
         self.address = address
-        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = channel(address, security, "trainer", CHANNEL_OPTIONS)
         self.stub = trainer_pb2_grpc.TrainerStub(self.channel)
         self.fence = ""  # set once the coordinator holds the run's lease
 
@@ -69,8 +70,15 @@ class TrainerClient:
             f"TrainStep({request.step})",
         )
 
-    def publish(self, version: int, held: dict[str, int]) -> trainer_pb2.PublishWeightsResponse:
-        targets = [trainer_pb2.PublishTarget(address=a, held_version=v) for a, v in held.items()]
+    def publish(
+        self, version: int, held: dict[str, int], proofs: dict[str, str] | None = None
+    ) -> trainer_pb2.PublishWeightsResponse:
+        """``proofs``: each replica's registration proof (its status shows it), which the trainer checks."""
+        proofs = proofs or {}
+        targets = [
+            trainer_pb2.PublishTarget(address=a, held_version=v, proof=proofs.get(a, ""))
+            for a, v in held.items()
+        ]
         request = trainer_pb2.PublishWeightsRequest(version=version, targets=targets)
         return with_retries(
             lambda: self.stub.PublishWeights(request, timeout=PUBLISH_DEADLINE_S, metadata=self._metadata),
@@ -88,14 +96,16 @@ class ReplicaFailed(RuntimeError):
 class RolloutPool:
     """The replicas of one run. ``addresses`` is called before each step (static list or Redis discovery)."""
 
-    def __init__(self, addresses: Callable[[], list[str]]) -> None:
+    def __init__(self, addresses: Callable[[], list[str]], security: SecurityConfig | None = None) -> None:
         self._addresses = addresses
+        self.security = security
         self._stubs: dict[str, rollout_pb2_grpc.RolloutStub] = {}
         self._channels: dict[str, grpc.Channel] = {}
+        self.proofs: dict[str, str] = {}  # address -> registration proof, as its last status showed
 
     def stub(self, address: str) -> rollout_pb2_grpc.RolloutStub:
         if address not in self._stubs:
-            self._channels[address] = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+            self._channels[address] = channel(address, self.security, "rollout", CHANNEL_OPTIONS)
             self._stubs[address] = rollout_pb2_grpc.RolloutStub(self._channels[address])
         return self._stubs[address]
 
@@ -104,13 +114,14 @@ class RolloutPool:
         held = {}
         for address in self._addresses():
             try:
-                held[address] = (
-                    self.stub(address)
-                    .GetStatus(common_pb2.GetStatusRequest(), timeout=STATUS_DEADLINE_S)
-                    .weight_version
+                status = self.stub(address).GetStatus(
+                    common_pb2.GetStatusRequest(), timeout=STATUS_DEADLINE_S
                 )
+                held[address], self.proofs[address] = status.weight_version, status.registration_proof
             except grpc.RpcError as exc:
                 log.warning("replica %s unreachable (%s): dropped for this step", address, exc.code().name)
+            except ValueError as exc:  # our security settings forbid talking to it (e.g. plaintext)
+                log.warning("replica %s: %s: dropped for this step", address, exc)
         if not held:
             raise ReplicaFailed("no rollout replica is reachable")
         return held
@@ -170,8 +181,8 @@ class RolloutPool:
         return completions
 
     def close(self) -> None:
-        for channel in self._channels.values():
-            channel.close()
+        for chan in self._channels.values():
+            chan.close()
 
 
 SAMPLES_PER_CALL = 1024

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from fp8rl.credentials import check_run_id
 from fp8rl.models import ModelDir
 from fp8rl.recipes import RecipeName
+from fp8rl.security import SecurityConfig
 from trainer_service.config import LearnerConfig
 
 # Fields that say where and how long things run, not what the run is: they may differ when a run is
@@ -23,6 +24,8 @@ RESUMABLE_FIELDS = (
     "steps",
     "tensorboard",
     "wandb_project",
+    "security",
+    "tls",
 )
 
 # The demo's learner: TrainerConfig's defaults but for these, tuned for the tiny model. Each knob has this
@@ -111,6 +114,12 @@ class CoordinatorConfig(BaseModel):
     """Distributed mode: host:port of the trainer service."""
     rollout: list[str] = []
     """Distributed mode: host:port of each rollout replica; empty: discover them in Redis."""
+    security: SecurityConfig = SecurityConfig()
+    """Distributed mode: the coordinator's identity towards trainer and replicas (its token or client
+    certificate, the CA it checks them against: fp8rl/security.py)."""
+    tls: bool = False
+    """Embedded mode: the run's processes talk mutual TLS under a private CA in RUN_DIR/secrets (bearer
+    tokens and signed weight updates are always on)."""
     progress: Literal["auto", "rich", "plain"] = "auto"
     """Live display: rich on a terminal, plain lines otherwise."""
     kv_cache_gib: float = Field(1.0, gt=0)
@@ -152,6 +161,8 @@ class CoordinatorConfig(BaseModel):
             raise ValueError(f"model {self.model} is not an HF checkpoint directory (no config.json)")
         if bool(self.trainer) != bool(self.redis_url):
             raise ValueError("give redis_url and trainer together (distributed mode), or neither (embedded)")
+        if self.embedded and self.security != SecurityConfig():
+            raise ValueError("security configures a distributed coordinator; an embedded run makes its own")
         if not self.embedded and self.learner != CoordinatorConfig.model_fields["learner"].get_default(
             call_default_factory=True
         ):

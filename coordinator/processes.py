@@ -15,11 +15,13 @@ import sys
 import time
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Literal
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fp8rl.credentials import PASSWORD_ENV, redis_url_with_password, write_private
+from fp8rl.security import SecurityConfig, channel
 
 log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
@@ -88,11 +90,18 @@ class Child:
             self.proc.wait()
 
 
-def wait_healthy(child: Child, address: str, service: str, timeout: float = 600) -> None:
+def wait_healthy(
+    child: Child,
+    address: str,
+    server: Literal["trainer", "rollout"],
+    security: SecurityConfig | None = None,
+    timeout: float = 600,
+) -> None:
     """Until the child's gRPC health service says SERVING (or the child dies, or time runs out)."""
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
+    service = {"trainer": "fp8rl.v1.Trainer", "rollout": "fp8rl.v1.Rollout"}[server]
+    with channel(address, security, server) as chan:
+        stub = health_pb2_grpc.HealthStub(chan)
         while time.monotonic() < deadline:
             child.check_alive()
             try:

@@ -26,6 +26,7 @@ from fp8rl.credentials import (
     redis_url_with_password,
     write_private,
 )
+from fp8rl.run_secrets import security_for, write_run_secrets
 from trainer_service.config import TrainerConfig
 
 
@@ -37,6 +38,10 @@ def run_paths(config: CoordinatorConfig) -> tuple[str, Path]:
 def start(config: CoordinatorConfig) -> int:
     if has_password(config.redis_url):
         print(PASSWORD_IN_URL.format(prog="coordinator"), file=sys.stderr)
+    missing = config.security.missing_files()
+    if missing:
+        print(f"coordinator: no such file: {'; '.join(missing)}", file=sys.stderr)
+        return 2
     run_id, run_dir = run_paths(config)
     run_dir.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, _interrupt)
@@ -65,6 +70,11 @@ LOCK_FILE = "coordinator.lock"
 def redis_password_file(run_dir: Path) -> Path:
     """Where an embedded run keeps its redis-server's password (mode 0600)."""
     return run_dir / "redis" / "password"
+
+
+def secrets_dir(run_dir: Path) -> Path:
+    """An embedded run's tokens, update key and (with tls) CA and certificates (fp8rl/run_secrets.py)."""
+    return run_dir / "secrets"
 
 
 def lock_run_dir(run_dir: Path, stack: ExitStack) -> str | None:
@@ -138,9 +148,11 @@ def drive(
     children: dict[str, int] = {}
     if config.embedded:
         redis_url, trainer_address, rollouts = launch_embedded(config, run_dir, stack, children, watched)
+        security = security_for(secrets_dir(run_dir), "coordinator", config.tls)
     else:
         redis_url, trainer_address = str(config.redis_url), str(config.trainer)
         rollouts = list(config.rollout)
+        security = config.security
     redis_url = redis_url_with_password(str(redis_url))
     info = {
         "run_id": run_id,
@@ -163,8 +175,8 @@ def drive(
     while restarts:
         store.event("restart", restarts.pop(0), store.read().step)
     addresses = (lambda: rollouts) if rollouts else (lambda: sorted(live_replicas(client)))
-    trainer = TrainerClient(str(trainer_address))
-    pool = RolloutPool(addresses)
+    trainer = TrainerClient(str(trainer_address), security)
+    pool = RolloutPool(addresses, security)
     stack.callback(trainer.close)
     stack.callback(pool.close)
     sink = MetricsSink(
@@ -216,8 +228,9 @@ def resolve_dtype(requested: str) -> str:
 
 def embedded_trainer(config: CoordinatorConfig, model: Path, dtype: str, run_dir: Path) -> TrainerConfig:
     """The embedded trainer's config: the run's learner, model, recipe and seed, a port of its own choosing
-    on loopback, checkpoints in the run directory (resumed from when the run is)."""
+    on loopback, checkpoints in the run directory (resumed from when the run is), the run's secrets."""
     return TrainerConfig(
+        security=security_for(secrets_dir(run_dir), "trainer", config.tls),
         **config.learner.model_dump(),
         model=model,
         recipe=config.recipe,
@@ -262,6 +275,9 @@ def launch_embedded(
     redis_url, children["redis-server"] = start_redis(
         stack, run_dir / "redis", logs / "redis.log", watch=watched, password=password_file.read_text()
     )
+    # Tokens and the update key always, a CA with certificates with --tls: other local users can reach
+    # loopback ports too.
+    write_run_secrets(secrets_dir(run_dir), tls=config.tls)
     trainer_yaml = run_dir / "trainer.yaml"  # the embedded trainer's whole TrainerConfig, validated here
     trainer_yaml.write_text(
         yaml.safe_dump(embedded_trainer(config, model, dtype, run_dir).model_dump(mode="json"))
@@ -279,7 +295,8 @@ def launch_embedded(
         dtype,
     ]
     rollout_args += ["--kv-cache-gib", str(config.kv_cache_gib)]
-    rollout_args += as_sets({"seed": config.seed})
+    rollout_security = security_for(secrets_dir(run_dir), "replica", config.tls)
+    rollout_args += as_sets({"seed": config.seed, "security": rollout_security.model_dump(mode="json")})
     env = {**os.environ, "PYTHONUNBUFFERED": "1", PARENT_ENV: str(os.getpid())}
     trainer = Child("trainer", python_module("trainer_service.cli", *trainer_args), logs / "trainer.log", env)
     stack.callback(trainer.stop)
@@ -289,6 +306,7 @@ def launch_embedded(
     if watched is not None:
         watched += [trainer, rollout]
     trainer_address, rollout_address = trainer.bound_address(), rollout.bound_address()
-    wait_healthy(trainer, trainer_address, "fp8rl.v1.Trainer")
-    wait_healthy(rollout, rollout_address, "fp8rl.v1.Rollout")
+    me = security_for(secrets_dir(run_dir), "coordinator", config.tls)
+    wait_healthy(trainer, trainer_address, "trainer", me)
+    wait_healthy(rollout, rollout_address, "rollout", me)
     return redis_url, trainer_address, [rollout_address]

@@ -45,7 +45,7 @@ class WeightSync:
 
     def deliver(self, version: int, held: dict[str, int]) -> list[trainer_pb2.PublishResult]:
         recorded = self.store.replica_versions()
-        reply = self.trainer.publish(version, held)
+        reply = self.trainer.publish(version, held, self.pool.proofs)
         for r in reply.results:
             if not r.ok:
                 self.store.event("publish-failed", f"{r.address}: {r.error}", version)

@@ -29,6 +29,15 @@ class Cancelled(RuntimeError):
     """The caller went away; the work it asked for was abandoned."""
 
 
+class Unauthenticated(PermissionError):
+    """The caller did not prove who it is (no or unknown token, no certificate, an update whose MAC does
+    not verify)."""
+
+
+class PermissionDenied(PermissionError):
+    """The caller is known but its role may not do this (or the target is not the run's)."""
+
+
 class WeightCodecError(ValueError):
     """A weight update that cannot be applied."""
 

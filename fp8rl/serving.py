@@ -30,16 +30,21 @@ from fp8rl.errors import (
     InvalidRequest,
     NotReady,
     Overloaded,
+    PermissionDenied,
     PreconditionFailed,
+    Unauthenticated,
 )
 
 if TYPE_CHECKING:
     from fp8rl.prometheus import MetricsServer, Sample
+    from fp8rl.security import SecurityConfig
 
 log = logging.getLogger(__name__)
 
 # Domain error -> gRPC status, most specific first. Anything else is INTERNAL (and logged).
 STATUS_OF: list[tuple[type[BaseException], grpc.StatusCode]] = [
+    (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
+    (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
     (CorruptUpdateError, grpc.StatusCode.INVALID_ARGUMENT),
     (BaseMismatchError, grpc.StatusCode.FAILED_PRECONDITION),
@@ -86,6 +91,10 @@ def map_errors(method: Method) -> Method:
             _abort(context, exc)
 
     return unary  # type: ignore[return-value]
+
+
+class InsecureBinding(ValueError):
+    """A server asked to bind beyond loopback without a way to identify its callers (or without TLS)."""
 
 
 @dataclass
@@ -207,25 +216,36 @@ def start_server(
     port: int = 0,
     max_workers: int = SERVER_THREADS,
     max_receive_bytes: int = 4 * 1024 * 1024,
+    security: SecurityConfig | None = None,
 ) -> RunningServer:
-    """Start a server with ``register(server)``'s servicers plus health and reflection.
+    """Start a server with ``register(server)``'s servicers plus health and reflection, behind
+    ``security`` (TLS, caller identities and roles: :mod:`fp8rl.security`; none: loopback only).
 
     Health starts as NOT_SERVING: the caller flips it once its engine is ready. A server that wants to
     answer oversized messages itself (INVALID_ARGUMENT naming the field, instead of gRPC's
     RESOURCE_EXHAUSTED) raises ``max_receive_bytes`` and checks sizes in its handlers.
     """
+    from fp8rl.security import AccessControl, SecurityConfig, exposure_problem, server_credentials
+
+    security = security or SecurityConfig()
+    problem = exposure_problem(security, host)
+    if problem:
+        raise InsecureBinding(problem)
     options = [("grpc.max_receive_message_length", max_receive_bytes)]
     # Calls beyond the threads wait in gRPC's queue, up to a bound; past it gRPC answers RESOURCE_EXHAUSTED.
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
         options=options,
         maximum_concurrent_rpcs=4 * max_workers,
+        interceptors=[AccessControl(security)],
     )
     register(server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     enable_reflection(server, [*service_names, health.SERVICE_NAME])
-    bound = server.add_insecure_port(f"{host}:{port}")
+    credentials = server_credentials(security)
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if bound == 0:
         raise OSError(f"cannot bind gRPC server to {host}:{port}")
     server.start()
@@ -240,19 +260,20 @@ def serve(
     service_names: Sequence[str],
     host: str,
     port: int,
-    load: Callable[[], tuple[str, Callable[[], None]]],
+    load: Callable[[int], tuple[str, Callable[[], None]]],
     max_workers: int = SERVER_THREADS,
     max_receive_bytes: int = 4 * 1024 * 1024,
+    security: SecurityConfig | None = None,
 ) -> None:
     """The life of a service process. Bind first ("PROG bound to HOST:PORT", which a parent reads to learn
-    a port-0 choice; health NOT_SERVING), then ``load()`` the engine and attach it (returning a line to
+    a port-0 choice; health NOT_SERVING), then ``load(port)`` the engine and attach it (returning a line to
     print and a cleanup), then serve ("PROG serving on ...") until SIGINT/SIGTERM or the parent process is
     gone, and stop within a deadline."""
-    running = start_server(register, service_names, host, port, max_workers, max_receive_bytes)
+    running = start_server(register, service_names, host, port, max_workers, max_receive_bytes, security)
     print(f"{prog} bound to {host}:{running.port}; loading", flush=True)
     stop = shutdown_event()  # a signal while loading stops the process once loading is done
     try:
-        detail, cleanup = load()
+        detail, cleanup = load(running.port)
         stop.install_handlers()  # again: vLLM installs signal handlers of its own while it starts
         stop.serving = True
         running.set_serving()

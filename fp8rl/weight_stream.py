@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 from fp8rl.errors import CorruptUpdateError
+from fp8rl.security import UpdateMac, sign_update, verify_update
 from fp8rl.v1 import weights_pb2
 from fp8rl.weights import EncodedUpdate, bytes_digest
 
@@ -16,8 +17,10 @@ from fp8rl.weights import EncodedUpdate, bytes_digest
 CHUNK_BYTES = 4 * 1024 * 1024 - 4096
 
 
-def header_of(update: EncodedUpdate) -> weights_pb2.WeightHeader:
-    return weights_pb2.WeightHeader(
+def header_of(update: EncodedUpdate, epoch: int = 0, key: bytes | None = None) -> weights_pb2.WeightHeader:
+    """The update's header; with the run's ``key``, signed (one pass over the blob: sign once, send to
+    every target)."""
+    header = weights_pb2.WeightHeader(
         version=update.version,
         base_version=update.base_version,
         encoding=update.encoding,
@@ -25,33 +28,46 @@ def header_of(update: EncodedUpdate) -> weights_pb2.WeightHeader:
         digest=update.digest,
         format=update.format,
         recipe=update.recipe,
+        epoch=epoch,
     )
+    if key is not None:
+        header.mac = sign_update(key, header, update.pieces(CHUNK_BYTES))
+    return header
 
 
 def update_to_chunks(
-    update: EncodedUpdate, chunk_bytes: int = CHUNK_BYTES
+    update: EncodedUpdate, chunk_bytes: int = CHUNK_BYTES, header: weights_pb2.WeightHeader | None = None
 ) -> Iterator[weights_pb2.WeightChunk]:
-    yield weights_pb2.WeightChunk(header=header_of(update))
+    yield weights_pb2.WeightChunk(header=header if header is not None else header_of(update))
     for piece in update.pieces(chunk_bytes):
         yield weights_pb2.WeightChunk(data=piece)
 
 
 def receive_update(
-    chunks: Iterable[weights_pb2.WeightChunk], max_bytes: int | None = None
+    chunks: Iterable[weights_pb2.WeightChunk], max_bytes: int | None = None, key: bytes | None = None
 ) -> tuple[weights_pb2.WeightHeader, bytearray]:
     """Reassemble a chunk stream; raises :class:`CorruptUpdateError` unless it is one header followed
-    by data whose total size and header digest match the header."""
+    by data whose total size and header digest match the header, and with the run's ``key``
+    :class:`~fp8rl.errors.Unauthenticated` unless its MAC verifies."""
     stream = iter(chunks)
     first = next(stream, None)
     if first is None or first.WhichOneof("part") != "header":
         raise CorruptUpdateError("a weight stream must start with its header")
     header = first.header
+    if key is not None and not header.mac:
+        verify_update(UpdateMac(key, header), "")  # refused before a byte of data is read
+    mac = UpdateMac(key, header) if key is not None else None
     assembler = Reassembler(header.total_bytes, header.digest, max_bytes)
     for chunk in stream:
         if chunk.WhichOneof("part") != "data":
             raise CorruptUpdateError("a weight stream has exactly one header, at the start")
         assembler.add(chunk.data)
-    return header, assembler.finish()
+        if mac is not None:
+            mac.update(chunk.data)
+    blob = assembler.finish()
+    if mac is not None:
+        verify_update(mac, header.mac)
+    return header, blob
 
 
 class Reassembler:

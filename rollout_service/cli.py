@@ -24,10 +24,19 @@ def main(argv: list[str] | None = None) -> None:
     args, flags = parse_args(argv)
     config = config_from_cli(RolloutConfig, "rollout-service", args, flags)
     from fp8rl.credentials import PASSWORD_IN_URL, has_password
+    from fp8rl.security import is_loopback, refuse_exposure
     from rollout_service.engine import Platform, unsupported_reason
 
     if has_password(config.redis_url):
         print(PASSWORD_IN_URL.format(prog="rollout-service"), file=sys.stderr)
+    refuse_exposure("rollout-service", config.security, config.host, applies_updates=True)
+    if config.http_port is not None and not is_loopback(config.host) and config.security.tokens_file is None:
+        print(
+            "rollout-service: the HTTP endpoint beyond loopback needs security.tokens_file (its callers send "
+            "`Authorization: Bearer <token>`)",
+            file=sys.stderr,
+        )
+        sys.exit(2)
     reason = unsupported_reason(config, Platform.here())
     if reason:
         print(f"rollout-service: {reason}", file=sys.stderr)
@@ -55,8 +64,9 @@ def serve(config: RolloutConfig) -> None:
         "rollout-service", config.host, config.metrics_port, lambda: loaded[0].prometheus() if loaded else []
     )
 
-    def load() -> tuple[str, Callable[[], None]]:
-        service = RolloutService(config, VllmEngine(config))
+    def load(port: int) -> tuple[str, Callable[[], None]]:
+        address = config.advertise or f"{config.host}:{port}"
+        service = RolloutService(config, VllmEngine(config), address)
         servicer.attach(service)
         loaded.append(service)
         heartbeat = None
@@ -65,7 +75,7 @@ def serve(config: RolloutConfig) -> None:
 
             from fp8rl.registry import Heartbeat
 
-            info = {"model": str(config.model), "recipe": config.recipe}
+            info = {"model": str(config.model), "recipe": config.recipe, "proof": service.registration_proof}
             from fp8rl.credentials import redis_url_with_password
 
             client = redis.Redis.from_url(redis_url_with_password(config.redis_url))
@@ -73,7 +83,7 @@ def serve(config: RolloutConfig) -> None:
         if http:
             from rollout_service.openai_api import build_app
 
-            http.serve(build_app(service, config.model_name))
+            http.serve(build_app(service, config.model_name, config.security), config.security)
             print(f"rollout-service OpenAI-compatible HTTP on {config.host}:{http.port}", flush=True)
 
         def close() -> None:
@@ -96,6 +106,7 @@ def serve(config: RolloutConfig) -> None:
         config.port,
         load,
         max_receive_bytes=64 * 1024 * 1024,
+        security=config.security,
     )
 
 

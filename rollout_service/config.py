@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fp8rl.models import TINY_ARITH, ModelDir
 from fp8rl.recipes import RecipeName
+from fp8rl.security import SecurityConfig, is_loopback
 
 
 class RolloutConfig(BaseModel):
@@ -61,11 +62,19 @@ class RolloutConfig(BaseModel):
     """host:port under which other processes reach this replica (required with redis_url)."""
     heartbeat_s: float = Field(2.0, gt=0)
     """Seconds between registration refreshes; the key expires after three missed beats."""
+    security: SecurityConfig = SecurityConfig()
+    """TLS, caller identities and roles, the run's update key (fp8rl/security.py): a replica bound beyond
+    loopback must identify its callers; one with update_key_file applies only signed updates, forward."""
 
     @model_validator(mode="after")
     def _advertise_with_redis(self) -> RolloutConfig:
         if self.redis_url and not self.advertise:
             raise ValueError("advertise (host:port) is required when redis_url is set")
+        if self.security.update_key_file and not self.advertise and not is_loopback(self.host):
+            raise ValueError(
+                f"advertise (host:port) is required with security.update_key_file on {self.host}: the "
+                "replica's registration proof names the address the trainer reaches it at"
+            )
         return self
 
     @property

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import itertools
 import json
 import re
@@ -33,6 +34,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import TypeAdapter, ValidationError
 
 from fp8rl.errors import Cancelled, InvalidRequest
+from fp8rl.security import SecurityConfig, read_tokens, token_digest
 from fp8rl.serving import STATUS_OF, status_of
 from fp8rl.v1 import common_pb2, rollout_pb2
 from rollout_service.service import Generation, RolloutService
@@ -442,9 +444,29 @@ async def sse(
         yield f"data: {bytes(error_response(exc).body).decode()}\n\n"
 
 
-def build_app(service: RolloutService, model_name: str) -> FastAPI:
+def build_app(service: RolloutService, model_name: str, security: SecurityConfig | None = None) -> FastAPI:
     face = OpenAIFace(service, model_name)
     app = FastAPI(title="fp8rl rollout (OpenAI-compatible)", docs_url=None, redoc_url=None)
+    security = security or SecurityConfig()
+    accepted = read_tokens(security.tokens_file) if security.tokens_file else {}
+
+    if accepted and not security.open_reads:  # the same bearer tokens as gRPC; any role may generate
+
+        @app.middleware("http")
+        async def authenticate(request: Request, call_next: Any) -> Response:
+            scheme, _, token = request.headers.get("authorization", "").partition(" ")
+            digest = token_digest(token) if scheme.lower() == "bearer" and token else ""
+            if not any(hmac.compare_digest(digest, known) for known in accepted):
+                body = {
+                    "error": {
+                        "message": "send Authorization: Bearer <token>",
+                        "type": "authentication_error",
+                        "param": None,
+                        "code": None,
+                    }
+                }
+                return JSONResponse(body, status_code=401)
+            return cast(Response, await call_next(request))
 
     async def answer(request: Request, admit: Any, build: Any, chunks: Any) -> Response:
         body = await request.json()
@@ -503,10 +525,20 @@ class HttpServer:
         self.server: Any = None
         self.thread: threading.Thread | None = None
 
-    def serve(self, app: FastAPI) -> HttpServer:
+    def serve(self, app: FastAPI, security: SecurityConfig | None = None) -> HttpServer:
+        """Serve ``app``; over HTTPS with the replica's own certificate when it has one."""
         import uvicorn
 
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        tls = security if security is not None and security.tls_cert is not None else None
+        self.server = uvicorn.Server(
+            uvicorn.Config(
+                app,
+                log_level="warning",
+                lifespan="off",
+                ssl_certfile=str(tls.tls_cert) if tls else None,
+                ssl_keyfile=str(tls.tls_key) if tls else None,
+            )
+        )
         self.thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [self.socket]}, name="openai-http", daemon=True
         )

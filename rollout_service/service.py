@@ -19,6 +19,7 @@ import torch
 from fp8rl.errors import InvalidRequest, PreconditionFailed
 from fp8rl.prometheus import Sample
 from fp8rl.recipes import WeightFormat, get_recipe, is_fp8, weight_scale_format
+from fp8rl.security import registration_proof
 from fp8rl.v1 import rollout_pb2, weights_pb2
 from fp8rl.weights import SCALE_SUFFIX, WeightSet, decode_update, is_block_linear, scale_name
 from rollout_service.config import RolloutConfig
@@ -141,7 +142,8 @@ class UpdateResult:
 
 
 class RolloutService:
-    def __init__(self, config: RolloutConfig, engine: VllmEngine) -> None:
+    def __init__(self, config: RolloutConfig, engine: VllmEngine, address: str | None = None) -> None:
+        """``address``: where the run reaches this replica (its registration proof names it)."""
         self.config = config
         self.engine = engine
         self.recipe = get_recipe(config.recipe)
@@ -160,6 +162,13 @@ class RolloutService:
             engine.tokenize, engine.tokenize_chat if engine.has_chat_template else None
         )
         self.held: WeightSet | None = None  # host copy of the applied set: deltas are XORed against it
+        self.held_epoch = -1  # epoch of the update that brought the held version
+        self.newest = (-1, -1)  # (epoch, version) of the newest update applied; a failed apply keeps it
+        # With the run's key, only signed updates apply, and only forward (fp8rl.security).
+        self.update_key = config.security.update_key()
+        self.registration_proof = (
+            registration_proof(self.update_key, address) if self.update_key and address else ""
+        )
         self.schema = expected_schema(config.model, self.recipe.rollout_weights)
         self.max_update_bytes = max_update_bytes(self.schema)
         self._update_lock = threading.Lock()
@@ -194,6 +203,11 @@ class RolloutService:
                 raise PreconditionFailed(
                     f"replica serves {self.recipe.rollout_weights} weights, got {header.format}"
                 )
+            if header.version < 0 or header.epoch < 0:
+                raise InvalidRequest(
+                    "header.version", f"version {header.version} and epoch {header.epoch} must be >= 0"
+                )
+            self._check_forward(header)
             if header.encoding == "delta" and (self.held is None or header.base_version != self.version):
                 held = "no weight set (needs keyframe)" if self.held is None else f"version {self.version}"
                 raise PreconditionFailed(
@@ -211,11 +225,26 @@ class RolloutService:
             check_schema(decoded.weights, self.schema, self.held)
             start = time.perf_counter()
             self.loop.run_exclusive(lambda: self._apply(decoded.weights, decoded.version))
-            self.held = decoded.weights
+            self.held, self.held_epoch = decoded.weights, header.epoch
+            self.newest = max(self.newest, (header.epoch, header.version))
             self.updates_applied += 1
             self.update_seconds += time.perf_counter() - started
             return UpdateResult(
                 decoded.version, decoded.encoding, decoded.tensors_updated, time.perf_counter() - start
+            )
+
+    def _check_forward(self, header: weights_pb2.WeightHeader) -> None:
+        """With the run's key, (epoch, version) never goes back. The healing cases, signed like any update:
+        an equal one (the publisher's same-version delta, or a keyframe of the version a replica claims,
+        for one whose bytes diverged or after a trainer restart), and an older version under a newer epoch
+        (a coordinator that took the run over, and rewound it to a trainer checkpoint)."""
+        if self.update_key is None:
+            return
+        new = (header.epoch, header.version)
+        if new < self.newest:
+            raise PreconditionFailed(
+                f"header.version: {header.version} (epoch {header.epoch}) is older than version "
+                f"{self.newest[1]} (epoch {self.newest[0]}), which this replica applied"
             )
 
     def _apply(self, weights: WeightSet, version: int) -> None:
@@ -270,6 +299,8 @@ class RolloutService:
             uptime_s=time.time() - self.started,
             weight_format=self.recipe.rollout_weights,
             needs_keyframe=self.loop.needs_keyframe,
+            registration_proof=self.registration_proof,
+            weight_epoch=self.held_epoch,
         )
 
     def engine_weights(self) -> dict[str, torch.Tensor]:

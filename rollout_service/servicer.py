@@ -63,7 +63,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     ) -> weights_pb2.UpdateWeightsResponse:
         with self.updating.slot():
             chunks = idle_limited(request_iterator, context, self.service.config.stream_idle_s)
-            header, blob = receive_update(chunks, self.service.max_update_bytes)
+            header, blob = receive_update(chunks, self.service.max_update_bytes, self.service.update_key)
             result = self.service.update_weights(header, blob)
         return weights_pb2.UpdateWeightsResponse(
             version=result.version,

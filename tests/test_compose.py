@@ -112,36 +112,46 @@ class LocalCompose:
         self.config = tmp / "config"
         shutil.copytree(ROOT / "deploy" / "config", self.config)
         self.env = env
+        for service in ("trainer", "rollout", "coordinator"):  # each reads its own secrets at /secrets
+            path = self.config / f"{service}.yaml"
+            path.write_text(self.localize(path.read_text(), service))
 
-    def localize(self, text: str) -> str:
+    def mounts(self, service: str) -> dict[str, Path]:
+        """Container path -> local path, from the service's own volume list (longest paths first)."""
+        entries = COMPOSE["services"][service].get("volumes") or COMPOSE["x-app"]["volumes"]
+        found = {}
+        for entry in entries:
+            source, target = entry.split(":")[:2]
+            found[target] = self.config if source.startswith("./") else self.volumes[source]
+        return dict(sorted(found.items(), key=lambda item: -len(item[0])))
+
+    def localize(self, text: str, service: str = "coordinator") -> str:
         text = interpolate(text, self.env)
         for port, local in self.ports.items():
             text = re.sub(rf"\b{port}\b", local, text)
         text = (
             text.replace("redis://redis:", "redis://127.0.0.1:")
+            .replace("rediss://redis:", "rediss://127.0.0.1:")
             .replace("trainer:", "127.0.0.1:")
             .replace("0.0.0.0", "127.0.0.1")
         )
-        mounts = {
-            "/models": self.volumes["models"],
-            "/checkpoints": self.volumes["checkpoints"],
-            "/runs": self.volumes["runs"],
-            "/config": self.config,
-        }
-        for target, path in mounts.items():
+        for target, path in self.mounts(service).items():
             text = re.sub(rf"(?<![\w/.]){target}\b", str(path), text)
         return text
 
     def environment(self, service: str) -> dict[str, str]:
         merged = {**COMPOSE["x-app"]["environment"], **COMPOSE["services"][service].get("environment", {})}
-        env = {k: self.localize(str(v)) for k, v in merged.items()}
+        env = {k: self.localize(str(v), service) for k, v in merged.items()}
         return {**os.environ, **env, "ADVERTISE_HOST": "127.0.0.1", "PYTHONUNBUFFERED": "1"}
 
     def command(self, service: str) -> list[str]:
-        return [self.localize(part) for part in COMPOSE["services"][service]["command"]]
+        command = [self.localize(part, service) for part in COMPOSE["services"][service]["command"]]
+        return [sys.executable, *command[1:]] if command[0] == "python" else command  # the image's python
 
     def healthy(self, service: str, timeout: float = 300) -> None:
-        test = [self.localize(part) for part in COMPOSE["services"][service]["healthcheck"]["test"][1:]]
+        test = [
+            self.localize(part, service) for part in COMPOSE["services"][service]["healthcheck"]["test"][1:]
+        ]
         if test[0] == "python":
             test[0] = sys.executable  # the image's python is this venv's
         deadline = time.monotonic() + timeout
@@ -172,16 +182,28 @@ def test_compose_wiring_runs_a_short_run(local: LocalCompose, tmp_path: Path) ->
     bin_dir = Path(sys.executable).parent  # the services' console scripts live beside the interpreter
     path_env = f"{bin_dir}:{os.environ['PATH']}"
     with ExitStack() as stack:
-        redis_cmd = [*local.command("redis"), "--port", local.ports["6379"], "--bind", "127.0.0.1"]
-        redis_cmd += ["--dir", str(local.volumes["redis-data"])]
+        # The one-shot secrets service first (docker compose waits for it to complete): Redis needs its
+        # certificate too.
+        secrets = subprocess.run(local.command("secrets"), env=local.environment("secrets"), timeout=120)
+        assert secrets.returncode == 0 and (local.volumes["secrets"] / "ca.pem").exists()
+        redis_cmd = [
+            *local.command("redis"),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(local.volumes["redis-data"]),
+        ]
         proc = stack.enter_context(
             child_process(redis_cmd, tmp_path / "redis.log", local.environment("redis"))
         )
         wait_for_line(proc, tmp_path / "redis.log", "Ready to accept connections", timeout=30)
         url = local.localize(COMPOSE["x-app"]["environment"]["REDIS_URL"])
         assert redis.Redis.from_url(redis_url_with_password(url, local.environment("redis"))).ping()
+        tls = {"ssl": True, "ssl_ca_certs": str(local.volumes["secrets"] / "ca.pem")}
         with pytest.raises(redis.AuthenticationError):  # nothing works without the password
-            redis.Redis(port=int(local.ports["6379"])).set("x", 1)
+            redis.Redis(port=int(local.ports["6379"]), **tls).set("x", 1)  # type: ignore[arg-type]
+        with pytest.raises(redis.ConnectionError):  # nor in plaintext
+            redis.Redis(port=int(local.ports["6379"])).ping()
 
         services = [proc]
         for service in ("trainer", "rollout"):
@@ -191,9 +213,19 @@ def test_compose_wiring_runs_a_short_run(local: LocalCompose, tmp_path: Path) ->
             )
         for service in ("trainer", "rollout"):
             local.healthy(service)
-        for service_proc in services:  # no process shows the password in its command line (`ps`)
+        tokens = [p.read_bytes().strip() for p in local.volumes["secrets"].glob("*.token")]
+        for service_proc in services:  # no process shows a password or token in its command line (`ps`)
             for pid in [service_proc.pid, *_descendants(service_proc.pid)]:
-                assert b"compose-secret" not in Path(f"/proc/{pid}/cmdline").read_bytes()
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+                assert all(secret not in cmdline for secret in (b"compose-secret", *tokens))
+        # The services speak mutual TLS only: a plaintext client, or one without a certificate, gets nothing.
+        from fp8rl.healthcheck import serving
+        from fp8rl.security import SecurityConfig
+
+        trainer = f"127.0.0.1:{local.ports['50052']}"
+        assert not serving(trainer, "fp8rl.v1.Trainer", server="trainer")
+        ca_only = SecurityConfig(tls_ca=local.volumes["secrets"] / "ca.pem")
+        assert not serving(trainer, "fp8rl.v1.Trainer", security=ca_only, server="trainer")
         env = {**local.environment("coordinator"), "PATH": path_env}
         run = subprocess.run(
             local.command("coordinator"), env=env, capture_output=True, text=True, timeout=600

@@ -1,6 +1,6 @@
-"""Distributed mode against separately started services: replica discovery through Redis, one
-coordinator per run, and recovery when the trainer (from an older checkpoint), the rollout replica
-(fresh weights) and Redis (from its AOF) all restart."""
+"""Distributed mode against separately started services, all speaking mutual TLS with tokens and signed
+updates: replica discovery through Redis, one coordinator per run, and recovery when the trainer (from an
+older checkpoint), the rollout replica (fresh weights) and Redis (from its AOF) all restart."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import pytest
 import redis
 
 from coordinator.state import RunStore
+from fp8rl.run_secrets import security_for
 from tests.support import free_port, redis_server, service_process
 
 pytestmark = pytest.mark.slow
@@ -28,20 +29,38 @@ def restartable(service: AbstractContextManager[object]) -> ExitStack:
     return stack
 
 
+def secured(secrets: Path, role: str) -> list[str]:
+    """``--set security=...``: mutual TLS, bearer tokens and signed updates, as ``role`` of the run."""
+    return ["--set", f"security={json.dumps(security_for(secrets, role, tls=True).model_dump(mode='json'))}"]
+
+
 def serve_trainer(model: Path, port: int, ckpt: Path, log: Path) -> AbstractContextManager[object]:
     args = ["--recipe", "fp8", "--compute-dtype", "float32", "--checkpoint-dir", str(ckpt), "--resume"]
-    args += ["--set", "checkpoint_every=4", "--set", "optimizer.lr=1e-4"]
+    args += [
+        "--set",
+        "checkpoint_every=4",
+        "--set",
+        "optimizer.lr=1e-4",
+        *secured(log.parent / "secrets", "trainer"),
+    ]
     return service_process("trainer_service.cli", model, log, *args, port=port)
 
 
 def serve_rollout(model: Path, port: int, redis_url: str, log: Path) -> AbstractContextManager[object]:
     args = ["--recipe", "fp8", "--dtype", "float32", "--redis-url", redis_url]
-    args += ["--advertise", f"127.0.0.1:{port}", "--set", "heartbeat_s=0.5"]
+    args += [
+        "--advertise",
+        f"127.0.0.1:{port}",
+        "--set",
+        "heartbeat_s=0.5",
+        *secured(log.parent / "secrets", "replica"),
+    ]
     return service_process("rollout_service.cli", model, log, *args, port=port)
 
 
 def run_coordinator(redis_url: str, trainer: str, steps: int, log: Path) -> subprocess.CompletedProcess[str]:
     args = [sys.executable, "-m", "coordinator.cli", "start", "--redis-url", redis_url, "--trainer", trainer]
+    args += secured(log.parent / "secrets", "coordinator")
     args += ["--run-id", "dist", "--run-dir", str(log.parent / "run"), "--steps", str(steps)]
     args += ["--prompts-per-step", "4", "--group-size", "4", "--max-tokens", "4", "--val-every", "0"]
     args += ["--set", "val_size=8", "--progress", "plain"]

@@ -108,7 +108,7 @@ def test_bad_config_fails_before_any_process_starts(tmp_path: Path) -> None:
 def test_embedded_run_writes_metrics_and_leaves_no_child(tiny_model_dir_f32: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = subprocess.run(
-        start_fp8(tiny_model_dir_f32, 3, "embedded", run_dir, "--wandb-project", "fp8rl-test"),
+        start_fp8(tiny_model_dir_f32, 3, "embedded", run_dir, "--wandb-project", "fp8rl-test", "--tls"),
         capture_output=True,
         text=True,
         timeout=600,
@@ -151,6 +151,10 @@ def test_embedded_run_writes_metrics_and_leaves_no_child(tiny_model_dir_f32: Pat
         coordinator("status", "--run-dir", str(run_dir)), capture_output=True, text=True, timeout=60
     )
     assert status.returncode == 0 and "embedded" in status.stdout
+    # The run's processes spoke mutual TLS under the run's own CA, with tokens and a signed-update key.
+    secrets = run_dir / "secrets"
+    assert {"ca.pem", "coordinator.pem", "tokens", "update.key"} <= {p.name for p in secrets.iterdir()}
+    assert "security" in (run_dir / "trainer.yaml").read_text()
 
 
 def test_kill_9_mid_step_then_resume(tiny_model_dir_f32: Path, tmp_path: Path) -> None:

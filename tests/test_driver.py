@@ -53,6 +53,7 @@ class FakePool:
         self.generated: list[tuple[int, int]] = []  # (version, samples) per Generate call
         self.crash_generating = False
         self.sampling: list[common_pb2.SamplingParams] = []  # of each Generate call
+        self.proofs: dict[str, str] = {}  # the fake trainer checks none
 
     def held_versions(self) -> dict[str, int]:
         held = {a: v for a, v in self.versions.items() if a not in self.down}
@@ -128,7 +129,9 @@ class FakeTrainer:
             raise Crash(f"after training step {k}")
         return self.results[k]
 
-    def publish(self, version: int, held: dict[str, int]) -> trainer_pb2.PublishWeightsResponse:
+    def publish(
+        self, version: int, held: dict[str, int], proofs: dict[str, str] | None = None
+    ) -> trainer_pb2.PublishWeightsResponse:
         assert version == self.step, f"publishing version {version} from weights at {self.step}"
         if self.crash_publishing == version:
             self.crash_publishing = None

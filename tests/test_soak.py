@@ -20,6 +20,8 @@ import pytest
 
 from coordinator.metrics import read_metrics
 from fp8rl.credentials import redis_url_with_password
+from fp8rl.run_secrets import security_for
+from fp8rl.security import channel
 from fp8rl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from tests.test_coordinator_run import FAST, assert_children_gone, coordinator
 
@@ -61,8 +63,9 @@ def flood(run_dir: Path, stop: threading.Event, counts: Counter[str]) -> None:
         if not rollouts:
             time.sleep(0.2)
             continue
-        with grpc.insecure_channel(rollouts[0]) as channel:
-            stub = rollout_pb2_grpc.RolloutStub(channel)
+        reader = security_for(run_dir / "secrets", "reader", tls=False)  # the run's tokens exist by now
+        with channel(rollouts[0], reader, "rollout") as chan:
+            stub = rollout_pb2_grpc.RolloutStub(chan)
             for _ in range(20):
                 request = good if rng.random() < 0.5 else rng.choice(bad)
                 try:
@@ -85,8 +88,13 @@ def assert_secrets_kept(run_dir: Path) -> None:
     password = password_file.read_text()
     assert len(password) >= 24 and password not in info_path.read_text()
     assert info_path.stat().st_mode & 0o777 == 0o600 and password_file.stat().st_mode & 0o777 == 0o600
+    secrets = [(run_dir / "secrets" / name).read_text().strip() for name in ("update.key", "trainer.token")]
     for pid in info["children"].values():
-        assert password.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        assert all(secret.encode() not in cmdline for secret in (password, *secrets))
+    for path in (run_dir / "secrets").iterdir():
+        assert path.stat().st_mode & 0o777 == 0o600, path
+    assert all(secret not in info_path.read_text() for secret in secrets)
     import redis
 
     with pytest.raises(redis.AuthenticationError):

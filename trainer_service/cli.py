@@ -8,6 +8,7 @@ import logging
 from collections.abc import Callable
 
 from fp8rl.config import add_config_flags, config_from_cli
+from fp8rl.security import refuse_exposure
 from trainer_service.config import TrainerConfig
 
 
@@ -24,6 +25,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, st
 def main(argv: list[str] | None = None) -> None:
     args, flags = parse_args(argv)
     config = config_from_cli(TrainerConfig, "trainer-service", args, flags)
+    refuse_exposure("trainer-service", config.security, config.host)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(levelname)s %(message)s")
     if config.checkpoint_dir is None:
         logging.warning(
@@ -48,7 +50,7 @@ def serve(config: TrainerConfig) -> None:
         "trainer-service", config.host, config.metrics_port, lambda: loaded[0].prometheus() if loaded else []
     )
 
-    def load() -> tuple[str, Callable[[], None]]:
+    def load(port: int) -> tuple[str, Callable[[], None]]:
         service = TrainerService(config)
         servicer.attach(service)
         loaded.append(service)
@@ -69,6 +71,7 @@ def serve(config: TrainerConfig) -> None:
         load,
         max_workers=TRAINER_THREADS,
         max_receive_bytes=256 * 1024 * 1024,  # TrainStep batches may exceed 4 MiB; the handler checks them
+        security=config.security,
     )
 
 

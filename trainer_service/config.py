@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fp8rl.models import TINY_ARITH, ModelDir
 from fp8rl.recipes import AdvantageNorm, ISMode, RecipeName
+from fp8rl.security import SecurityConfig
 
 
 class OptimizerConfig(BaseModel):
@@ -80,3 +81,9 @@ class TrainerConfig(LearnerConfig):
     seed: int = 0
     metrics_port: int | None = Field(None, ge=0, le=65535)
     """Serve Prometheus /metrics on host:metrics_port (0: a free port, printed at start-up); unset: off."""
+    security: SecurityConfig = SecurityConfig()
+    """TLS, caller identities and roles (fp8rl/security.py); the same identity is shown to replicas, and
+    with update_key_file every update is signed."""
+    publish_to: list[str] = []
+    """host:port of replicas the trainer may publish to besides those that prove they hold the run's update
+    key (their registration_proof); without a key and this list, only loopback replicas."""

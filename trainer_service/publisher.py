@@ -15,8 +15,9 @@ import grpc
 import torch
 
 from fp8rl.recipes import WeightFormat
-from fp8rl.v1 import rollout_pb2_grpc
-from fp8rl.weight_stream import update_to_chunks
+from fp8rl.security import SecurityConfig, channel
+from fp8rl.v1 import rollout_pb2_grpc, weights_pb2
+from fp8rl.weight_stream import header_of, update_to_chunks
 from fp8rl.weights import (
     EncodedUpdate,
     WeightSet,
@@ -47,22 +48,35 @@ class Delivery:
 
 
 class Publisher:
-    def __init__(self, weight_format: WeightFormat, hp_dtype: torch.dtype, recipe: str) -> None:
+    def __init__(
+        self,
+        weight_format: WeightFormat,
+        hp_dtype: torch.dtype,
+        recipe: str,
+        security: SecurityConfig | None = None,
+    ) -> None:
         self.weight_format, self.hp_dtype, self.recipe = weight_format, hp_dtype, recipe
+        self.security = security or SecurityConfig()
+        self.update_key = self.security.update_key()  # every update is signed with it (fp8rl.security)
         self.last: tuple[int, WeightSet] | None = None  # the one base any delta is computed against
         self._channels: dict[str, grpc.Channel] = {}
         self._channels_lock = threading.Lock()
         self._publish_lock = threading.Lock()
 
     def publish(
-        self, version: int, master: Callable[[], Mapping[str, torch.Tensor]], targets: Sequence[Target]
+        self,
+        version: int,
+        master: Callable[[], Mapping[str, torch.Tensor]],
+        targets: Sequence[Target],
+        epoch: int = 0,
     ) -> list[Delivery]:
-        """Bring every target to ``version``; ``master`` gives the weights (called once, if at all)."""
+        """Bring every target to ``version``; ``master`` gives the weights (called once, if at all).
+        ``epoch``: the fencing token of the coordinator asking (signed into each update)."""
         with self._publish_lock:
             base = self.last
             same = base is not None and base[0] == version
             weights = base[1] if same else build_weight_set(master(), self.weight_format, self.hp_dtype)  # type: ignore[index]
-            updates = _Updates(weights, version, base, self.recipe)
+            updates = _Updates(weights, version, base, self.recipe, epoch, self.update_key)
             with ThreadPoolExecutor(max_workers=max(1, len(targets))) as pool:
                 deliveries = list(pool.map(lambda t: self._deliver(t, updates), targets))
             self.last = (version, weights)
@@ -106,13 +120,13 @@ class Publisher:
             time.perf_counter() - start,
         )
 
-    def _send(self, address: str, update: EncodedUpdate) -> None:
+    def _send(self, address: str, update: _Signed) -> None:
         with self._channels_lock:
             if address not in self._channels:
-                self._channels[address] = grpc.insecure_channel(address)
-            channel = self._channels[address]
-        rollout_pb2_grpc.RolloutStub(channel).UpdateWeights(
-            update_to_chunks(update), timeout=UPDATE_DEADLINE_S
+                self._channels[address] = channel(address, self.security, "rollout")
+            chan = self._channels[address]
+        rollout_pb2_grpc.RolloutStub(chan).UpdateWeights(
+            update_to_chunks(update.update, header=update.header), timeout=UPDATE_DEADLINE_S
         )
 
     def close(self) -> None:
@@ -122,17 +136,42 @@ class Publisher:
             self._channels.clear()
 
 
+@dataclass(frozen=True)
+class _Signed:
+    update: EncodedUpdate
+    header: weights_pb2.WeightHeader
+
+    @property
+    def encoding(self) -> str:
+        return self.update.encoding
+
+    @property
+    def wire_bytes(self) -> int:
+        return self.update.wire_bytes
+
+    @property
+    def density(self) -> float:
+        return self.update.density
+
+
 class _Updates:
-    """Encodes each distinct update once, however many targets need it."""
+    """Encodes (and signs) each distinct update once, however many targets need it."""
 
     def __init__(
-        self, weights: WeightSet, version: int, base: tuple[int, WeightSet] | None, recipe: str
+        self,
+        weights: WeightSet,
+        version: int,
+        base: tuple[int, WeightSet] | None,
+        recipe: str,
+        epoch: int,
+        key: bytes | None,
     ) -> None:
         self.weights, self.version, self.base, self.recipe = weights, version, base, recipe
-        self._cache: dict[str, EncodedUpdate] = {}
+        self.epoch, self.key = epoch, key
+        self._cache: dict[str, _Signed] = {}
         self._lock = threading.Lock()
 
-    def for_held(self, held_version: int) -> EncodedUpdate:
+    def for_held(self, held_version: int) -> _Signed:
         """A delta for a target holding the last published version (a tiny one if that is ``version``
         itself, which still proves it holds those exact bytes); a keyframe otherwise."""
         base = self.base
@@ -142,11 +181,12 @@ class _Updates:
             "delta", lambda: encode_delta(self.weights, base[1], self.version, base[0], self.recipe)
         )
 
-    def keyframe(self) -> EncodedUpdate:
+    def keyframe(self) -> _Signed:
         return self._get("keyframe", lambda: encode_keyframe(self.weights, self.version, self.recipe))
 
-    def _get(self, kind: str, encode: Callable[[], EncodedUpdate]) -> EncodedUpdate:
+    def _get(self, kind: str, encode: Callable[[], EncodedUpdate]) -> _Signed:
         with self._lock:
             if kind not in self._cache:
-                self._cache[kind] = encode()
+                update = encode()
+                self._cache[kind] = _Signed(update, header_of(update, self.epoch, self.key))
             return self._cache[kind]

@@ -18,10 +18,11 @@ import torch
 from google.protobuf import json_format
 
 from fp8rl.config import config_hash
-from fp8rl.errors import InvalidRequest, PreconditionFailed
+from fp8rl.errors import InvalidRequest, PermissionDenied, PreconditionFailed
 from fp8rl.prometheus import Sample
 from fp8rl.recipes import get_recipe
 from fp8rl.sampling import sampling_settings
+from fp8rl.security import is_loopback, proof_valid
 from fp8rl.v1 import trainer_pb2
 from trainer_service import checkpoint
 from trainer_service.config import TrainerConfig
@@ -86,7 +87,7 @@ class TrainerService:
         self.recipe = get_recipe(config.recipe)
         self.learner = learner or Learner(config, self.recipe)
         hp_dtype = torch.float32 if config.compute_dtype == "float32" else torch.bfloat16
-        self.publisher = Publisher(self.recipe.rollout_weights, hp_dtype, self.recipe.name)
+        self.publisher = Publisher(self.recipe.rollout_weights, hp_dtype, self.recipe.name, config.security)
         self.run_id = ""
         self.results: OrderedDict[int, trainer_pb2.TrainStepResponse] = OrderedDict()
         self.request_digests: dict[int, str] = {}  # step -> SHA-256 of the request that trained it
@@ -112,8 +113,8 @@ class TrainerService:
         took the run's lease after it (a call without a token, e.g. from a test client, is not fenced)."""
         if fence is None:
             return
-        if not fence.isdigit():
-            raise InvalidRequest("fencing token", f"expected a non-negative integer, got {fence!r}")
+        if not fence.isdigit() or int(fence) >= 2**63:  # it becomes the epoch of updates (int64)
+            raise InvalidRequest("fencing token", f"expected an integer in [0, 2^63), got {fence[:32]!r}")
         with self._lock:
             if int(fence) < self.fence:
                 raise PreconditionFailed(
@@ -217,19 +218,43 @@ class TrainerService:
             raise PreconditionFailed(
                 f"trainer holds version {self.step}, cannot publish version {request.version}"
             )
-        if not request.targets:
-            raise InvalidRequest("targets", "at least one target is required")
-        for i, t in enumerate(request.targets):
-            if not t.address or ":" not in t.address:
-                raise InvalidRequest(f"targets[{i}].address", f"expected host:port, got {t.address!r}")
+        self.check_targets(request)
         with self._lock:  # the weights must not move while they are quantized
             deliveries = self.publisher.publish(
                 request.version,
                 self.learner.master_weights,
                 [Target(t.address, t.held_version) for t in request.targets],
+                epoch=self.fence,
             )
         results = [trainer_pb2.PublishResult(**vars(d)) for d in deliveries]
         return trainer_pb2.PublishWeightsResponse(version=request.version, results=results)
+
+    def check_targets(self, request: trainer_pb2.PublishWeightsRequest) -> None:
+        """Refuse the whole request unless every target is a well-formed address of the run's replicas."""
+        if not request.targets:
+            raise InvalidRequest("targets", "at least one target is required")
+        for i, t in enumerate(request.targets):
+            if not t.address or ":" not in t.address:
+                raise InvalidRequest(f"targets[{i}].address", f"expected host:port, got {t.address!r}")
+            self._check_target(f"targets[{i}].address", t)
+
+    def _check_target(self, field: str, target: trainer_pb2.PublishTarget) -> None:
+        """Weights go only to the run's replicas: listed in publish_to, or proving they hold the run's
+        update key; a trainer without either sends only to loopback."""
+        if target.address in self.config.publish_to:
+            return
+        key = self.publisher.update_key
+        if key is not None:
+            if proof_valid(key, target.address, target.proof):
+                return
+            why = "its proof does not verify under the run's update key" if target.proof else "no proof"
+        elif not self.config.publish_to and is_loopback(target.address.rsplit(":", 1)[0]):
+            return
+        else:
+            why = "not loopback, and this trainer has no update key to check a proof with"
+        raise PermissionDenied(
+            f"{field}: {target.address} is not a replica of this run ({why}; not in publish_to)"
+        )
 
     def save_checkpoint(self) -> trainer_pb2.SaveCheckpointResponse:
         with self._lock:

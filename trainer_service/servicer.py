@@ -55,6 +55,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     def PublishWeights(
         self, request: trainer_pb2.PublishWeightsRequest, context: grpc.ServicerContext
     ) -> trainer_pb2.PublishWeightsResponse:
+        self.service.check_targets(request)  # before the fence moves: a refused call changes nothing
         self.service.check_fence(fence_of(context))
         with self.model_calls.slot():
             return self.service.publish(request)

@@ -93,7 +93,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., weight_version: _Optional[int] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class RolloutStatus(_message.Message):
-    __slots__ = ("model", "recipe", "engine", "device", "weight_version", "requests_in_flight", "tokens_generated", "uptime_s", "weight_format", "needs_keyframe")
+    __slots__ = ("model", "recipe", "engine", "device", "weight_version", "requests_in_flight", "tokens_generated", "uptime_s", "weight_format", "needs_keyframe", "registration_proof", "weight_epoch")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     RECIPE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +104,8 @@ class RolloutStatus(_message.Message):
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FORMAT_FIELD_NUMBER: _ClassVar[int]
     NEEDS_KEYFRAME_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATION_PROOF_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_EPOCH_FIELD_NUMBER: _ClassVar[int]
     model: str
     recipe: str
     engine: str
@@ -114,4 +116,6 @@ class RolloutStatus(_message.Message):
     uptime_s: float
     weight_format: str
     needs_keyframe: bool
-    def __init__(self, model: _Optional[str] = ..., recipe: _Optional[str] = ..., engine: _Optional[str] = ..., device: _Optional[str] = ..., weight_version: _Optional[int] = ..., requests_in_flight: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., uptime_s: _Optional[float] = ..., weight_format: _Optional[str] = ..., needs_keyframe: _Optional[bool] = ...) -> None: ...
+    registration_proof: str
+    weight_epoch: int
+    def __init__(self, model: _Optional[str] = ..., recipe: _Optional[str] = ..., engine: _Optional[str] = ..., device: _Optional[str] = ..., weight_version: _Optional[int] = ..., requests_in_flight: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., uptime_s: _Optional[float] = ..., weight_format: _Optional[str] = ..., needs_keyframe: _Optional[bool] = ..., registration_proof: _Optional[str] = ..., weight_epoch: _Optional[int] = ...) -> None: ...

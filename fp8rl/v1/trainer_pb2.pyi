@@ -120,12 +120,14 @@ class ComputeLogprobsResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[SequenceLogprobs, _Mapping]]] = ..., weight_version: _Optional[int] = ...) -> None: ...
 
 class PublishTarget(_message.Message):
-    __slots__ = ("address", "held_version")
+    __slots__ = ("address", "held_version", "proof")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HELD_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
     address: str
     held_version: int
-    def __init__(self, address: _Optional[str] = ..., held_version: _Optional[int] = ...) -> None: ...
+    proof: str
+    def __init__(self, address: _Optional[str] = ..., held_version: _Optional[int] = ..., proof: _Optional[str] = ...) -> None: ...
 
 class PublishWeightsRequest(_message.Message):
     __slots__ = ("version", "targets")

@@ -6,7 +6,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WeightHeader(_message.Message):
-    __slots__ = ("version", "base_version", "encoding", "total_bytes", "digest", "format", "recipe")
+    __slots__ = ("version", "base_version", "encoding", "total_bytes", "digest", "format", "recipe", "epoch", "mac")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     ENCODING_FIELD_NUMBER: _ClassVar[int]
@@ -14,6 +14,8 @@ class WeightHeader(_message.Message):
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
     RECIPE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    MAC_FIELD_NUMBER: _ClassVar[int]
     version: int
     base_version: int
     encoding: str
@@ -21,7 +23,9 @@ class WeightHeader(_message.Message):
     digest: str
     format: str
     recipe: str
-    def __init__(self, version: _Optional[int] = ..., base_version: _Optional[int] = ..., encoding: _Optional[str] = ..., total_bytes: _Optional[int] = ..., digest: _Optional[str] = ..., format: _Optional[str] = ..., recipe: _Optional[str] = ...) -> None: ...
+    epoch: int
+    mac: str
+    def __init__(self, version: _Optional[int] = ..., base_version: _Optional[int] = ..., encoding: _Optional[str] = ..., total_bytes: _Optional[int] = ..., digest: _Optional[str] = ..., format: _Optional[str] = ..., recipe: _Optional[str] = ..., epoch: _Optional[int] = ..., mac: _Optional[str] = ...) -> None: ...
 
 class WeightChunk(_message.Message):
     __slots__ = ("header", "data")

@@ -1,0 +1,450 @@
+"""Who may call what, and proof of where a weight update comes from.
+
+- Transport: TLS on every server that has a certificate, mutual TLS where it also has a CA (callers must
+  present a certificate it signed); clients verify servers against the CA under a fixed name per role
+  (``trainer``, ``replica``), so a service's certificate must carry its role as a DNS name.
+- Identity: a verified client certificate's common name, else an ``authorization: Bearer <token>``
+  header whose SHA-256 is listed in the server's tokens file (``<role> <sha256 hex>`` per line: a server
+  holds digests, never the tokens themselves).
+- Roles: :data:`WRITERS` names who may make each call that changes or exposes a model; every other call
+  (Generate, GetStatus, health, reflection) is a read, open to any identified caller, or to anyone where
+  ``open_reads`` is set. A server with no way to identify callers (no tokens, no client CA) lets
+  everyone in, and so may only bind loopback (:func:`exposure_problem`).
+- Updates: the trainer signs each update's header fields and every byte of its blob with HMAC-SHA256
+  under the run's update key; a replica with that key applies only updates that verify, and only
+  forward: (epoch, version) must grow, where epoch is the fencing token of the coordinator that asked for
+  the publish. A coordinator that takes a run over (a restart, a rewind to a checkpoint) holds a higher
+  token, which is how a signed keyframe of an older version heals replicas. The MAC covers the blob
+  itself, not just its digest, because the digest (XXH3) is not collision-resistant.
+- Replicas prove they belong to the run with ``HMAC(update key, address)``, which the trainer checks
+  before sending weights anywhere (:func:`registration_proof`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import grpc
+from pydantic import BaseModel, ConfigDict, model_validator
+
+from fp8rl.errors import PermissionDenied, Unauthenticated
+
+Role = Literal["coordinator", "trainer", "replica", "reader"]
+ROLES: tuple[Role, ...] = ("coordinator", "trainer", "replica", "reader")
+SERVER_NAMES = {"trainer": "trainer", "rollout": "replica"}
+"""The name a client expects in the certificate of each kind of server (TLS host-name check)."""
+
+WRITERS: dict[str, frozenset[str]] = {
+    "/fp8rl.v1.Rollout/UpdateWeights": frozenset({"trainer"}),
+    "/fp8rl.v1.Trainer/TrainStep": frozenset({"coordinator"}),
+    "/fp8rl.v1.Trainer/PublishWeights": frozenset({"coordinator"}),
+    "/fp8rl.v1.Trainer/SaveCheckpoint": frozenset({"coordinator"}),
+    "/fp8rl.v1.Trainer/ComputeLogprobs": frozenset({"coordinator", "reader"}),
+}
+READS = frozenset(
+    {
+        "/fp8rl.v1.Rollout/Generate",
+        "/fp8rl.v1.Rollout/GenerateStream",
+        "/fp8rl.v1.Rollout/GetStatus",
+        "/fp8rl.v1.Trainer/GetStatus",
+        "/grpc.health.v1.Health/Check",
+        "/grpc.health.v1.Health/Watch",
+        "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+        "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+    }
+)
+"""Calls any identified caller may make (anyone, with open_reads). A method in neither table is refused to
+everyone: a new RPC is closed until it is classified here."""
+TOKEN_METADATA = "authorization"
+MIN_KEY_BYTES = 16
+
+
+class SecurityConfig(BaseModel):
+    """How a process proves who it is, and checks who calls it (section ``security`` of each config)."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    tls_cert: Path | None = None
+    """PEM certificate (chain) this process presents: as a server, and as a client under mutual TLS."""
+    tls_key: Path | None = None
+    """PEM private key of tls_cert."""
+    tls_ca: Path | None = None
+    """PEM CA certificate(s): clients verify servers against it (and then talk TLS); a server requires
+    callers to present a certificate it signed (mutual TLS) unless require_client_cert is false."""
+    require_client_cert: bool = True
+    """With tls_ca on a server: refuse callers without a client certificate (false: tokens identify them)."""
+    token_file: Path | None = None
+    """File holding the bearer token this process sends as a client."""
+    tokens_file: Path | None = None
+    """Server: the callers it accepts, one `<role> <sha256 hex of the token>` per line."""
+    update_key_file: Path | None = None
+    """The run's weight-update key (hex): the trainer signs updates with it, replicas verify them."""
+    open_reads: bool = False
+    """Server: Generate, GetStatus and health answer callers without identity too."""
+    allow_plaintext: bool = False
+    """Allow plaintext beyond loopback (tokens then cross the network readable: only on trusted networks)."""
+
+    @model_validator(mode="after")
+    def _pairs(self) -> SecurityConfig:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("give tls_cert and tls_key together")
+        return self
+
+    def missing_files(self) -> list[str]:
+        """``security.FIELD: PATH`` for each configured file that is not there (checked at start-up, not
+        when a config is validated: a compose file's paths exist only inside its containers)."""
+        fields = ("tls_cert", "tls_key", "tls_ca", "token_file", "tokens_file", "update_key_file")
+        return [
+            f"security.{name}: {getattr(self, name)}"
+            for name in fields
+            if getattr(self, name) is not None and not Path(getattr(self, name)).is_file()
+        ]
+
+    @property
+    def client_certs(self) -> bool:
+        return self.tls_ca is not None and self.tls_cert is not None and self.require_client_cert
+
+    @property
+    def identifies_callers(self) -> bool:
+        return self.client_certs or self.tokens_file is not None
+
+    def update_key(self) -> bytes | None:
+        if self.update_key_file is None:
+            return None
+        key = bytes.fromhex(self.update_key_file.read_text().strip())
+        if len(key) < MIN_KEY_BYTES:
+            raise ValueError(
+                f"security.update_key_file: {len(key)} bytes; a key has at least {MIN_KEY_BYTES}"
+            )
+        return key
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def exposure_problem(security: SecurityConfig, host: str, applies_updates: bool = False) -> str | None:
+    """Why a server must not bind ``host`` as configured (None when it may). ``applies_updates``: a
+    replica, which beyond loopback applies only signed updates."""
+    if is_loopback(host):
+        return None
+    if applies_updates and security.update_key_file is None:
+        return (
+            f"{host} is not loopback, and a replica there applies only signed weight updates: set "
+            "security.update_key_file (the run's key, as the trainer's)"
+        )
+    if not security.identifies_callers:
+        return (
+            f"{host} is not loopback, and nothing identifies callers: set security.tokens_file (bearer "
+            "tokens) or security.tls_ca with tls_cert/tls_key (mutual TLS); `python -m fp8rl.run_secrets "
+            "DIR` writes both"
+        )
+    if security.tls_cert is None and not security.allow_plaintext:
+        return (
+            f"{host} is not loopback and security.tls_cert/tls_key are unset: calls (and tokens) would "
+            "cross the network in plaintext; configure TLS, or set security.allow_plaintext=true on a "
+            "trusted network"
+        )
+    return None
+
+
+def refuse_exposure(prog: str, security: SecurityConfig, host: str, applies_updates: bool = False) -> None:
+    """Exit with status 2 and a message saying how to configure it, when a server must not bind ``host``
+    as configured, a configured file is missing, or the update key is too short."""
+    import sys
+
+    problem = exposure_problem(security, host, applies_updates)
+    if problem:
+        print(f"{prog}: refusing to serve: {problem}", file=sys.stderr)
+        raise SystemExit(2)
+    missing = security.missing_files()
+    if missing:
+        print(f"{prog}: no such file: {'; '.join(missing)}", file=sys.stderr)
+        raise SystemExit(2)
+    try:
+        security.update_key()
+    except ValueError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def token_digest(token: str) -> str:
+    return hashlib.sha256(token.strip().encode()).hexdigest()
+
+
+def read_tokens(path: Path) -> dict[str, str]:
+    """sha256 hex -> role, from a tokens file."""
+    accepted: dict[str, str] = {}
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        role, _, digest = line.partition(" ")
+        digest = digest.strip().lower()
+        if role not in ROLES or len(digest) != 64:
+            raise ValueError(f"{path}:{number}: expected `<role> <sha256 hex>` with a role in {ROLES}")
+        accepted[digest] = role
+    return accepted
+
+
+# -- the server side ------------------------------------------------------------------------------------
+
+
+def server_credentials(security: SecurityConfig) -> grpc.ServerCredentials | None:
+    if security.tls_cert is None or security.tls_key is None:
+        return None
+    pair = [(security.tls_key.read_bytes(), security.tls_cert.read_bytes())]
+    ca = security.tls_ca.read_bytes() if security.tls_ca else None
+    return grpc.ssl_server_credentials(pair, root_certificates=ca, require_client_auth=security.client_certs)
+
+
+class AccessControl(grpc.ServerInterceptor):
+    """Checks each call's identity against :data:`WRITERS` and :data:`READS` before its handler runs (for
+    a token, before its request is even parsed): a caller without identity gets UNAUTHENTICATED, one with
+    the wrong role PERMISSION_DENIED."""
+
+    def __init__(self, security: SecurityConfig) -> None:
+        self.enabled = security.identifies_callers
+        self.client_certs = security.client_certs
+        self.open_reads = security.open_reads
+        self.tokens = read_tokens(security.tokens_file) if security.tokens_file else {}
+
+    def token_role(self, metadata: Sequence[tuple[str, Any]]) -> str | None:
+        presented = next((str(v) for k, v in metadata if k == TOKEN_METADATA), "")
+        scheme, _, token = presented.partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            return None
+        digest = token_digest(token)
+        return next((r for d, r in self.tokens.items() if hmac.compare_digest(d, digest)), None)
+
+    @staticmethod
+    def certificate_role(context: grpc.ServicerContext) -> str | None:
+        names = context.auth_context().get("x509_common_name") or []
+        role = names[0].decode(errors="replace") if names else None
+        return role if role in ROLES else None  # a certificate the handshake verified against our CA
+
+    def refusal(self, method: str, role: str | None) -> Unauthenticated | PermissionDenied | None:
+        """Why ``role`` (None: no identity) may not call ``method``; None when it may."""
+        if method in READS and (self.open_reads or role is not None):
+            return None
+        if role is None:
+            return Unauthenticated(
+                f"{method}: no identity (send `authorization: Bearer <token>` or a client certificate)"
+            )
+        allowed = WRITERS.get(method, frozenset())
+        if role not in allowed:
+            who = ", ".join(sorted(allowed)) or "no role: the method is not classified in fp8rl.security"
+            return PermissionDenied(f"{method}: role {role} may not call it (only {who})")
+        return None
+
+    def intercept_service(
+        self, continuation: Callable[[Any], Any], details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler | None:
+        handler = continuation(details)
+        if handler is None or not self.enabled:
+            return handler
+        method, metadata = details.method, tuple(details.invocation_metadata or ())
+        role = self.token_role(metadata)
+        if role is not None or not self.client_certs:
+            # Decided from the metadata alone: a refused call never has its request parsed.
+            refused = self.refusal(method, role)
+            return handler if refused is None else _refuse(handler, refused)
+
+        def check(context: grpc.ServicerContext) -> None:  # the verified certificate decides
+            refused = self.refusal(method, self.certificate_role(context))
+            if refused is not None:
+                context.abort(_code(refused), str(refused))
+
+        return _guarded(handler, check)
+
+
+def _code(refused: Exception) -> grpc.StatusCode:
+    if isinstance(refused, Unauthenticated):
+        return grpc.StatusCode.UNAUTHENTICATED
+    return grpc.StatusCode.PERMISSION_DENIED
+
+
+def _refuse(handler: Any, refused: Exception) -> grpc.RpcMethodHandler:
+    """A handler of ``handler``'s kind that aborts at once, leaving the request bytes unparsed."""
+
+    def abort(request: Any, context: grpc.ServicerContext) -> Any:
+        context.abort(_code(refused), str(refused))
+
+    make = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }[(handler.request_streaming, handler.response_streaming)]
+    return make(abort, request_deserializer=None, response_serializer=handler.response_serializer)
+
+
+def _guarded(handler: Any, check: Callable[[grpc.ServicerContext], None]) -> grpc.RpcMethodHandler:
+    """``handler`` with ``check(context)`` run before its behaviour (and so before any request is read)."""
+    kinds = (
+        ("unary_unary", grpc.unary_unary_rpc_method_handler),
+        ("unary_stream", grpc.unary_stream_rpc_method_handler),
+        ("stream_unary", grpc.stream_unary_rpc_method_handler),
+        ("stream_stream", grpc.stream_stream_rpc_method_handler),
+    )
+    for attr, make in kinds:
+        behaviour = getattr(handler, attr)
+        if behaviour is None:
+            continue
+        if handler.response_streaming:
+
+            def streaming(request: Any, context: grpc.ServicerContext, behaviour: Any = behaviour) -> Any:
+                check(context)
+                yield from behaviour(request, context)
+
+            wrapped = streaming
+        else:
+
+            def unary(request: Any, context: grpc.ServicerContext, behaviour: Any = behaviour) -> Any:
+                check(context)
+                return behaviour(request, context)
+
+            wrapped = unary
+        return make(
+            wrapped,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+    raise AssertionError("a method handler without behaviour")
+
+
+# -- the client side ------------------------------------------------------------------------------------
+
+
+class _BearerToken(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """Adds ``authorization: Bearer <token>`` to every call of a channel."""
+
+    def __init__(self, token: str) -> None:
+        self.header = (TOKEN_METADATA, f"Bearer {token}")
+
+    def _with_token(self, details: Any) -> Any:
+        metadata = [*(details.metadata or ()), self.header]
+        return (
+            details._replace(metadata=metadata)
+            if hasattr(details, "_replace")
+            else _Details(details, metadata)
+        )
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._with_token(details), request)
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._with_token(details), request)
+
+    def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return continuation(self._with_token(details), requests)
+
+    def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return continuation(self._with_token(details), requests)
+
+
+class _Details(grpc.ClientCallDetails):
+    def __init__(self, details: Any, metadata: list[tuple[str, str]]) -> None:
+        self.method, self.timeout, self.credentials = details.method, details.timeout, details.credentials
+        self.wait_for_ready, self.compression = details.wait_for_ready, details.compression
+        self.metadata = metadata
+
+
+def channel(
+    address: str,
+    security: SecurityConfig | None,
+    server: Literal["trainer", "rollout"],
+    options: Sequence[tuple[str, Any]] = (),
+) -> grpc.Channel:
+    """A channel to a ``server`` ("trainer" or "rollout") at ``address``, with this process's identity:
+    TLS when a CA is configured (the server's certificate must name its role), its own certificate under
+    mutual TLS, its bearer token on every call. A token never crosses a network in plaintext."""
+    security = security or SecurityConfig()
+    opts = list(options)
+    if security.tls_ca is not None:
+        cert = security.tls_cert.read_bytes() if security.tls_cert else None
+        key = security.tls_key.read_bytes() if security.tls_key else None
+        credentials = grpc.ssl_channel_credentials(security.tls_ca.read_bytes(), key, cert)
+        opts.append(("grpc.ssl_target_name_override", SERVER_NAMES[server]))
+        chan = grpc.secure_channel(address, credentials, options=opts)
+    else:
+        host = address.rsplit(":", 1)[0]
+        if security.token_file and not is_loopback(host) and not security.allow_plaintext:
+            raise ValueError(
+                f"{address}: a bearer token would cross the network in plaintext; set security.tls_ca "
+                "(TLS), or security.allow_plaintext=true on a trusted network"
+            )
+        chan = grpc.insecure_channel(address, options=opts)
+    if security.token_file is not None:
+        chan = grpc.intercept_channel(chan, _BearerToken(security.token_file.read_text().strip()))
+    return chan
+
+
+# -- weight updates -----------------------------------------------------------------------------------
+
+MAC_SCHEME = "hmac-sha256:"
+
+
+class UpdateMac:
+    """HMAC-SHA256 over an update's header fields and then every byte of its blob, fed as it streams."""
+
+    def __init__(self, key: bytes, header: Any) -> None:
+        fields = (
+            "fp8rl-update-v1",
+            header.version,
+            header.base_version,
+            header.epoch,
+            header.encoding,
+            header.total_bytes,
+            header.digest,
+            header.format,
+            header.recipe,
+        )
+        self._mac = hmac.new(key, "\n".join(map(str, fields)).encode() + b"\n", hashlib.sha256)
+
+    def update(self, data: bytes | bytearray | memoryview) -> None:
+        self._mac.update(data)
+
+    def value(self) -> str:
+        return MAC_SCHEME + self._mac.hexdigest()
+
+
+def sign_update(key: bytes, header: Any, pieces: Iterable[bytes | memoryview]) -> str:
+    mac = UpdateMac(key, header)
+    for piece in pieces:
+        mac.update(piece)
+    return mac.value()
+
+
+def verify_update(mac: UpdateMac, claimed: str) -> None:
+    if not claimed:
+        raise Unauthenticated(
+            "header.mac: missing; this replica applies only updates signed with the run's key"
+        )
+    if not hmac.compare_digest(mac.value(), claimed):
+        raise Unauthenticated(
+            "header.mac: does not verify under the run's update key (forged or another run's)"
+        )
+
+
+def registration_proof(key: bytes, address: str) -> str:
+    """What a replica at ``address`` shows to be sent the run's weights: only holders of the key make it."""
+    return MAC_SCHEME + hmac.new(key, f"fp8rl-replica\n{address}".encode(), hashlib.sha256).hexdigest()
+
+
+def proof_valid(key: bytes, address: str, proof: str) -> bool:
+    return bool(proof) and hmac.compare_digest(registration_proof(key, address), proof)

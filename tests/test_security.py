@@ -1,0 +1,467 @@
+"""Only the run's own processes train, publish or change weights: the attacks of issue 17 replayed against
+real servers (the trainer on the tiny model, the session's vLLM replica), each refused with its status
+code and leaving state unchanged; mutual TLS; servers that refuse to bind beyond loopback unprotected."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from fp8rl.errors import PermissionDenied, Unauthenticated
+from fp8rl.run_secrets import BUNDLES, export_bundle, security_for, token_path, write_run_secrets
+from fp8rl.security import (
+    AccessControl,
+    SecurityConfig,
+    channel,
+    exposure_problem,
+    proof_valid,
+    registration_proof,
+    token_digest,
+)
+from fp8rl.serving import InsecureBinding, RunningServer, start_server
+from fp8rl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc, weights_pb2
+from fp8rl.weight_stream import header_of, update_to_chunks
+from fp8rl.weights import WeightSet, build_weight_set, encode_keyframe
+from tests.conftest import InProcessRollout
+from tests.test_rollout import random_state
+from tests.test_trainer import samples
+from trainer_service.config import TrainerConfig
+from trainer_service.service import TrainerService
+from trainer_service.servicer import SERVICE_NAME as TRAINER
+from trainer_service.servicer import TrainerServicer
+
+Code = grpc.StatusCode
+
+
+@pytest.fixture(scope="module")
+def run_secrets(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("secrets") / "run"
+    write_run_secrets(directory, tls=True)
+    return directory
+
+
+def code_of(call: Callable[..., object], *args: object, **kwargs: object) -> tuple[grpc.StatusCode, str]:
+    """The status ``call(*args, **kwargs)`` ends with, and its details."""
+    try:
+        call(*args, **kwargs)
+    except grpc.RpcError as err:
+        return err.code(), err.details() or ""
+    return Code.OK, ""
+
+
+# -- the run's secrets ----------------------------------------------------------------------------------
+
+
+def test_run_secrets_are_private_and_kept(tmp_path: Path) -> None:
+    directory = tmp_path / "s"
+    write_run_secrets(directory, tls=True)
+    assert directory.stat().st_mode & 0o777 == 0o700
+    files = {p.name: p for p in directory.iterdir()}
+    assert {"tokens", "update.key", "ca.pem", "ca.key", "coordinator.token", "replica.pem"} <= set(files)
+    assert all(p.stat().st_mode & 0o777 == 0o600 for p in files.values())
+    tokens = (directory / "tokens").read_text()
+    coordinator = token_path(directory, "coordinator").read_text().strip()
+    assert coordinator not in tokens and f"coordinator {token_digest(coordinator)}" in tokens  # digests only
+    before = {name: p.read_bytes() for name, p in files.items()}
+    write_run_secrets(directory, tls=True)  # a resumed run keeps its identities
+    assert {p.name: p.read_bytes() for p in directory.iterdir()} == before
+
+
+# -- the trainer ------------------------------------------------------------------------------------------
+
+
+def trainer_server(
+    model: Path, security: SecurityConfig, tmp_path: Path
+) -> tuple[TrainerService, RunningServer]:
+    config = TrainerConfig(
+        model=model,
+        recipe="fp8",
+        compute_dtype="float32",
+        port=0,
+        micro_batch_size=3,
+        checkpoint_dir=tmp_path / "ckpt",
+        security=security,
+    )
+    service = TrainerService(config)
+    servicer = TrainerServicer(service)
+    running = start_server(
+        lambda s: trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, s), [TRAINER], security=security
+    )
+    running.set_serving()
+    return service, running
+
+
+@pytest.fixture
+def secured_trainer(
+    tiny_model_dir_f32: Path, run_secrets: Path, tmp_path: Path
+) -> Iterator[tuple[TrainerService, str]]:
+    service, running = trainer_server(
+        tiny_model_dir_f32, security_for(run_secrets, "trainer", tls=False), tmp_path
+    )
+    yield service, running.address
+    running.stop(0)
+    service.publisher.close()
+
+
+def trainer_stub(address: str, security: SecurityConfig | None) -> trainer_pb2_grpc.TrainerStub:
+    return trainer_pb2_grpc.TrainerStub(channel(address, security, "trainer"))
+
+
+def test_trainer_refuses_callers_without_the_coordinator_role(
+    secured_trainer: tuple[TrainerService, str], run_secrets: Path, tmp_path: Path
+) -> None:
+    service, address = secured_trainer
+    weights_before = {k: v.clone() for k, v in service.learner.master_weights().items()}
+    train = trainer_pb2.TrainStepRequest(run_id="r", step=0, samples=samples(0))
+    publish = trainer_pb2.PublishWeightsRequest(
+        version=0, targets=[trainer_pb2.PublishTarget(address="127.0.0.1:1", held_version=-1)]
+    )
+    forged = tmp_path / "forged.token"
+    forged.write_text("not-a-token-of-this-run")
+    callers = {
+        "nobody": None,
+        "forged token": SecurityConfig(token_file=forged),
+        "reader": security_for(run_secrets, "reader", tls=False),
+        "trainer": security_for(run_secrets, "trainer", tls=False),  # its own token: not the coordinator's
+        "replica": security_for(run_secrets, "replica", tls=False),
+    }
+    for who, security in callers.items():
+        stub = trainer_stub(address, security)
+        expected = Code.UNAUTHENTICATED if who in ("nobody", "forged token") else Code.PERMISSION_DENIED
+        for name, call, message in (
+            ("TrainStep", stub.TrainStep, train),
+            ("PublishWeights", stub.PublishWeights, publish),
+            ("SaveCheckpoint", stub.SaveCheckpoint, trainer_pb2.SaveCheckpointRequest()),
+        ):
+            code, details = code_of(call, message, timeout=30)
+            assert code == expected and name in details, (who, name, code, details)
+        status = code_of(stub.GetStatus, common_pb2.GetStatusRequest(), timeout=10)[0]
+        assert status == (Code.UNAUTHENTICATED if expected == Code.UNAUTHENTICATED else Code.OK), who
+    # Nothing changed: no step, no checkpoint, the same weights.
+    assert service.step == 0 and not service.results and not list((tmp_path / "ckpt").glob("step-*"))
+    after = service.learner.master_weights()
+    assert all(torch.equal(weights_before[k], after[k]) for k in weights_before)
+
+    coordinator = trainer_stub(address, security_for(run_secrets, "coordinator", tls=False))
+    assert coordinator.GetStatus(common_pb2.GetStatusRequest(), timeout=10).step == 0
+    reply = coordinator.TrainStep(train, timeout=120)
+    assert reply.metrics.loss == reply.metrics.loss and service.step == 1
+
+
+def test_publish_goes_only_to_the_runs_replicas(
+    secured_trainer: tuple[TrainerService, str], run_secrets: Path
+) -> None:
+    service, address = secured_trainer
+    stub = trainer_stub(address, security_for(run_secrets, "coordinator", tls=False))
+    key = bytes.fromhex((run_secrets / "update.key").read_text())
+    other_key = bytes(32)
+    for target in (
+        trainer_pb2.PublishTarget(address="203.0.113.5:50051", held_version=-1),  # no proof
+        trainer_pb2.PublishTarget(address="127.0.0.1:9", held_version=-1, proof="hmac-sha256:00"),
+        # A real proof, but for another address, and one under another run's key.
+        trainer_pb2.PublishTarget(address="127.0.0.1:9", proof=registration_proof(key, "127.0.0.1:10")),
+        trainer_pb2.PublishTarget(address="127.0.0.1:9", proof=registration_proof(other_key, "127.0.0.1:9")),
+    ):
+        request = trainer_pb2.PublishWeightsRequest(version=0, targets=[target])
+        code, details = code_of(stub.PublishWeights, request, timeout=30)
+        assert code == Code.PERMISSION_DENIED and "targets[0].address" in details, details
+    assert service.publisher.last is None  # nothing was even quantized
+    assert proof_valid(key, "127.0.0.1:9", registration_proof(key, "127.0.0.1:9"))
+
+
+def test_mutual_tls_identifies_callers_by_certificate(
+    tiny_model_dir_f32: Path, run_secrets: Path, tmp_path: Path
+) -> None:
+    service, running = trainer_server(
+        tiny_model_dir_f32, security_for(run_secrets, "trainer", tls=True), tmp_path
+    )
+    try:
+        certs_only = {  # the certificate alone identifies: no tokens on these channels
+            role: security_for(run_secrets, role, tls=True).model_copy(update={"token_file": None})
+            for role in ("coordinator", "reader")
+        }
+        status = common_pb2.GetStatusRequest()
+        assert (
+            trainer_stub(running.address, certs_only["coordinator"]).GetStatus(status, timeout=10).step == 0
+        )
+        reader = trainer_stub(running.address, certs_only["reader"])
+        assert reader.GetStatus(status, timeout=10).step == 0
+        save = trainer_pb2.SaveCheckpointRequest()
+        assert code_of(reader.SaveCheckpoint, save, timeout=10)[0] == Code.PERMISSION_DENIED
+        # Without a certificate of the run's CA there is no connection at all; nor in plaintext.
+        elsewhere = tmp_path / "other"
+        write_run_secrets(elsewhere, tls=True)
+        strangers = [
+            SecurityConfig(tls_ca=run_secrets / "ca.pem"),
+            security_for(elsewhere, "coordinator", tls=True).model_copy(
+                update={"tls_ca": run_secrets / "ca.pem"}
+            ),
+            None,
+        ]
+        for stranger in strangers:
+            stub = trainer_stub(running.address, stranger)
+            assert code_of(stub.GetStatus, status, timeout=5)[0] == Code.UNAVAILABLE
+        # A client checks the server too: the trainer's certificate does not pass for a replica's.
+        as_replica = rollout_pb2_grpc.RolloutStub(
+            channel(running.address, certs_only["coordinator"], "rollout")
+        )
+        assert code_of(as_replica.GetStatus, status, timeout=5)[0] == Code.UNAVAILABLE
+        assert service.step == 0
+    finally:
+        running.stop(0)
+        service.publisher.close()
+
+
+def test_servers_refuse_to_bind_beyond_loopback_unprotected(
+    run_secrets: Path, tiny_model_dir_f32: Path
+) -> None:
+    with pytest.raises(InsecureBinding, match="tokens_file"):
+        start_server(lambda s: None, [TRAINER], host="0.0.0.0")
+    tokens_only = SecurityConfig(tokens_file=run_secrets / "tokens")
+    with pytest.raises(InsecureBinding, match="plaintext"):
+        start_server(lambda s: None, [TRAINER], host="0.0.0.0", security=tokens_only)
+    args = [
+        sys.executable,
+        "-m",
+        "trainer_service.cli",
+        "serve",
+        "--model",
+        str(tiny_model_dir_f32),
+        "--host",
+        "0.0.0.0",
+    ]
+    done = subprocess.run([*args, "--port", "0"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "refusing to serve" in done.stderr and "tokens_file" in done.stderr
+    with pytest.raises(ValueError, match="plaintext"):  # nor does a client send its token in plaintext
+        channel("203.0.113.5:50052", security_for(run_secrets, "coordinator", tls=False), "trainer")
+
+
+# -- the replica ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def secured_replica(
+    rollout_fp8: InProcessRollout, run_secrets: Path
+) -> Iterator[tuple[InProcessRollout, str]]:
+    """The session's replica behind a second server that checks tokens, holding the run's update key for
+    the test's duration."""
+    security = security_for(run_secrets, "replica", tls=False)
+    service = rollout_fp8.service
+    running = start_server(
+        lambda s: rollout_pb2_grpc.add_RolloutServicer_to_server(rollout_fp8.servicer, s),
+        ["fp8rl.v1.Rollout"],
+        security=security,
+        max_receive_bytes=64 * 1024 * 1024,
+    )
+    running.set_serving()
+    key = security.update_key()
+    service.update_key, service.registration_proof = key, registration_proof(key, running.address)  # type: ignore[arg-type]
+    try:
+        yield rollout_fp8, running.address
+    finally:
+        service.update_key, service.registration_proof = None, ""
+        running.stop(0)
+
+
+def push(
+    stub: rollout_pb2_grpc.RolloutStub, weights: WeightSet, version: int, epoch: int, key: bytes | None
+) -> None:
+    update = encode_keyframe(weights, version)
+    stub.UpdateWeights(update_to_chunks(update, header=header_of(update, epoch, key)), timeout=120)
+
+
+def test_replica_applies_only_signed_updates_from_the_trainer_role(
+    secured_replica: tuple[InProcessRollout, str], run_secrets: Path, gen: torch.Generator
+) -> None:
+    rollout, address = secured_replica
+    service = rollout.service
+    key = service.update_key
+    assert key is not None
+    weights = build_weight_set(random_state(rollout.model_dir, 0), "fp8-block128", hp_dtype=torch.float32)
+    as_trainer = rollout_pb2_grpc.RolloutStub(
+        channel(address, security_for(run_secrets, "trainer", tls=False), "rollout")
+    )
+    epoch = 10**6 + int(torch.randint(0, 1000, (1,), generator=gen))  # newer than anything the session pushed
+    push(as_trainer, weights, 100, epoch, key)
+    assert service.version == 100
+
+    def held() -> tuple[int, int]:
+        return service.version, service.held_epoch
+
+    attempts = {
+        "no token": (None, lambda stub: push(stub, weights, 101, epoch, key), Code.UNAUTHENTICATED),
+        "coordinator": (
+            "coordinator",
+            lambda stub: push(stub, weights, 101, epoch, key),
+            Code.PERMISSION_DENIED,
+        ),
+        "reader": ("reader", lambda stub: push(stub, weights, 101, epoch, key), Code.PERMISSION_DENIED),
+        "unsigned": ("trainer", lambda stub: push(stub, weights, 101, epoch, None), Code.UNAUTHENTICATED),
+        "forged MAC": (
+            "trainer",
+            lambda stub: push(stub, weights, 101, epoch, bytes(32)),
+            Code.UNAUTHENTICATED,
+        ),
+        "older version": (
+            "trainer",
+            lambda stub: push(stub, weights, 99, epoch, key),
+            Code.FAILED_PRECONDITION,
+        ),
+        "older epoch": (
+            "trainer",
+            lambda stub: push(stub, weights, 500, epoch - 1, key),
+            Code.FAILED_PRECONDITION,
+        ),
+        "negative version": (
+            "trainer",
+            lambda stub: push(stub, weights, -5, epoch + 5, key),
+            Code.INVALID_ARGUMENT,
+        ),
+    }
+    for what, (role, attempt, expected) in attempts.items():
+        security = security_for(run_secrets, role, tls=False) if role else None
+        stub = rollout_pb2_grpc.RolloutStub(channel(address, security, "rollout"))
+        code, details = code_of(attempt, stub)
+        assert code == expected, (what, code, details)
+        assert held() == (100, epoch), what
+    # A signed header whose blob was swapped after signing: the MAC covers every byte, not just the digest.
+    update = encode_keyframe(weights, 102)
+    header = header_of(update, epoch, key)
+    other = encode_keyframe(
+        WeightSet(weights.format, {k: v.clone() for k, v in weights.tensors.items()}), 102
+    )
+    data = bytearray(b"".join(bytes(p) for p in other.pieces(1 << 30)))
+    data[-1] ^= 1
+    chunks = [weights_pb2.WeightChunk(header=header), weights_pb2.WeightChunk(data=bytes(data))]
+    code, details = code_of(as_trainer.UpdateWeights, iter(chunks), timeout=60)
+    assert code == Code.UNAUTHENTICATED and "header.mac" in details and held() == (100, epoch)
+    # A signed keyframe of NaN weights is refused all the same.
+    poisoned = dict(weights.tensors)
+    name = next(k for k, v in poisoned.items() if v.dtype == torch.float32 and v.dim() == 1)
+    poisoned[name] = torch.full_like(poisoned[name], math.nan)
+    code = code_of(push, as_trainer, WeightSet(weights.format, poisoned), 103, epoch, key)[0]
+    assert code == Code.INVALID_ARGUMENT and held() == (100, epoch)
+    # The healing cases: the same version again (a replica whose bytes diverged), and a coordinator that
+    # took the run over (a newer epoch) bringing an older version back.
+    push(as_trainer, weights, 100, epoch, key)
+    assert held() == (100, epoch)
+    push(as_trainer, weights, 7, epoch + 1, key)
+    assert held() == (7, epoch + 1)
+    # The replica proves its membership of the run; reads need an identity.
+    reader = rollout_pb2_grpc.RolloutStub(
+        channel(address, security_for(run_secrets, "reader", tls=False), "rollout")
+    )
+    status = reader.GetStatus(common_pb2.GetStatusRequest(), timeout=10)
+    assert proof_valid(key, address, status.registration_proof) and status.weight_epoch == epoch + 1
+    anonymous = rollout_pb2_grpc.RolloutStub(channel(address, None, "rollout"))
+    generate = rollout_pb2.GenerateRequest(prompts=[rollout_pb2.Prompt(text="1+1=")])
+    assert code_of(anonymous.Generate, generate, timeout=30)[0] == Code.UNAUTHENTICATED
+    assert len(reader.Generate(generate, timeout=60).completions) == 1
+
+
+def test_trainer_publishes_signed_updates_to_a_replica_that_proves_itself(
+    secured_replica: tuple[InProcessRollout, str], tiny_model_dir_f32: Path, run_secrets: Path, tmp_path: Path
+) -> None:
+    rollout, address = secured_replica
+    service, running = trainer_server(
+        tiny_model_dir_f32, security_for(run_secrets, "trainer", tls=False), tmp_path
+    )
+    try:
+        stub = trainer_stub(running.address, security_for(run_secrets, "coordinator", tls=False))
+        proof = rollout.service.registration_proof
+        fence = str(2 * 10**6)  # newer than the epochs other tests left on the replica
+        request = trainer_pb2.PublishWeightsRequest(
+            version=0, targets=[trainer_pb2.PublishTarget(address=address, held_version=-1, proof=proof)]
+        )
+        reply = stub.PublishWeights(request, timeout=300, metadata=[("fp8rl-fence", fence)])
+        assert reply.results[0].ok, reply.results[0].error
+        assert rollout.service.version == 0 and rollout.service.held_epoch == int(fence)
+    finally:
+        running.stop(0)
+        service.publisher.close()
+
+
+def test_requests_of_refused_callers_are_never_parsed(
+    secured_trainer: tuple[TrainerService, str], run_secrets: Path
+) -> None:
+    """Bytes that are no TrainStepRequest at all: without a token they are refused, not parsed (a parse
+    error would be INTERNAL); with the coordinator's token they reach the parser."""
+    _, address = secured_trainer
+    for security, expected in (
+        (None, Code.UNAUTHENTICATED),
+        (security_for(run_secrets, "reader", tls=False), Code.PERMISSION_DENIED),
+        (security_for(run_secrets, "coordinator", tls=False), Code.INTERNAL),
+    ):
+        with channel(address, security, "trainer") as chan:
+            raw = chan.unary_unary("/fp8rl.v1.Trainer/TrainStep")
+            assert code_of(raw, b"\xff\xff\xff garbage", timeout=10)[0] == expected
+
+
+def test_a_refused_publish_or_an_absurd_fence_moves_nothing(
+    secured_trainer: tuple[TrainerService, str], run_secrets: Path
+) -> None:
+    service, address = secured_trainer
+    stub = trainer_stub(address, security_for(run_secrets, "coordinator", tls=False))
+    unknown = trainer_pb2.PublishWeightsRequest(
+        version=0, targets=[trainer_pb2.PublishTarget(address="203.0.113.5:50051")]
+    )
+    code = code_of(stub.PublishWeights, unknown, timeout=30, metadata=[("fp8rl-fence", "100")])[0]
+    assert code == Code.PERMISSION_DENIED and service.fence == 0  # the fence did not move either
+    status = common_pb2.GetStatusRequest()
+    code, details = code_of(
+        stub.SaveCheckpoint,
+        trainer_pb2.SaveCheckpointRequest(),
+        timeout=30,
+        metadata=[("fp8rl-fence", "9" * 20)],
+    )
+    assert code == Code.INVALID_ARGUMENT and "fencing token" in details and service.fence == 0
+    assert stub.GetStatus(status, timeout=10).step == 0
+
+
+def test_policy_is_closed_by_default_and_keys_are_checked(run_secrets: Path, tmp_path: Path) -> None:
+    control = AccessControl(security_for(run_secrets, "replica", tls=False))
+    assert isinstance(control.refusal("/fp8rl.v1.Rollout/SomethingNew", "coordinator"), PermissionDenied)
+    assert isinstance(control.refusal("/fp8rl.v1.Rollout/SomethingNew", None), Unauthenticated)
+    assert control.refusal("/fp8rl.v1.Rollout/Generate", "reader") is None
+    assert isinstance(control.refusal("/fp8rl.v1.Rollout/UpdateWeights", "coordinator"), PermissionDenied)
+    opened = AccessControl(
+        security_for(run_secrets, "replica", tls=False).model_copy(update={"open_reads": True})
+    )
+    assert opened.refusal("/fp8rl.v1.Rollout/GetStatus", None) is None
+    assert isinstance(opened.refusal("/fp8rl.v1.Rollout/UpdateWeights", None), Unauthenticated)
+    short = tmp_path / "short.key"
+    short.write_text("00" * 8)
+    with pytest.raises(ValueError, match="at least 16"):
+        SecurityConfig(update_key_file=short).update_key()
+    tokens_only = SecurityConfig(
+        tokens_file=run_secrets / "tokens",
+        tls_cert=run_secrets / "replica.pem",
+        tls_key=run_secrets / "replica.key",
+    )
+    assert exposure_problem(tokens_only, "0.0.0.0") is None
+    assert "update_key_file" in str(exposure_problem(tokens_only, "0.0.0.0", applies_updates=True))
+
+
+def test_certificates_name_their_role_only_and_bundles_leave_the_ca_key(
+    run_secrets: Path, tmp_path: Path
+) -> None:
+    from cryptography import x509
+
+    for role in ("trainer", "replica", "coordinator"):
+        cert = x509.load_pem_x509_certificate((run_secrets / f"{role}.pem").read_bytes())
+        names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        assert names.get_values_for_type(x509.DNSName) == [role] and not names.get_values_for_type(
+            x509.IPAddress
+        )
+    for role, files in BUNDLES.items():
+        export_bundle(run_secrets, role, tmp_path / role)
+        exported = {p.name for p in (tmp_path / role).iterdir()}
+        assert exported == set(files) and "ca.key" not in exported
+        assert all((tmp_path / role / name).stat().st_mode & 0o777 == 0o600 for name in exported)
