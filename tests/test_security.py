@@ -173,6 +173,17 @@ def test_publish_goes_only_to_the_runs_replicas(
         code, details = code_of(stub.PublishWeights, request, timeout=30)
         assert code == Code.PERMISSION_DENIED and "targets[0].address" in details, details
     assert service.publisher.last is None  # nothing was even quantized
+    # An impostor beside a real target gets nothing, and does not stall the publish to the real one.
+    real = trainer_pb2.PublishTarget(address="127.0.0.1:9", proof=registration_proof(key, "127.0.0.1:9"))
+    impostor = trainer_pb2.PublishTarget(address="203.0.113.5:50051")
+    reply = stub.PublishWeights(
+        trainer_pb2.PublishWeightsRequest(version=0, targets=[impostor, real]), timeout=300
+    )
+    assert [r.address for r in reply.results] == [impostor.address, real.address]
+    assert not reply.results[0].ok and reply.results[0].error.startswith(
+        "PERMISSION_DENIED: targets[0].address"
+    )
+    assert not reply.results[1].ok and "UNAVAILABLE" in reply.results[1].error  # proven, but nobody listens
     assert proof_valid(key, "127.0.0.1:9", registration_proof(key, "127.0.0.1:9"))
 
 

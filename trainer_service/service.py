@@ -218,43 +218,56 @@ class TrainerService:
             raise PreconditionFailed(
                 f"trainer holds version {self.step}, cannot publish version {request.version}"
             )
-        self.check_targets(request)
+        refused = self.check_targets(request)
+        allowed = [t for i, t in enumerate(request.targets) if i not in refused]
         with self._lock:  # the weights must not move while they are quantized
             deliveries = self.publisher.publish(
                 request.version,
                 self.learner.master_weights,
-                [Target(t.address, t.held_version) for t in request.targets],
+                [Target(t.address, t.held_version) for t in allowed],
                 epoch=self.fence,
             )
-        results = [trainer_pb2.PublishResult(**vars(d)) for d in deliveries]
+        delivered = iter(trainer_pb2.PublishResult(**vars(d)) for d in deliveries)
+        results = [
+            trainer_pb2.PublishResult(address=t.address, ok=False, error=f"PERMISSION_DENIED: {refused[i]}")
+            if i in refused
+            else next(delivered)
+            for i, t in enumerate(request.targets)
+        ]
         return trainer_pb2.PublishWeightsResponse(version=request.version, results=results)
 
-    def check_targets(self, request: trainer_pb2.PublishWeightsRequest) -> None:
-        """Refuse the whole request unless every target is a well-formed address of the run's replicas."""
+    def check_targets(self, request: trainer_pb2.PublishWeightsRequest) -> dict[int, str]:
+        """The targets that are not the run's replicas (index -> why), which get nothing: an impostor
+        registered beside real replicas cannot stall a run. Raises when the request is malformed or no
+        target is the run's."""
         if not request.targets:
             raise InvalidRequest("targets", "at least one target is required")
+        refused = {}
         for i, t in enumerate(request.targets):
             if not t.address or ":" not in t.address:
                 raise InvalidRequest(f"targets[{i}].address", f"expected host:port, got {t.address!r}")
-            self._check_target(f"targets[{i}].address", t)
+            why = self._target_refusal(f"targets[{i}].address", t)
+            if why:
+                refused[i] = why
+        if len(refused) == len(request.targets):
+            raise PermissionDenied("; ".join(refused.values()))
+        return refused
 
-    def _check_target(self, field: str, target: trainer_pb2.PublishTarget) -> None:
+    def _target_refusal(self, field: str, target: trainer_pb2.PublishTarget) -> str | None:
         """Weights go only to the run's replicas: listed in publish_to, or proving they hold the run's
         update key; a trainer without either sends only to loopback."""
         if target.address in self.config.publish_to:
-            return
+            return None
         key = self.publisher.update_key
         if key is not None:
             if proof_valid(key, target.address, target.proof):
-                return
+                return None
             why = "its proof does not verify under the run's update key" if target.proof else "no proof"
         elif not self.config.publish_to and is_loopback(target.address.rsplit(":", 1)[0]):
-            return
+            return None
         else:
             why = "not loopback, and this trainer has no update key to check a proof with"
-        raise PermissionDenied(
-            f"{field}: {target.address} is not a replica of this run ({why}; not in publish_to)"
-        )
+        return f"{field}: {target.address} is not a replica of this run ({why}; not in publish_to)"
 
     def save_checkpoint(self) -> trainer_pb2.SaveCheckpointResponse:
         with self._lock:
