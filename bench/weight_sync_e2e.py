@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -32,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/weight_sync.py: the model's shapes
 
 from fp8rl.recipes import WEIGHT_FORMATS
+from fp8rl.security import SecurityConfig
 from fp8rl.v1 import rollout_pb2_grpc, weights_pb2
 from fp8rl.weight_stream import CHUNK_BYTES, Reassembler, receive_update
 from fp8rl.weights import WeightSet, build_weight_set, decode_update
@@ -56,7 +58,10 @@ class StoringReplica(rollout_pb2_grpc.RolloutServicer):
             for chunk in stream:
                 assembler.add(chunk.data)
             return weights_pb2.UpdateWeightsResponse(encoding="raw", bytes_received=first.header.total_bytes)
-        _, blob = receive_update(_prepend(first, stream), max_bytes=1 << 36)
+        key = (
+            BENCH_KEY if first.header.mac else None
+        )  # signed updates are verified, as a replica with the key does
+        _, blob = receive_update(_prepend(first, stream), max_bytes=1 << 36, key=key)
         start = time.perf_counter()
         decoded = decode_update(blob, self.held, self.version if self.held is not None else None)
         self.held, self.version = decoded.weights, decoded.version  # the stand-in engine's "load"
@@ -66,6 +71,9 @@ class StoringReplica(rollout_pb2_grpc.RolloutServicer):
             bytes_received=len(blob),
             apply_s=time.perf_counter() - start,
         )
+
+
+BENCH_KEY = bytes(range(32))  # the signed rows' update key (both processes know it)
 
 
 def _prepend(first: weights_pb2.WeightChunk, rest: Iterator[weights_pb2.WeightChunk]) -> Iterator:
@@ -133,31 +141,54 @@ def main() -> None:
     try:
         line = replica.stdout.readline() if replica.stdout else ""
         address = line.rsplit(" ", 1)[-1].strip()
-        publisher = Publisher(args.format, torch.bfloat16, args.format)
         print(f"model: Qwen2-0.5B shapes, {args.layers} layers, format {args.format}, replica at {address}")
         print(
-            f"{'update':10} {'wire MB':>9} {'set MB':>8} {'build s':>8} {'send s':>7} {'ours s':>8} "
+            f"{'update':17} {'wire MB':>9} {'set MB':>8} {'build s':>8} {'send s':>7} {'ours s':>8} "
             f"{'raw wire s':>10} "
             f"{'raw set s':>9} {'raw/ours wire':>13} {'raw set/ours':>12} {'raw set/(ours-build)':>20}"
         )
-        held = -1
-        for version, relative in enumerate((None, 1e-4, 1e-5, 1e-6)):
-            if relative is not None:
-                master = {n: w + relative * w.abs() * torch.randn(w.shape) for n, w in master.items()}
-            weights = {n: w.clone() for n, w in master.items()}
-            build = min(timed_build(weights, args.format) for _ in range(2))
-            start = time.perf_counter()
-            [delivery] = publisher.publish(version, lambda: weights, [Target(address, held)])  # noqa: B023
-            ours = time.perf_counter() - start
-            assert delivery.ok, delivery.error
-            held = version
-            set_bytes = publisher.last[1].nbytes if publisher.last else 0
-            wire, whole = raw_seconds(address, delivery.wire_bytes), raw_seconds(address, set_bytes)
-            label = "keyframe" if relative is None else f"delta {relative:.0e}"
-            sizes = f"{label:10} {delivery.wire_bytes / 1e6:9.2f} {set_bytes / 1e6:8.1f}"
-            times = f"{build:8.3f} {delivery.seconds:7.3f} {ours:8.3f} {wire:10.3f} {whole:9.3f}"
-            print(f"{sizes} {times} {wire / ours:13.3f} {whole / ours:12.3f} {whole / (ours - build):20.3f}")
-        publisher.close()
+        key_file = Path(tempfile.mkdtemp()) / "update.key"
+        key_file.write_text(BENCH_KEY.hex())
+        steps: list[tuple[float | None, dict[str, torch.Tensor]]] = [(None, master)]
+        for step_size in (1e-4, 1e-5, 1e-6):
+            master = {n: w + step_size * w.abs() * torch.randn(w.shape) for n, w in master.items()}
+            steps.append((step_size, master))
+        send_s: dict[tuple[str, str], float] = {}
+        warm_up = Publisher(args.format, torch.bfloat16, args.format)  # first-touch of both processes' memory
+        warm_up.publish(0, lambda: master, [Target(address, -1)])
+        warm_up.close()
+        # Unsigned, then signed (HMAC-SHA256 over every byte, made once by the trainer, checked by the
+        # replica as the chunks arrive): the same updates, so the difference is the MAC's cost.
+        for signing in ("unsigned", "signed"):
+            security = SecurityConfig(update_key_file=key_file) if signing == "signed" else None
+            publisher = Publisher(args.format, torch.bfloat16, args.format, security)
+            held = -1
+            for version, (relative, step_master) in enumerate(steps):
+                weights = {n: w.clone() for n, w in step_master.items()}
+                build = min(timed_build(weights, args.format) for _ in range(2))
+                start = time.perf_counter()
+                [delivery] = publisher.publish(version, lambda: weights, [Target(address, held)])  # noqa: B023
+                ours = time.perf_counter() - start
+                assert delivery.ok, delivery.error
+                held = version
+                set_bytes = publisher.last[1].nbytes if publisher.last else 0
+                wire, whole = raw_seconds(address, delivery.wire_bytes), raw_seconds(address, set_bytes)
+                label = ("keyframe" if relative is None else f"delta {relative:.0e}") + f" {signing[:4]}"
+                send_s[(label.rsplit(" ", 1)[0], signing)] = delivery.seconds
+                sizes = f"{label:17} {delivery.wire_bytes / 1e6:9.2f} {set_bytes / 1e6:8.1f}"
+                times = f"{build:8.3f} {delivery.seconds:7.3f} {ours:8.3f} {wire:10.3f} {whole:9.3f}"
+                print(
+                    f"{sizes} {times} {wire / ours:13.3f} {whole / ours:12.3f} {whole / (ours - build):20.3f}"
+                )
+            publisher.close()
+        print(
+            "send s, signed / unsigned: "
+            + ", ".join(
+                f"{label} {send_s[(label, 'signed')] / send_s[(label, 'unsigned')]:.2f}x"
+                for label, signing in send_s
+                if signing == "unsigned"
+            )
+        )
     finally:
         if replica.stdin:
             replica.stdin.close()
