@@ -476,3 +476,34 @@ def test_certificates_name_their_role_only_and_bundles_leave_the_ca_key(
         exported = {p.name for p in (tmp_path / role).iterdir()}
         assert exported == set(files) and "ca.key" not in exported
         assert all((tmp_path / role / name).stat().st_mode & 0o777 == 0o600 for name in exported)
+
+
+def test_the_http_endpoint_takes_the_same_tokens_over_https(
+    rollout_fp8: InProcessRollout, run_secrets: Path
+) -> None:
+    import ssl
+
+    import httpx
+
+    from rollout_service.openai_api import HttpServer, build_app
+
+    security = security_for(run_secrets, "replica", tls=True)
+    server = HttpServer("127.0.0.1", 0).serve(build_app(rollout_fp8.service, "tiny", security), security)
+    try:
+        trust = ssl.create_default_context(cafile=str(run_secrets / "ca.pem"))
+        url = f"https://127.0.0.1:{server.port}/v1/models"
+        as_replica = {"sni_hostname": "replica"}  # the name its certificate shows, as gRPC clients check
+        reader = token_path(run_secrets, "reader").read_text().strip()
+        with httpx.Client(verify=trust) as client:
+            assert client.get(url, extensions=as_replica).status_code == 401
+            forged = client.get(url, headers={"Authorization": "Bearer forged"}, extensions=as_replica)
+            assert forged.status_code == 401 and forged.json()["error"]["type"] == "authentication_error"
+            ok = client.get(url, headers={"Authorization": f"Bearer {reader}"}, extensions=as_replica)
+            assert ok.status_code == 200 and ok.json()["data"][0]["id"] == "tiny"
+        with (
+            httpx.Client(verify=ssl.create_default_context()) as untrusting,
+            pytest.raises(httpx.ConnectError),
+        ):
+            untrusting.get(url, extensions=as_replica)  # a certificate of the run's own CA, nobody else's
+    finally:
+        server.stop()
