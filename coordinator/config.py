@@ -26,6 +26,7 @@ RESUMABLE_FIELDS = (
     "wandb_project",
     "security",
     "tls",
+    "trainer_procs",
 )
 
 # The demo's learner: TrainerConfig's defaults but for these, tuned for the tiny model. Each knob has this
@@ -122,6 +123,10 @@ class CoordinatorConfig(BaseModel):
     tokens and signed weight updates are always on)."""
     progress: Literal["auto", "rich", "plain"] = "auto"
     """Live display: rich on a terminal, plain lines otherwise."""
+    trainer_procs: int = Field(1, ge=1)
+    """Embedded mode: trainer ranks (torchrun; one per GPU), the model fully sharded (FSDP2) and checkpoints
+    sharded; a run may resume on another number of ranks. 1: one plain process (unless the run's
+    checkpoints are sharded already)."""
     kv_cache_gib: float = Field(1.0, gt=0)
     """Embedded rollout: KV-cache space (GiB)."""
     tensorboard: bool = True

@@ -113,7 +113,7 @@ def supervise(config: CoordinatorConfig, run_id: str, run_dir: Path) -> int:
             try:
                 return drive(config, run_id, run_dir, stack, watched, unrecorded)
             except Exception as exc:
-                dead = [c for c in watched if c.proc.poll() is not None]
+                dead = dying_children(watched) if config.embedded else []
                 if not (config.embedded and dead) or restarts >= config.max_restarts:
                     raise
                 restarts += 1
@@ -125,6 +125,16 @@ def supervise(config: CoordinatorConfig, run_id: str, run_dir: Path) -> int:
                     flush=True,
                 )
         time.sleep(min(2 ** (restarts - 1), 30))
+
+
+def dying_children(watched: list[Any], grace_s: float = 15.0) -> list[Any]:
+    """The children that died; a call that failed because a child is going down often fails before the
+    child has exited (a sharded trainer's rank 0 reports its lost peer, then torchrun ends the group), so
+    wait up to ``grace_s`` for one to go."""
+    deadline = time.monotonic() + grace_s
+    while not (dead := [c for c in watched if c.proc.poll() is not None]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return dead
 
 
 def drive(
@@ -283,6 +293,8 @@ def launch_embedded(
         yaml.safe_dump(embedded_trainer(config, model, dtype, run_dir).model_dump(mode="json"))
     )
     trainer_args = ["serve", "--config", str(trainer_yaml)]
+    if config.trainer_procs > 1 or any((run_dir / "checkpoints").glob("step-*/shards")):
+        trainer_args += ["--nproc-per-node", str(config.trainer_procs)]
     rollout_args = [
         "serve",
         "--model",

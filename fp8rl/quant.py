@@ -24,6 +24,9 @@ Pure torch: nothing here does I/O, so the rollout, the trainer and the tests sha
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from typing import Literal
 
 import torch
@@ -51,9 +54,26 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+_NONFINITE_PASSES: contextvars.ContextVar[bool] = contextvars.ContextVar("nonfinite_passes", default=False)
+
+
+@contextlib.contextmanager
+def nonfinite_passes() -> Iterator[None]:
+    """Within: NaN / inf are quantized to NaN codes rather than refused. A sharded trainer must not raise
+    on one rank while the others wait in a collective; the NaN reaches the global gradient norm instead,
+    which every rank sees alike."""
+    token = _NONFINITE_PASSES.set(True)
+    try:
+        yield
+    finally:
+        _NONFINITE_PASSES.reset(token)
+
+
 def _check_finite(amax: torch.Tensor, what: str) -> None:
     # Checked on the block maxima, which NaN and inf propagate to: a fraction of the cost of checking
     # the input.
+    if _NONFINITE_PASSES.get():
+        return
     if not torch.isfinite(amax).all():
         raise NonFiniteError(f"{what} contains NaN or inf; FP8 quantization needs finite values")
 

@@ -51,22 +51,26 @@ def save(
     tensors: Mapping[str, Mapping[str, torch.Tensor]],
     meta: Mapping[str, Any],
     keep: int | None = None,
+    staged: Path | None = None,
 ) -> Path:
     """Write ``tensors`` (file stem -> named tensors) and ``meta`` as checkpoint ``step``, atomically; then
-    keep only the newest ``keep`` checkpoints. A failed write (a full disk) leaves nothing behind."""
+    keep only the newest ``keep`` checkpoints. A failed write (a full disk) leaves nothing behind.
+    ``staged``: a staging directory (:func:`staging`) other processes already wrote files into (the
+    ranks' shards): it becomes the checkpoint, its files sealed in the manifest with the rest."""
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{step:08d}"
-    tmp = root / f".tmp-{final.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = staged or root / f".tmp-{final.name}-{os.getpid()}"
+    if staged is None:
+        shutil.rmtree(tmp, ignore_errors=True)
     try:
-        tmp.mkdir()
+        tmp.mkdir(exist_ok=staged is not None)
         for stem, named in tensors.items():
             path = tmp / f"{stem}.safetensors"
             save_file({k: v.detach().cpu().contiguous() for k, v in named.items()}, path)
             with open(path, "rb+") as f:
                 os.fsync(f.fileno())
         _fsync_write(tmp / "trainer.json", json.dumps(meta, indent=2, sort_keys=True).encode())
-        files = sorted(p.name for p in tmp.iterdir())
+        files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
         manifest = {n: {"bytes": (tmp / n).stat().st_size, "sha256": _digest(tmp / n)} for n in files}
         _fsync_write(tmp / "manifest.json", json.dumps(manifest, indent=2).encode())
         _fsync_dir(tmp)
@@ -82,6 +86,12 @@ def save(
     if keep is not None:
         prune(root, keep, step)
     return final
+
+
+def staging(root: Path, step: int) -> Path:
+    """Where the ranks of a sharded trainer stage checkpoint ``step`` (one name all ranks know; removed
+    on start-up by :func:`clean_stale` if a save was interrupted)."""
+    return root / f".tmp-{PREFIX}{step:08d}-ranks"
 
 
 def prune(root: Path, keep: int, newest: int) -> list[Path]:

@@ -5,11 +5,17 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from fp8rl.config import add_config_flags, config_from_cli
 from fp8rl.security import refuse_exposure
 from trainer_service.config import TrainerConfig
+
+if TYPE_CHECKING:
+    from trainer_service.distributed import Ranks
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, str]]:
@@ -18,6 +24,13 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, st
     )
     commands = parser.add_subparsers(dest="command", required=True)
     serve_parser = commands.add_parser("serve", help="load the model and serve Trainer on host:port")
+    serve_parser.add_argument(
+        "--nproc-per-node",
+        type=int,
+        help="ranks on this machine (one per GPU): starts them through torchrun, the model fully sharded "
+        "(FSDP2); rank 0 serves (1 also runs sharded, e.g. to resume a sharded checkpoint on one device). "
+        "Several machines: `torchrun --nnodes M ... -m trainer_service.cli serve`.",
+    )
     flags = add_config_flags(serve_parser, TrainerConfig)
     return parser.parse_args(argv), flags
 
@@ -26,19 +39,58 @@ def main(argv: list[str] | None = None) -> None:
     args, flags = parse_args(argv)
     config = config_from_cli(TrainerConfig, "trainer-service", args, flags)
     refuse_exposure("trainer-service", config.security, config.host)
+    if args.nproc_per_node is not None and not launched_by_torchrun():
+        start_ranks(args.nproc_per_node, sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(levelname)s %(message)s")
     if config.checkpoint_dir is None:
         logging.warning(
             "no --checkpoint-dir: nothing is checkpointed, and a restarted trainer takes the run back to "
             "step 0; give it one (with --resume) for a run that survives restarts"
         )
+    if launched_by_torchrun():
+        from trainer_service.distributed import join_group
+
+        ranks = join_group()
+        if not ranks.is_root:
+            follow_root(config, ranks)
+            return
+        serve(config, ranks)
+        return
     serve(config)
+
+
+def start_ranks(nproc: int, argv: list[str]) -> None:
+    """Become torchrun, which starts ``nproc`` ranks of this same command (on a free port, this machine
+    only). They watch torchrun as their parent: it is this process."""
+    from fp8rl.serving import PARENT_ENV
+
+    args = [a for i, a in enumerate(argv) if not _is_nproc_flag(argv, i)]
+    os.environ[PARENT_ENV] = str(os.getpid())  # exec keeps the PID: the ranks' parent is torchrun
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    os.execv(sys.executable, [*torchrun, "-m", "trainer_service.cli", *args])
+
+
+def _is_nproc_flag(argv: list[str], i: int) -> bool:
+    """Whether argv[i] is --nproc-per-node or its value."""
+    flag = "--nproc-per-node"
+    return argv[i] == flag or argv[i].startswith(flag + "=") or (i > 0 and argv[i - 1] == flag)
+
+
+def launched_by_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("WORLD_SIZE" in os.environ and "RANK" in os.environ)
+
+
+def follow_root(config: TrainerConfig, ranks: Ranks) -> None:
+    """A rank > 0: load and shard the model with the others, then run rank 0's commands until it stops."""
+    from trainer_service.service import TrainerService
+
+    TrainerService(config, ranks=ranks).follow()
 
 
 TRAINER_THREADS = 8  # calls wait for one model anyway; 4 of them stay with health and status
 
 
-def serve(config: TrainerConfig) -> None:
+def serve(config: TrainerConfig, ranks: Ranks | None = None) -> None:
     from fp8rl import serving
     from fp8rl.v1 import trainer_pb2_grpc
     from trainer_service.service import TrainerService
@@ -51,11 +103,12 @@ def serve(config: TrainerConfig) -> None:
     )
 
     def load(port: int) -> tuple[str, Callable[[], None]]:
-        service = TrainerService(config)
+        service = TrainerService(config, ranks=ranks)
         servicer.attach(service)
         loaded.append(service)
 
         def close() -> None:
+            service.stop_ranks()
             service.publisher.close()
             if metrics:
                 metrics.stop()

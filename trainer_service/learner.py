@@ -23,6 +23,7 @@ from fp8rl.logprobs import token_logprobs
 from fp8rl.recipes import ImportanceSampling, Recipe
 from fp8rl.sampling import SamplingSettings
 from trainer_service.config import TrainerConfig
+from trainer_service.distributed import Ranks, all_sum, gather_rows
 from trainer_service.fp8_linear import Backend, convert_linears, fp8_context, resolve_backend
 
 T = TypeVar("T")
@@ -92,12 +93,16 @@ def split(n: int, parts: int) -> list[torch.Tensor]:
 
 
 class Learner:
-    def __init__(self, config: TrainerConfig, recipe: Recipe) -> None:
+    def __init__(self, config: TrainerConfig, recipe: Recipe, ranks: Ranks | None = None) -> None:
+        """``ranks``: the group this learner is one rank of (torchrun); its model is then fully sharded,
+        and every rank works on its share of each batch (trainer_service/distributed.py)."""
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(config.seed)
-        self.config, self.recipe = config, recipe
+        self.config, self.recipe, self.ranks = config, recipe, ranks
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if ranks is not None and torch.cuda.is_available():
+            self.device = torch.device("cuda", torch.cuda.current_device())
         model: Any = AutoModelForCausalLM.from_pretrained(config.model, dtype=torch.float32)
         self.model = model.to(self.device)
         self.model.train()
@@ -110,7 +115,11 @@ class Learner:
         self.token_multiple = TE_TOKEN_MULTIPLE if self.backend == "te" else 1
         self.reference = None
         if config.loss.kl_coef > 0:
+            if ranks is not None:
+                raise ValueError("loss.kl_coef > 0 (a reference model) is not supported across ranks yet")
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+        if ranks is not None:
+            shard(self.model)
         opt = config.optimizer
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay
@@ -138,7 +147,10 @@ class Learner:
         self, batch: Batch, sampling: SamplingSettings, model: torch.nn.Module | None = None
     ) -> torch.Tensor:
         """Processed logprobs of ``batch.targets`` [B, L-1] (grad flows when enabled by the caller)."""
-        with self.autocast(), fp8_context(self.backend, self.recipe.scale_format):
+        # Across ranks NaN must not raise on one rank while the others wait in a collective: it flows
+        # into the global gradient norm, which every rank refuses alike.
+        passes = quant.nonfinite_passes() if self.ranks is not None else contextlib.nullcontext()
+        with self.autocast(), fp8_context(self.backend, self.recipe.scale_format), passes:
             logits = (model or self.model)(
                 input_ids=batch.input_ids, attention_mask=batch.attention_mask
             ).logits
@@ -148,9 +160,28 @@ class Learner:
 
     @torch.no_grad()
     def score(self, batch: Batch, sampling: SamplingSettings) -> torch.Tensor:
-        """``logprobs`` without grad, in micro-batches."""
-        rows = torch.arange(len(batch.input_ids)).split(self.config.micro_batch_size)
-        return torch.cat([self.logprobs(batch.rows(i), sampling) for i in rows])
+        """``logprobs`` without grad, in micro-batches; across ranks each scores its share of the rows and
+        every rank gets them all."""
+        rows = torch.arange(len(batch.input_ids))
+        if self.ranks is None:
+            return torch.cat(
+                [self.logprobs(batch.rows(i), sampling) for i in rows.split(self.config.micro_batch_size)]
+            )
+        parts = [self.logprobs(batch.rows(i), sampling) for i in self._micro_batches(rows)]
+        local = torch.cat(parts)[: len(self.ranks.rows(rows))]
+        return gather_rows(local, rows, self.ranks)
+
+    def _micro_batches(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        """This rank's share of ``rows`` in micro-batches, as many on every rank (FSDP's collectives run
+        per forward): a rank short of one repeats its first row (or ``rows[0]``), which the caller
+        discards or weighs zero."""
+        assert self.ranks is not None
+        size = self.config.micro_batch_size
+        count = _ceil_div(_ceil_div(len(rows), self.ranks.world), size)
+        mine = [m for m in self.ranks.rows(rows).split(size) if len(m)]  # (an empty share splits into [])
+        while len(mine) < count:
+            mine.append(rows[:1] if not mine else mine[0][:1])
+        return mine
 
     def learning_rate(self) -> float:
         warmup = self.config.optimizer.warmup_steps
@@ -177,18 +208,25 @@ class Learner:
         try:
             for index, mini in enumerate(split(len(samples), self.config.mini_batches)):
                 self.optimizer.zero_grad(set_to_none=True)
-                normalizer = support[mini].sum().item()
+                normalizer = support[mini].sum().item()  # every rank has the whole batch: the global count
                 if normalizer == 0:  # no token this mini-batch covers: Adam would still move on its moments
                     continue
                 loss_sum = 0.0
-                for micro in mini.split(self.config.micro_batch_size):
+                micros = [(m, True) for m in mini.split(self.config.micro_batch_size)]
+                if self.ranks is not None:  # this rank's share; the gradients are summed over ranks
+                    shares = self._micro_batches(mini)
+                    real = len(self.ranks.rows(mini))
+                    micros = [(m, i * self.config.micro_batch_size < real) for i, m in enumerate(shares)]
+                for micro, counts in micros:
                     rows = batch.rows(micro)
                     cur = self._checked(functools.partial(self.logprobs, rows, sampling), index)
                     terms = grpo.ppo_loss(
                         cur,
                         prev[micro],
                         advantages[micro],
-                        support[micro],
+                        support[micro]
+                        if counts
+                        else torch.zeros_like(support[micro]),  # a stand-in: no weight
                         weights.weights[micro],
                         self.config.loss.clip_eps,
                         normalizer,
@@ -196,10 +234,13 @@ class Learner:
                         self.config.loss.kl_coef,
                     )
                     self._checked(terms.loss.backward, index)
-                    loss_sum += terms.loss.item()
-                    clip_fractions.append(terms.clipped_fraction.item())
+                    if counts:
+                        loss_sum += terms.loss.item()
+                        clip_fractions.append(terms.clipped_fraction.item())
+                if self.ranks is not None:
+                    loss_sum = all_sum(loss_sum)
                 clip = self.config.optimizer.grad_clip
-                norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip).item()
+                norm = _item(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
                 if not math.isfinite(norm):
                     raise NonFiniteGradient(f"the gradient norm of mini-batch {index} is {norm}")
                 norms.append(norm)
@@ -264,8 +305,37 @@ class Learner:
             return self.logprobs(batch, sampling, self.reference)
 
     def master_weights(self) -> dict[str, torch.Tensor]:
-        """float32 master weights under HF names (detached views; copy before mutating)."""
-        return {name: p.detach() for name, p in self.model.named_parameters()}
+        """float32 master weights under HF names (detached views; copy before mutating). Sharded, each is
+        gathered whole, one at a time, on every rank (all ranks must call this together)."""
+        return {name: _whole(p.detach()) for name, p in self.model.named_parameters()}
+
+
+def shard(model: torch.nn.Module) -> None:
+    """FSDP2: each transformer block and the root its own unit; gradients are summed over ranks, not
+    averaged (each rank's loss is already divided by the global token count)."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    for layer in model.model.layers:  # type: ignore[union-attr]
+        fully_shard(layer)
+    fully_shard(model)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no pre-multiplied sum
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _item(t: torch.Tensor) -> float:
+    return float(_whole(t).item())
 
 
 def importance_sampling_config(default: ImportanceSampling, config: TrainerConfig) -> ImportanceSampling:

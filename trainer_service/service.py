@@ -5,12 +5,15 @@ Plain Python over the learner; the gRPC servicer only converts messages and maps
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import math
+import shutil
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,15 +24,17 @@ from fp8rl.config import config_hash
 from fp8rl.errors import InvalidRequest, PermissionDenied, PreconditionFailed
 from fp8rl.prometheus import Sample
 from fp8rl.recipes import get_recipe
-from fp8rl.sampling import sampling_settings
+from fp8rl.sampling import SamplingSettings, sampling_settings
 from fp8rl.security import is_loopback, proof_valid
 from fp8rl.v1 import trainer_pb2
-from trainer_service import checkpoint
+from trainer_service import checkpoint, distributed
 from trainer_service.config import TrainerConfig
+from trainer_service.distributed import Ranks
 from trainer_service.learner import Learner, SampleData
 from trainer_service.publisher import Publisher, Target
 
 log = logging.getLogger(__name__)
+SHARDS = "shards"  # a sharded checkpoint's torch.distributed.checkpoint directory
 KEPT_RESULTS = 64  # replayable TrainStep results (the last ones; also saved with each checkpoint)
 
 
@@ -82,10 +87,14 @@ def parse_samples(
 
 
 class TrainerService:
-    def __init__(self, config: TrainerConfig, learner: Learner | None = None) -> None:
-        self.config = config
+    def __init__(
+        self, config: TrainerConfig, learner: Learner | None = None, ranks: Ranks | None = None
+    ) -> None:
+        """``ranks``: one rank of a sharded trainer (trainer_service/distributed.py). Rank 0 serves: each
+        method checks its request, then announces it to the other ranks, which run the same method on it."""
+        self.config, self.ranks = config, ranks
         self.recipe = get_recipe(config.recipe)
-        self.learner = learner or Learner(config, self.recipe)
+        self.learner = learner or Learner(config, self.recipe, ranks)
         hp_dtype = torch.float32 if config.compute_dtype == "float32" else torch.bfloat16
         self.publisher = Publisher(self.recipe.rollout_weights, hp_dtype, self.recipe.name, config.security)
         self.run_id = ""
@@ -98,7 +107,7 @@ class TrainerService:
         self.save_failures = 0
         self.save_pending = False
         self._lock = threading.Lock()  # one TrainStep / checkpoint at a time
-        if config.checkpoint_dir is not None:
+        if config.checkpoint_dir is not None and (ranks is None or ranks.is_root):
             for path in checkpoint.clean_stale(config.checkpoint_dir):
                 log.warning("removed %s, left by an interrupted checkpoint", path)
         if config.resume:
@@ -107,6 +116,31 @@ class TrainerService:
     @property
     def step(self) -> int:
         return self.learner.step
+
+    @contextlib.contextmanager
+    def _collective(self, kind: str, request: Any = None) -> Iterator[None]:
+        """Around the part of a call that runs collectives: once a request passed its checks, rank 0 has
+        the other ranks run the same method on it (which reach here too, and announce nothing); an
+        unexpected failure then ends the group rather than leave ranks out of step."""
+        if self.ranks is not None and self.ranks.is_root:
+            distributed.announce(kind, request.SerializeToString() if request is not None else b"")
+        with distributed.in_step(self.ranks):
+            yield
+
+    def follow(self) -> None:
+        """Ranks > 0: run rank 0's commands until it stops."""
+        distributed.follow(
+            {
+                "train": lambda b: self.train_step(trainer_pb2.TrainStepRequest.FromString(b)),
+                "logprobs": lambda b: self.compute_logprobs(trainer_pb2.ComputeLogprobsRequest.FromString(b)),
+                "publish": lambda b: self.publish(trainer_pb2.PublishWeightsRequest.FromString(b)),
+                "save": lambda b: self.save_checkpoint(),
+            }
+        )
+
+    def stop_ranks(self) -> None:
+        if self.ranks is not None and self.ranks.is_root and self.ranks.world > 1:
+            distributed.announce("stop", b"")
 
     def check_fence(self, fence: str | None) -> None:
         """Refuse a coordinator whose fencing token is older than one already seen: another coordinator
@@ -147,21 +181,32 @@ class TrainerService:
                 rewards_non_negative=self.config.loss.advantage_norm == "mean",
             )
             sampling = sampling_settings(request.sampling)
-            metrics = self.learner.train(samples, sampling)
-            self.steps_trained += 1
-            self.train_seconds += metrics["train_s"]
-            self.last_metrics = metrics
-            self.run_id = self.run_id or request.run_id
-            response = trainer_pb2.TrainStepResponse(
-                step=request.step,
-                weight_version=self.step,
-                metrics=trainer_pb2.TrainMetrics(**metrics),
-            )
-            self._remember(request.step, response, digest)
-            every = self.config.checkpoint_every if self.config.checkpoint_dir is not None else 0
-            if (every and self.step % every == 0) or self.save_pending:
-                self._save_after_step()
-            return response
+            with self._collective("train", request):
+                return self._train(request, samples, sampling, digest)
+
+    def _train(
+        self,
+        request: trainer_pb2.TrainStepRequest,
+        samples: list[SampleData],
+        sampling: SamplingSettings,
+        digest: str,
+    ) -> trainer_pb2.TrainStepResponse:
+        """The step itself, and a scheduled checkpoint (on every rank)."""
+        metrics = self.learner.train(samples, sampling)
+        self.steps_trained += 1
+        self.train_seconds += metrics["train_s"]
+        self.last_metrics = metrics
+        self.run_id = self.run_id or request.run_id
+        response = trainer_pb2.TrainStepResponse(
+            step=request.step,
+            weight_version=self.step,
+            metrics=trainer_pb2.TrainMetrics(**metrics),
+        )
+        self._remember(request.step, response, digest)
+        every = self.config.checkpoint_every if self.config.checkpoint_dir is not None else 0
+        if (every and self.step % every == 0) or self.save_pending:
+            self._save_after_step()
+        return response
 
     def _save_after_step(self) -> None:
         """A scheduled checkpoint. The step is applied whatever happens here: a failed save (a full disk)
@@ -169,6 +214,8 @@ class TrainerService:
         try:
             self._save()
         except OSError as exc:
+            if self.ranks is not None and self.ranks.world > 1:
+                raise  # a rank's failed write leaves the ranks out of step: the group ends (in_step)
             self.save_failures += 1
             self.save_pending = True
             log.error("checkpoint after step %d failed (%s); retrying after the next step", self.step, exc)
@@ -202,8 +249,8 @@ class TrainerService:
             samples.append(SampleData(prompt, completion, [0.0] * len(completion)))
         sampling = sampling_settings(request.sampling)
         with self._lock:
-            batch = self.learner.collate(samples)
-            logprobs = self.learner.score(batch, sampling).cpu()
+            with self._collective("logprobs", request):
+                logprobs = self.learner.score(self.learner.collate(samples), sampling).cpu()
             version = self.step
         results = []
         for row, s in zip(logprobs, samples, strict=True):
@@ -221,9 +268,16 @@ class TrainerService:
         refused = self.check_targets(request)
         allowed = [t for i, t in enumerate(request.targets) if i not in refused]
         with self._lock:  # the weights must not move while they are quantized
+            master = self.learner.master_weights
+            if self.ranks is not None:  # every rank takes part in gathering each tensor whole
+                with self._collective("publish", request):
+                    gathered = self.learner.master_weights()
+                if not self.ranks.is_root:
+                    return trainer_pb2.PublishWeightsResponse(version=request.version)
+                master = lambda: gathered  # noqa: E731
             deliveries = self.publisher.publish(
                 request.version,
-                self.learner.master_weights,
+                master,
                 [Target(t.address, t.held_version) for t in allowed],
                 epoch=self.fence,
             )
@@ -270,33 +324,70 @@ class TrainerService:
         return f"{field}: {target.address} is not a replica of this run ({why}; not in publish_to)"
 
     def save_checkpoint(self) -> trainer_pb2.SaveCheckpointResponse:
-        with self._lock:
+        if self.config.checkpoint_dir is None:
+            raise PreconditionFailed("no checkpoint_dir configured")
+        with self._lock, self._collective("save"):
             path = self._save()
         return trainer_pb2.SaveCheckpointResponse(path=str(path), step=self.step)
 
     def _save(self) -> Path:
         if self.config.checkpoint_dir is None:
             raise PreconditionFailed("no checkpoint_dir configured")
+        if self.ranks is not None:
+            return self._save_sharded(self.config.checkpoint_dir)
         optimizer_tensors, optimizer_rest = checkpoint.flatten_optimizer(self.learner.optimizer.state_dict())
+        tensors = {"model": self.learner.master_weights(), "optimizer": optimizer_tensors, "rng": self._rng()}
+        path = checkpoint.save(
+            self.config.checkpoint_dir,
+            self.step,
+            tensors,
+            self._meta() | {"optimizer": optimizer_rest},
+            keep=self.config.keep_checkpoints,
+        )
+        log.info("checkpoint %s written", path)
+        return path
+
+    def _save_sharded(self, root: Path) -> Path:
+        """Every rank writes its shards of the weights and optimizer state (torch.distributed.checkpoint)
+        into one staging directory; rank 0 then seals them with the rest and renames it into place."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        assert self.ranks is not None
+        staged = checkpoint.staging(root, self.step)
+        if self.ranks.is_root:
+            shutil.rmtree(staged, ignore_errors=True)
+            staged.mkdir(parents=True)
+        distributed.barrier()
+        model_state, optimizer_state = get_state_dict(self.learner.model, self.learner.optimizer)
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=staged / SHARDS)
+        distributed.barrier()
+        path = root / f"{checkpoint.PREFIX}{self.step:08d}"
+        if self.ranks.is_root:
+            meta = self._meta() | {"ranks": self.ranks.world}
+            path = checkpoint.save(
+                root, self.step, {"rng": self._rng()}, meta, self.config.keep_checkpoints, staged
+            )
+            log.info("checkpoint %s written by %d ranks", path, self.ranks.world)
+        distributed.barrier()
+        return path
+
+    def _rng(self) -> dict[str, torch.Tensor]:
         rng = {"torch": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state()
-        meta = {
+        return rng
+
+    def _meta(self) -> dict[str, Any]:
+        return {
             "step": self.step,
             "run_id": self.run_id,
             "recipe": self.recipe.name,
             "config_hash": config_hash(self.config.model_copy(update={"resume": False})),
-            "optimizer": optimizer_rest,
             "results": {str(k): json_format.MessageToDict(v) for k, v in self.results.items()},
             "request_digests": {str(k): v for k, v in self.request_digests.items()},
             "fence": self.fence,
         }
-        tensors = {"model": self.learner.master_weights(), "optimizer": optimizer_tensors, "rng": rng}
-        path = checkpoint.save(
-            self.config.checkpoint_dir, self.step, tensors, meta, keep=self.config.keep_checkpoints
-        )
-        log.info("checkpoint %s written", path)
-        return path
 
     def restore(self) -> None:
         """Load the latest complete checkpoint of ``checkpoint_dir``, if any."""
@@ -306,12 +397,34 @@ class TrainerService:
             return
         tensors, meta = checkpoint.load(path)
         learner = self.learner
-        with torch.no_grad():
-            for name, p in learner.model.named_parameters():
-                p.copy_(tensors["model"][name])
-        learner.optimizer.load_state_dict(
-            checkpoint.unflatten_optimizer(tensors["optimizer"], meta["optimizer"])
-        )
+        if ("ranks" in meta) != (self.ranks is not None):
+            raise RuntimeError(
+                f"{path} was written by "
+                + (
+                    f"{meta['ranks']} ranks: resume it under torchrun (any number of ranks)"
+                    if "ranks" in meta
+                    else "one process: resume it in one process"
+                )
+            )
+        if self.ranks is not None:  # the shards, resharded to this many ranks
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+            model_state, optimizer_state = get_state_dict(learner.model, learner.optimizer)
+            dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path / SHARDS)
+            set_state_dict(
+                learner.model,
+                learner.optimizer,
+                model_state_dict=model_state,
+                optim_state_dict=optimizer_state,
+            )
+        else:
+            with torch.no_grad():
+                for name, p in learner.model.named_parameters():
+                    p.copy_(tensors["model"][name])
+            learner.optimizer.load_state_dict(
+                checkpoint.unflatten_optimizer(tensors["optimizer"], meta["optimizer"])
+            )
         torch.set_rng_state(tensors["rng"]["torch"])
         if "cuda" in tensors["rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state(tensors["rng"]["cuda"])

@@ -1,0 +1,264 @@
+"""The trainer across ranks (CPU, gloo, the tiny model): two ranks train as one does, and the sharded
+service under torchrun trains, scores, publishes and checkpoints through rank 0's gRPC face; a sharded
+checkpoint resumes on another number of ranks."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fp8rl.recipes import get_recipe
+from fp8rl.sampling import SamplingSettings, sampling_settings
+from fp8rl.serving import start_server
+from fp8rl.v1 import common_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc, weights_pb2
+from fp8rl.weight_stream import receive_update
+from fp8rl.weights import WeightSet, build_weight_set, decode_update
+from tests.support import child_process, free_port, wait_for_line
+from trainer_service.config import TrainerConfig
+from trainer_service.learner import Learner, SampleData
+
+ROOT = Path(__file__).resolve().parent.parent
+LR = 1e-3
+
+
+def _samples(count: int = 7) -> list[SampleData]:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for i in range(count):
+        prompt = torch.randint(4, 100, (int(torch.randint(3, 8, (1,), generator=g)),), generator=g).tolist()
+        completion = torch.randint(
+            4, 100, (int(torch.randint(2, 10, (1,), generator=g)),), generator=g
+        ).tolist()
+        logprobs = (-torch.rand(len(completion), generator=g) * 6).tolist()
+        out.append(SampleData(prompt, completion, logprobs, float(i % 2), f"g{i // 3}"))
+    return out
+
+
+STEP_SAMPLES = _samples()  # 7 samples, micro-batches of 3: uneven shares, a stand-in micro-batch on rank 1
+
+
+def learner_config(model: Path, recipe: str) -> TrainerConfig:
+    # Adam's first step moves each weight by about lr * sign(g): eps well above float rounding keeps
+    # gradients that are zero up to rounding from flipping a weight by 2 lr between the two runs.
+    return TrainerConfig(
+        model=model,
+        recipe=recipe,
+        compute_dtype="float32",
+        port=0,
+        micro_batch_size=3,
+        optimizer={"lr": LR, "eps": 1e-3},
+    )
+
+
+def sampling() -> SamplingSettings:
+    return sampling_settings(common_pb2.SamplingParams())
+
+
+def torchrun(nproc: int, *args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+
+
+@pytest.mark.parametrize(
+    ("recipe", "tolerance", "update_tolerance"),
+    [
+        ("bf16", 1e-5, 1e-5),
+        # FP8's wgrad quantizes 128 consecutive tokens per feature, as TE does: which tokens share a group
+        # follows the micro-batches, which the ranks' shares change (as a new micro_batch_size would).
+        ("fp8", 3e-2, 6e-2),
+    ],
+)
+def test_two_ranks_update_as_one_rank(
+    recipe: str, tolerance: float, update_tolerance: float, tiny_model_dir_f32: Path, tmp_path: Path
+) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        torchrun(2, str(ROOT / "tests" / "rank_worker.py"), str(tiny_model_dir_f32), recipe, str(tmp_path)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    sharded = json.loads((tmp_path / "metrics.json").read_text())
+    learner = Learner(learner_config(tiny_model_dir_f32, recipe), get_recipe(recipe))
+    before = {k: v.clone() for k, v in learner.master_weights().items()}
+    metrics = learner.train(STEP_SAMPLES, sampling())
+    assert sharded["loss"] == pytest.approx(metrics["loss"], rel=1e-5)
+    assert sharded["token_mult_prob_error"] == pytest.approx(metrics["token_mult_prob_error"], rel=1e-6)
+    assert sharded["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=tolerance)
+    after, two_ranks = learner.master_weights(), load_file(tmp_path / "weights.safetensors")
+    # The updates compared as a whole (Adam's per-weight normalisation amplifies a difference of a
+    # weight's tiny gradient, so single weights say little): |update_2 - update_1| / |update_1|.
+    one = torch.cat([(after[k] - before[k]).flatten() for k in sorted(after)]).double()
+    two = torch.cat([(two_ranks[k] - before[k]).flatten() for k in sorted(after)]).double()
+    apart = ((two - one).norm() / one.norm()).item()
+    norms = f"grad_norm {sharded['grad_norm']:.6g} vs {metrics['grad_norm']:.6g}"
+    print(f"{recipe}: {norms}; updates {apart:.2g} apart (relative L2)")
+    assert one.abs().max() > LR / 2 and apart <= update_tolerance
+
+
+# -- the sharded service ---------------------------------------------------------------------------------
+
+
+class KeptUpdates(rollout_pb2_grpc.RolloutServicer):
+    """A stand-in replica that decodes what it is sent and keeps it (the codec's checks, no engine)."""
+
+    def __init__(self) -> None:
+        self.held: WeightSet | None = None
+        self.version = -1
+
+    def UpdateWeights(
+        self, request_iterator: Iterable[weights_pb2.WeightChunk], context: grpc.ServicerContext
+    ) -> weights_pb2.UpdateWeightsResponse:
+        _, blob = receive_update(request_iterator, max_bytes=1 << 30)
+        decoded = decode_update(blob, self.held, self.version if self.held is not None else None)
+        self.held, self.version = decoded.weights, decoded.version
+        return weights_pb2.UpdateWeightsResponse(version=decoded.version, encoding=decoded.encoding)
+
+
+@pytest.fixture
+def kept() -> Iterator[tuple[KeptUpdates, str]]:
+    servicer = KeptUpdates()
+    running = start_server(
+        lambda s: rollout_pb2_grpc.add_RolloutServicer_to_server(servicer, s),
+        ["fp8rl.v1.Rollout"],
+        max_receive_bytes=64 << 20,
+    )
+    running.set_serving()
+    yield servicer, running.address
+    running.stop(0)
+
+
+def sharded_trainer(model: Path, nproc: int, ckpt: Path, log: Path) -> Iterator[tuple[subprocess.Popen, str]]:
+    port = free_port()
+    args = [sys.executable, "-m", "trainer_service.cli", "serve", "--model", str(model), "--recipe", "fp8"]
+    args += ["--compute-dtype", "float32", "--port", str(port), "--nproc-per-node", str(nproc)]
+    args += [
+        "--checkpoint-dir",
+        str(ckpt),
+        "--resume",
+        "--set",
+        "micro_batch_size=3",
+        "--set",
+        "checkpoint_every=0",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with child_process(args, log, env) as proc:
+        wait_for_line(proc, log, "serving on", timeout=300)
+        yield proc, f"127.0.0.1:{port}"
+
+
+def step_request(step: int) -> trainer_pb2.TrainStepRequest:
+    batch = [
+        trainer_pb2.Sample(
+            prompt_token_ids=s.prompt,
+            completion_token_ids=s.completion,
+            gen_logprobs=s.gen_logprobs,
+            reward=s.reward,
+            group_id=s.group,
+        )
+        for s in STEP_SAMPLES
+    ]
+    return trainer_pb2.TrainStepRequest(run_id="sharded", step=step, samples=batch)
+
+
+def publish(stub: trainer_pb2_grpc.TrainerStub, version: int, address: str, held: int) -> None:
+    target = trainer_pb2.PublishTarget(address=address, held_version=held)
+    reply = stub.PublishWeights(
+        trainer_pb2.PublishWeightsRequest(version=version, targets=[target]), timeout=300
+    )
+    assert reply.results[0].ok, reply.results[0].error
+
+
+def test_sharded_service_trains_publishes_and_resumes_on_another_rank_count(
+    tiny_model_dir_f32: Path, tmp_path: Path, kept: tuple[KeptUpdates, str]
+) -> None:
+    replica, address = kept
+    ckpt = tmp_path / "ckpt"
+    with contextlib.contextmanager(sharded_trainer)(tiny_model_dir_f32, 2, ckpt, tmp_path / "two.log") as (
+        _,
+        trainer,
+    ):
+        stub = trainer_pb2_grpc.TrainerStub(grpc.insecure_channel(trainer))
+        # Version 0 from the shards is the checkpoint's own weights, code for code.
+        publish(stub, 0, address, -1)
+        plain = Learner(learner_config(tiny_model_dir_f32, "fp8"), get_recipe("fp8"))
+        assert replica.held is not None
+        assert (
+            replica.held.digest
+            == build_weight_set(plain.master_weights(), "fp8-block128", torch.float32).digest
+        )
+        # Bad input is answered by rank 0 alone; had it reached a collective, the next step would hang.
+        bad = step_request(0)
+        bad.samples[0].completion_token_ids.append(10**9)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.TrainStep(bad, timeout=60)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        first = stub.TrainStep(step_request(0), timeout=300)
+        assert first.weight_version == 1 and first.metrics.loss == first.metrics.loss
+        scored = stub.ComputeLogprobs(
+            trainer_pb2.ComputeLogprobsRequest(
+                sequences=[trainer_pb2.TokenSequence(prompt_token_ids=[5, 6, 7], completion_token_ids=[8, 9])]
+            ),
+            timeout=120,
+        )
+        assert len(scored.results[0].logprobs) == 2 and scored.weight_version == 1
+        publish(stub, 1, address, 0)
+        assert replica.version == 1
+        after_step = replica.held.digest
+        saved = stub.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(), timeout=300)
+        assert saved.step == 1 and list((Path(saved.path) / "shards").glob("*.distcp"))
+    # One rank resumes the two ranks' checkpoint (resharded) and holds exactly the same weights.
+    replica.held, replica.version = None, -1
+    with contextlib.contextmanager(sharded_trainer)(tiny_model_dir_f32, 1, ckpt, tmp_path / "one.log") as (
+        _,
+        trainer,
+    ):
+        stub = trainer_pb2_grpc.TrainerStub(grpc.insecure_channel(trainer))
+        assert stub.GetStatus(common_pb2.GetStatusRequest(), timeout=30).step == 1
+        publish(stub, 1, address, -1)
+        assert replica.held.digest == after_step
+        assert stub.TrainStep(step_request(0), timeout=60).replayed  # the step's result came back with it
+        assert stub.TrainStep(step_request(1), timeout=300).weight_version == 2
+
+
+@pytest.mark.slow
+def test_an_embedded_run_on_two_ranks_survives_a_killed_rank_and_resumes_on_one(
+    tiny_model_dir_f32: Path, tmp_path: Path
+) -> None:
+    from coordinator.metrics import read_metrics
+    from tests.test_coordinator_run import assert_children_gone, start_fp8
+
+    run_dir = tmp_path / "run"
+    log = tmp_path / "coordinator.log"
+    with child_process(
+        start_fp8(tiny_model_dir_f32, 3, "ranks", run_dir, "--trainer-procs", "2"), log
+    ) as proc:
+        wait_for_line(proc, log, r"step 1/3", timeout=600)
+        torchrun = json.loads((run_dir / "run.json").read_text())["children"]["trainer"]
+        ranks = [int(p) for p in Path(f"/proc/{torchrun}/task/{torchrun}/children").read_text().split()]
+        assert len(ranks) == 2
+        os.kill(ranks[-1], signal.SIGKILL)  # one rank, mid-run: torchrun ends the group, the run restarts it
+        assert proc.wait(timeout=900) == 0, log.read_text()[-3000:]
+    out = log.read_text()
+    assert "trainer (exit status" in out and "restarting (1/" in out
+    assert [r["step"] for r in read_metrics(run_dir)] == [0, 1, 2, 3]  # nothing skipped, nothing twice
+    assert list((run_dir / "checkpoints").glob("step-*/shards"))
+    assert_children_gone(run_dir)
+    # The same run, one step more, on one rank: the two ranks' checkpoint is resharded.
+    more = start_fp8(tiny_model_dir_f32, 4, "ranks", run_dir, "--trainer-procs", "1")
+    again = subprocess.run(more, capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(run_dir)] == [0, 1, 2, 3, 4]
+    assert "resumed from" in (run_dir / "logs" / "trainer.log").read_text()

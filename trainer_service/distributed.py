@@ -1,0 +1,138 @@
+"""The trainer across ranks: one process per device under torchrun, the model fully sharded (FSDP2), one
+command stream from rank 0.
+
+Rank 0 serves gRPC. Every call that touches the model is checked there first (bad input never reaches a
+collective), then announced to the other ranks as a command — its kind and the request's bytes — so that
+every rank runs the same method on the same request and so the same collectives in the same order. A rank
+that dies makes the others fail their next collective and exit: torchrun ends the group, and the run
+rewinds to the last checkpoint like any trainer restart.
+
+Here only the group and its messages; the sharded model is the learner's (trainer_service/learner.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from fp8rl.errors import InvalidRequest, PreconditionFailed
+
+log = logging.getLogger(__name__)
+
+COMMANDS = ("train", "logprobs", "publish", "save", "stop")
+
+
+@dataclass(frozen=True)
+class Ranks:
+    rank: int
+    world: int
+
+    @property
+    def is_root(self) -> bool:
+        return self.rank == 0
+
+    def rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """This rank's share of ``rows`` (round robin: shares differ by at most one row)."""
+        return rows[self.rank :: self.world]
+
+
+def join_group() -> Ranks:
+    """Join the process group torchrun set up (nccl on CUDA, gloo on CPU)."""
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend)
+    return Ranks(dist.get_rank(), dist.get_world_size())
+
+
+def _device() -> torch.device:
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
+
+
+def announce(kind: str, payload: bytes) -> None:
+    """Rank 0: tell every rank to run ``kind`` on ``payload`` (a request's bytes)."""
+    header = torch.tensor([COMMANDS.index(kind), len(payload)], dtype=torch.int64, device=_device())
+    dist.broadcast(header, src=0)
+    if payload:
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(_device())
+        dist.broadcast(data, src=0)
+
+
+def next_command() -> tuple[str, bytes]:
+    """Ranks > 0: wait for rank 0's next command."""
+    header = torch.empty(2, dtype=torch.int64, device=_device())
+    dist.broadcast(header, src=0)
+    kind, size = COMMANDS[int(header[0])], int(header[1])
+    if not size:
+        return kind, b""
+    data = torch.empty(size, dtype=torch.uint8, device=_device())
+    dist.broadcast(data, src=0)
+    return kind, data.cpu().numpy().tobytes()
+
+
+def follow(handlers: dict[str, Callable[[bytes], object]]) -> None:
+    """Ranks > 0: run rank 0's commands until it says stop. A domain error (bad input, a refused step) is
+    one rank 0 raised too, at the same point (the same method on the same request): logged, and the rank
+    goes on. Anything else may have left the ranks out of step, so it ends this process (and torchrun the
+    group) rather than leave rank 0 waiting in a collective."""
+    while True:
+        kind, payload = next_command()
+        if kind == "stop":
+            return
+        try:
+            handlers[kind](payload)
+        except (InvalidRequest, PreconditionFailed) as exc:
+            log.warning("command %s failed on rank %d as on rank 0: %s", kind, dist.get_rank(), exc)
+
+
+@contextlib.contextmanager
+def in_step(ranks: Ranks | None) -> Iterator[None]:
+    """Around rank 0's part of a command: an error other than a domain error may have left the ranks out
+    of step, so the process ends and torchrun ends the group (the trainer turns unhealthy and restarts
+    from its checkpoint) rather than serve on with ranks waiting in different collectives."""
+    try:
+        yield
+    except (InvalidRequest, PreconditionFailed):
+        raise
+    except BaseException:
+        if ranks is None or ranks.world == 1:
+            raise
+        log.exception("rank %d failed in a collective step; ending the group", ranks.rank)
+        logging.shutdown()
+        os._exit(1)
+
+
+def gather_rows(local: torch.Tensor, rows: torch.Tensor, ranks: Ranks) -> torch.Tensor:
+    """Every rank scored ``ranks.rows(rows)``; return all of ``rows``' results, in order, on every rank.
+    ``local`` is [len(this rank's rows), ...]; shares differ by at most one row, padded for the gather."""
+    share = -(-len(rows) // ranks.world)
+    padded = local.new_zeros((share, *local.shape[1:]))
+    padded[: len(local)] = local
+    gathered = [torch.empty_like(padded) for _ in range(ranks.world)]
+    dist.all_gather(gathered, padded)
+    out = local.new_empty((len(rows), *local.shape[1:]))
+    for rank, part in enumerate(gathered):
+        mine = len(range(rank, len(rows), ranks.world))
+        out[rank :: ranks.world] = part[:mine]
+    return out
+
+
+def all_sum(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=_device())
+    dist.all_reduce(t)
+    return float(t.item())
+
+
+def barrier() -> None:
+    dist.barrier()
