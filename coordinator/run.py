@@ -293,7 +293,15 @@ def launch_embedded(
         yaml.safe_dump(embedded_trainer(config, model, dtype, run_dir).model_dump(mode="json"))
     )
     trainer_args = ["serve", "--config", str(trainer_yaml)]
-    if config.trainer_procs > 1 or any((run_dir / "checkpoints").glob("step-*/shards")):
+    checkpoints = list((run_dir / "checkpoints").glob("step-*"))
+    if config.trainer_procs > 1 and any(not (c / "shards").is_dir() for c in checkpoints):
+        print(
+            "coordinator: this run's checkpoints were written by one trainer process; resume it with "
+            "--trainer-procs 1 (a sharded trainer resumes sharded checkpoints only)",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
+    if config.trainer_procs > 1 or any((c / "shards").is_dir() for c in checkpoints):
         trainer_args += ["--nproc-per-node", str(config.trainer_procs)]
     rollout_args = [
         "serve",

@@ -69,6 +69,12 @@ def nonfinite_passes() -> Iterator[None]:
         _NONFINITE_PASSES.reset(token)
 
 
+def nonfinite_passing() -> bool:
+    """Whether :func:`nonfinite_passes` is in force here (an autograd backward saves it from its forward:
+    it may run on another thread)."""
+    return _NONFINITE_PASSES.get()
+
+
 def _check_finite(amax: torch.Tensor, what: str) -> None:
     # Checked on the block maxima, which NaN and inf propagate to: a fraction of the cost of checking
     # the input.

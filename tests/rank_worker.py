@@ -24,9 +24,9 @@ def main() -> None:
     ranks = join_group()
     learner = Learner(learner_config(model, recipe), get_recipe(recipe), ranks)
     metrics = learner.train(STEP_SAMPLES, sampling())
-    weights = learner.master_weights()
+    weights = {k: v.contiguous() for k, v in learner.master_weights().items()}  # gathered on every rank
     if ranks.is_root:
-        save_file({k: v.contiguous() for k, v in weights.items()}, out / "weights.safetensors")
+        save_file(weights, out / "weights.safetensors")
         (out / "metrics.json").write_text(
             json.dumps({k: metrics[k] for k in ("loss", "grad_norm", "token_mult_prob_error")})
         )

@@ -77,7 +77,9 @@ def _is_nproc_flag(argv: list[str], i: int) -> bool:
 
 
 def launched_by_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or ("WORLD_SIZE" in os.environ and "RANK" in os.environ)
+    """torchrun's agent sets TORCHELASTIC_RUN_ID for the ranks it starts (RANK / WORLD_SIZE alone may be
+    inherited from a job around the coordinator)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
 
 
 def follow_root(config: TrainerConfig, ranks: Ranks) -> None:

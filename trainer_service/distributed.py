@@ -13,6 +13,7 @@ Here only the group and its messages; the sharded model is the learner's (traine
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import os
 from collections.abc import Callable, Iterator
@@ -42,13 +43,19 @@ class Ranks:
         return rows[self.rank :: self.world]
 
 
+GROUP_TIMEOUT = datetime.timedelta(days=7)
+"""Ranks > 0 wait in a broadcast for rank 0's next command as long as no call comes (a run paused for
+hours, a slow rollout phase): the default timeout (10 or 30 minutes) would end an idle group. A rank
+that dies still ends the others at once (its connections close, torchrun stops the group)."""
+
+
 def join_group() -> Ranks:
     """Join the process group torchrun set up (nccl on CUDA, gloo on CPU)."""
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=GROUP_TIMEOUT)
     return Ranks(dist.get_rank(), dist.get_world_size())
 
 
@@ -67,6 +74,21 @@ def announce(kind: str, payload: bytes) -> None:
     if payload:
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(_device())
         dist.broadcast(data, src=0)
+
+
+def broadcast_text(text: str | None) -> str:
+    """Rank 0's ``text`` on every rank (the others pass None)."""
+    payload = (text or "").encode()
+    size = torch.tensor([len(payload)], dtype=torch.int64, device=_device())
+    dist.broadcast(size, src=0)
+    if not int(size):
+        return ""
+    if text is not None:
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(_device())
+    else:
+        data = torch.empty(int(size), dtype=torch.uint8, device=_device())
+    dist.broadcast(data, src=0)
+    return data.cpu().numpy().tobytes().decode()
 
 
 def next_command() -> tuple[str, bytes]:

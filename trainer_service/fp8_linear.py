@@ -54,6 +54,7 @@ class _FP8LinearFunction(torch.autograd.Function):
             )
         ctx.save_for_backward(x_columnwise.to(compute), wq)
         ctx.has_bias, ctx.scale_format = bias is not None, scale_format
+        ctx.nonfinite_passes = quant.nonfinite_passing()  # the backward may run on another thread
         return F.linear(xq, wq, None if bias is None else bias.to(compute))
 
     @staticmethod
@@ -62,6 +63,15 @@ class _FP8LinearFunction(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, None]:
         x_columnwise, wq = ctx.saved_tensors
         fmt = ctx.scale_format
+        if ctx.nonfinite_passes:
+            with quant.nonfinite_passes():
+                return _FP8LinearFunction._backward(ctx, dy, x_columnwise, wq, fmt)
+        return _FP8LinearFunction._backward(ctx, dy, x_columnwise, wq, fmt)
+
+    @staticmethod
+    def _backward(
+        ctx: Any, dy: torch.Tensor, x_columnwise: torch.Tensor, wq: torch.Tensor, fmt: ScaleFormat
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, None]:
         # The straight-through estimator for the fake quantizers; dY quantized per GEMM, as TE does.
         dy32 = dy.float()
         dx = quant.fake_quantize_activation(dy32, scale_format=fmt).to(wq.dtype) @ wq

@@ -11,7 +11,7 @@ import copy
 import functools
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -211,7 +211,7 @@ class Learner:
                 normalizer = support[mini].sum().item()  # every rank has the whole batch: the global count
                 if normalizer == 0:  # no token this mini-batch covers: Adam would still move on its moments
                     continue
-                loss_sum = 0.0
+                loss_sum, fractions = 0.0, []
                 micros = [(m, True) for m in mini.split(self.config.micro_batch_size)]
                 if self.ranks is not None:  # this rank's share; the gradients are summed over ranks
                     shares = self._micro_batches(mini)
@@ -236,9 +236,12 @@ class Learner:
                     self._checked(terms.loss.backward, index)
                     if counts:
                         loss_sum += terms.loss.item()
-                        clip_fractions.append(terms.clipped_fraction.item())
+                        fractions.append(terms.clipped_fraction.item())
                 if self.ranks is not None:
                     loss_sum = all_sum(loss_sum)
+                    clipped, counted = all_sum(sum(fractions)), all_sum(len(fractions))
+                    fractions = [clipped / counted] * int(counted)  # every rank's micro-batches
+                clip_fractions += fractions
                 clip = self.config.optimizer.grad_clip
                 norm = _item(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
                 if not math.isfinite(norm):
@@ -304,10 +307,29 @@ class Learner:
         with torch.no_grad():
             return self.logprobs(batch, sampling, self.reference)
 
-    def master_weights(self) -> dict[str, torch.Tensor]:
-        """float32 master weights under HF names (detached views; copy before mutating). Sharded, each is
-        gathered whole, one at a time, on every rank (all ranks must call this together)."""
-        return {name: _whole(p.detach()) for name, p in self.model.named_parameters()}
+    def master_weights(self) -> Mapping[str, torch.Tensor]:
+        """float32 master weights under HF names (detached views; copy before mutating). Sharded, a view
+        that gathers each whole as it is read, one at a time, on every rank: all ranks must read the same
+        tensors in the same order (build_weight_set and the checkpoint read each once, in order)."""
+        if self.ranks is None:
+            return {name: p.detach() for name, p in self.model.named_parameters()}
+        return Gathered(dict(self.model.named_parameters()))
+
+
+class Gathered(Mapping[str, torch.Tensor]):
+    """Sharded parameters under their names; reading one gathers it whole (a collective)."""
+
+    def __init__(self, params: dict[str, torch.Tensor]) -> None:
+        self.params = params
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return _whole(self.params[name].detach())
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.params)
+
+    def __len__(self) -> int:
+        return len(self.params)
 
 
 def shard(model: torch.nn.Module) -> None:

@@ -69,18 +69,33 @@ class Publisher:
         master: Callable[[], Mapping[str, torch.Tensor]],
         targets: Sequence[Target],
         epoch: int = 0,
+        built: WeightSet | None = None,
     ) -> list[Delivery]:
-        """Bring every target to ``version``; ``master`` gives the weights (called once, if at all).
-        ``epoch``: the fencing token of the coordinator asking (signed into each update)."""
+        """Bring every target to ``version``; ``master`` gives the weights (called once, if at all), unless
+        ``built`` is their set already. ``epoch``: the fencing token of the coordinator asking (signed
+        into each update)."""
         with self._publish_lock:
             base = self.last
             same = base is not None and base[0] == version
-            weights = base[1] if same else build_weight_set(master(), self.weight_format, self.hp_dtype)  # type: ignore[index]
+            if same:
+                weights = base[1]  # type: ignore[index]
+            else:
+                weights = built or build_weight_set(master(), self.weight_format, self.hp_dtype)
             updates = _Updates(weights, version, base, self.recipe, epoch, self.update_key)
             with ThreadPoolExecutor(max_workers=max(1, len(targets))) as pool:
                 deliveries = list(pool.map(lambda t: self._deliver(t, updates), targets))
             self.last = (version, weights)
             return deliveries
+
+    def build(self, master: Mapping[str, torch.Tensor], keep: bool = True) -> WeightSet | None:
+        """The rollout's set of ``master`` (read one tensor at a time: a sharded learner gathers each
+        whole as it is read); ``keep=False`` reads them and keeps nothing (the ranks that only help to
+        gather)."""
+        if not keep:
+            for _ in master.values():
+                pass
+            return None
+        return build_weight_set(master, self.weight_format, self.hp_dtype)
 
     def _deliver(self, target: Target, updates: _Updates) -> Delivery:
         start = time.perf_counter()

@@ -139,8 +139,18 @@ class TrainerService:
         )
 
     def stop_ranks(self) -> None:
-        if self.ranks is not None and self.ranks.is_root and self.ranks.world > 1:
-            distributed.announce("stop", b"")
+        """Rank 0, shutting down: the other ranks stop after any command in flight (a call still running
+        holds the lock; past the wait, torchrun ends them with this process)."""
+        if (
+            self.ranks is not None
+            and self.ranks.is_root
+            and self.ranks.world > 1
+            and self._lock.acquire(timeout=10)
+        ):
+            try:
+                distributed.announce("stop", b"")
+            finally:
+                self._lock.release()
 
     def check_fence(self, fence: str | None) -> None:
         """Refuse a coordinator whose fencing token is older than one already seen: another coordinator
@@ -268,18 +278,22 @@ class TrainerService:
         refused = self.check_targets(request)
         allowed = [t for i, t in enumerate(request.targets) if i not in refused]
         with self._lock:  # the weights must not move while they are quantized
-            master = self.learner.master_weights
+            if request.version != self.step:  # again: a TrainStep may have finished meanwhile
+                raise PreconditionFailed(
+                    f"trainer holds version {self.step}, cannot publish version {request.version}"
+                )
+            built = None
             if self.ranks is not None:  # every rank takes part in gathering each tensor whole
                 with self._collective("publish", request):
-                    gathered = self.learner.master_weights()
+                    built = self.publisher.build(self.learner.master_weights(), keep=self.ranks.is_root)
                 if not self.ranks.is_root:
                     return trainer_pb2.PublishWeightsResponse(version=request.version)
-                master = lambda: gathered  # noqa: E731
             deliveries = self.publisher.publish(
                 request.version,
-                master,
+                self.learner.master_weights,
                 [Target(t.address, t.held_version) for t in allowed],
                 epoch=self.fence,
+                built=built,
             )
         delivered = iter(trainer_pb2.PublishResult(**vars(d)) for d in deliveries)
         results = [
@@ -351,7 +365,6 @@ class TrainerService:
         """Every rank writes its shards of the weights and optimizer state (torch.distributed.checkpoint)
         into one staging directory; rank 0 then seals them with the rest and renames it into place."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
 
         assert self.ranks is not None
         staged = checkpoint.staging(root, self.step)
@@ -359,18 +372,30 @@ class TrainerService:
             shutil.rmtree(staged, ignore_errors=True)
             staged.mkdir(parents=True)
         distributed.barrier()
-        model_state, optimizer_state = get_state_dict(self.learner.model, self.learner.optimizer)
-        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=staged / SHARDS)
+        # Before the first step AdamW has no state yet: the shards are the weights alone (asking for the
+        # optimizer's state dict would make it up with a step of lr 0, which advances AdamW's count).
+        with_optimizer = bool(self.learner.optimizer.state)
+        dcp.save(self._sharded_state(with_optimizer), checkpoint_id=staged / SHARDS)
         distributed.barrier()
         path = root / f"{checkpoint.PREFIX}{self.step:08d}"
         if self.ranks.is_root:
-            meta = self._meta() | {"ranks": self.ranks.world}
+            meta = self._meta() | {"ranks": self.ranks.world, "optimizer_saved": with_optimizer}
             path = checkpoint.save(
                 root, self.step, {"rng": self._rng()}, meta, self.config.keep_checkpoints, staged
             )
             log.info("checkpoint %s written by %d ranks", path, self.ranks.world)
         distributed.barrier()
         return path
+
+    def _sharded_state(self, with_optimizer: bool) -> dict[str, Any]:
+        """The ranks' shards of the weights (and AdamW state): what torch.distributed.checkpoint writes and
+        loads in place."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        state: dict[str, Any] = {"model": get_model_state_dict(self.learner.model)}
+        if with_optimizer:
+            state["optimizer"] = get_optimizer_state_dict(self.learner.model, self.learner.optimizer)
+        return state
 
     def _rng(self) -> dict[str, torch.Tensor]:
         rng = {"torch": torch.get_rng_state()}
@@ -391,7 +416,13 @@ class TrainerService:
 
     def restore(self) -> None:
         """Load the latest complete checkpoint of ``checkpoint_dir``, if any."""
-        path = checkpoint.latest(self.config.checkpoint_dir) if self.config.checkpoint_dir else None
+        chooses = self.ranks is None or self.ranks.is_root
+        path = (
+            checkpoint.latest(self.config.checkpoint_dir) if self.config.checkpoint_dir and chooses else None
+        )
+        if self.ranks is not None:  # rank 0's choice for all (every rank must load the same one)
+            chosen = distributed.broadcast_text(str(path or "") if self.ranks.is_root else None)
+            path = Path(chosen) if chosen else None
         if path is None:
             log.info("no checkpoint to resume from; starting at step 0")
             return
@@ -408,16 +439,13 @@ class TrainerService:
             )
         if self.ranks is not None:  # the shards, resharded to this many ranks
             import torch.distributed.checkpoint as dcp
-            from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+            from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-            model_state, optimizer_state = get_state_dict(learner.model, learner.optimizer)
-            dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path / SHARDS)
-            set_state_dict(
-                learner.model,
-                learner.optimizer,
-                model_state_dict=model_state,
-                optim_state_dict=optimizer_state,
-            )
+            state = self._sharded_state(with_optimizer=meta.get("optimizer_saved", True))
+            dcp.load(state, checkpoint_id=path / SHARDS)
+            set_model_state_dict(learner.model, state["model"])
+            if "optimizer" in state:
+                set_optimizer_state_dict(learner.model, learner.optimizer, state["optimizer"])
         else:
             with torch.no_grad():
                 for name, p in learner.model.named_parameters():
