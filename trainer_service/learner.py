@@ -171,6 +171,16 @@ class Learner:
         local = torch.cat(parts)[: len(self.ranks.rows(rows))]
         return gather_rows(local, rows, self.ranks)
 
+    def _micro_share(self, micros: list[tuple[torch.Tensor, bool]]) -> list[tuple[torch.Tensor, bool]]:
+        """This rank's micro-batches of a mini-batch: whole micro-batches, round robin, so each is exactly
+        one rank's would be (FP8's wgrad quantizes 128 consecutive tokens per feature: the same rows give
+        the same groups), as many on every rank (FSDP's collectives run per forward and backward); a rank
+        short of one takes a stand-in (one row, weighed zero). The gradients are summed over ranks."""
+        assert self.ranks is not None
+        mine = micros[self.ranks.rank :: self.ranks.world]
+        count = _ceil_div(len(micros), self.ranks.world)
+        return mine + [(micros[0][0][:1], False)] * (count - len(mine))
+
     def _micro_batches(self, rows: torch.Tensor) -> list[torch.Tensor]:
         """This rank's share of ``rows`` in micro-batches, as many on every rank (FSDP's collectives run
         per forward): a rank short of one repeats its first row (or ``rows[0]``), which the caller
@@ -213,10 +223,8 @@ class Learner:
                     continue
                 loss_sum, fractions = 0.0, []
                 micros = [(m, True) for m in mini.split(self.config.micro_batch_size)]
-                if self.ranks is not None:  # this rank's share; the gradients are summed over ranks
-                    shares = self._micro_batches(mini)
-                    real = len(self.ranks.rows(mini))
-                    micros = [(m, i * self.config.micro_batch_size < real) for i, m in enumerate(shares)]
+                if self.ranks is not None:
+                    micros = self._micro_share(micros)
                 for micro, counts in micros:
                     rows = batch.rows(micro)
                     cur = self._checked(functools.partial(self.logprobs, rows, sampling), index)
