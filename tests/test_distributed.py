@@ -217,6 +217,20 @@ def test_sharded_service_trains_publishes_and_resumes_on_another_rank_count(
         after_step = replica.held.digest
         saved = stub.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(), timeout=300)
         assert saved.step == 1 and list((Path(saved.path) / "shards").glob("*.distcp"))
+        stub.TrainStep(step_request(1), timeout=300)
+        publish(stub, 2, address, 1)
+        two_steps = replica.held.digest
+    # Two ranks again, from the checkpoint: weights and AdamW state back bit for bit, so the next step
+    # lands on the same bytes.
+    replica.held, replica.version = None, -1
+    with contextlib.contextmanager(sharded_trainer)(tiny_model_dir_f32, 2, ckpt, tmp_path / "again.log") as (
+        _,
+        trainer,
+    ):
+        stub = trainer_pb2_grpc.TrainerStub(grpc.insecure_channel(trainer))
+        assert stub.TrainStep(step_request(1), timeout=300).weight_version == 2
+        publish(stub, 2, address, -1)
+        assert replica.held.digest == two_steps
     # One rank resumes the two ranks' checkpoint (resharded) and holds exactly the same weights.
     replica.held, replica.version = None, -1
     with contextlib.contextmanager(sharded_trainer)(tiny_model_dir_f32, 1, ckpt, tmp_path / "one.log") as (
