@@ -25,6 +25,7 @@ from fp8rl.v1 import common_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from fp8rl.weight_stream import receive_update
 from fp8rl.weights import WeightSet, build_weight_set, decode_update
 from tests.support import child_process, free_port, wait_for_line
+from tests.test_trainer import samples
 from trainer_service.config import TrainerConfig
 from trainer_service.learner import Learner, SampleData
 
@@ -32,20 +33,14 @@ ROOT = Path(__file__).resolve().parent.parent
 LR = 1e-3
 
 
-def _samples(count: int = 7) -> list[SampleData]:
-    g = torch.Generator().manual_seed(1)
-    out = []
-    for i in range(count):
-        prompt = torch.randint(4, 100, (int(torch.randint(3, 8, (1,), generator=g)),), generator=g).tolist()
-        completion = torch.randint(
-            4, 100, (int(torch.randint(2, 10, (1,), generator=g)),), generator=g
-        ).tolist()
-        logprobs = (-torch.rand(len(completion), generator=g) * 6).tolist()
-        out.append(SampleData(prompt, completion, logprobs, float(i % 2), f"g{i // 3}"))
-    return out
-
-
-STEP_SAMPLES = _samples()  # 7 samples, micro-batches of 3: rank 0 gets two, rank 1 one and a stand-in
+# 7 samples, micro-batches of 3: rank 0 gets two micro-batches, rank 1 one and a stand-in.
+STEP_MESSAGES = samples(1, count=7)
+STEP_SAMPLES = [
+    SampleData(
+        list(m.prompt_token_ids), list(m.completion_token_ids), list(m.gen_logprobs), m.reward, m.group_id
+    )
+    for m in STEP_MESSAGES
+]
 
 
 def learner_config(model: Path, recipe: str) -> TrainerConfig:
@@ -158,17 +153,7 @@ def sharded_trainer(model: Path, nproc: int, ckpt: Path, log: Path) -> Iterator[
 
 
 def step_request(step: int) -> trainer_pb2.TrainStepRequest:
-    batch = [
-        trainer_pb2.Sample(
-            prompt_token_ids=s.prompt,
-            completion_token_ids=s.completion,
-            gen_logprobs=s.gen_logprobs,
-            reward=s.reward,
-            group_id=s.group,
-        )
-        for s in STEP_SAMPLES
-    ]
-    return trainer_pb2.TrainStepRequest(run_id="sharded", step=step, samples=batch)
+    return trainer_pb2.TrainStepRequest(run_id="sharded", step=step, samples=STEP_MESSAGES)
 
 
 def publish(stub: trainer_pb2_grpc.TrainerStub, version: int, address: str, held: int) -> None:
