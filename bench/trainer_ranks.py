@@ -31,19 +31,11 @@ sys.path.insert(0, str(ROOT))
 def write_model(out: Path) -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from fp8rl.tiny import build_tokenizer
+    from fp8rl.tiny import ARCHITECTURE, build_tokenizer
 
     torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=4096,
-        hidden_size=512,
-        intermediate_size=1536,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-    )
+    bigger = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8, "num_attention_heads": 8}
+    config = Qwen2Config(**(ARCHITECTURE | bigger), vocab_size=4096)  # the tiny model's shape, grown
     Qwen2ForCausalLM(config).save_pretrained(out)
     build_tokenizer().save_pretrained(out)
 

@@ -26,7 +26,8 @@ from fp8rl.credentials import (
     redis_url_with_password,
     write_private,
 )
-from fp8rl.run_secrets import security_for, write_run_secrets
+from fp8rl.run_secrets import security_for
+from fp8rl.security import SecurityConfig
 from trainer_service.config import TrainerConfig
 
 
@@ -157,8 +158,9 @@ def drive(
     task = build_task(config)
     children: dict[str, int] = {}
     if config.embedded:
-        redis_url, trainer_address, rollouts = launch_embedded(config, run_dir, stack, children, watched)
-        security = security_for(secrets_dir(run_dir), "coordinator", config.tls)
+        redis_url, trainer_address, rollouts, security = launch_embedded(
+            config, run_dir, stack, children, watched
+        )
     else:
         redis_url, trainer_address = str(config.redis_url), str(config.trainer)
         rollouts = list(config.rollout)
@@ -259,9 +261,9 @@ def launch_embedded(
     stack: ExitStack,
     children: dict[str, int],
     watched: list[Any] | None = None,
-) -> tuple[str, str, list[str]]:
+) -> tuple[str, str, list[str], SecurityConfig]:
     """Start redis-server, the trainer and one rollout replica; ``children`` gets their PIDs, ``watched``
-    their processes."""
+    their processes. Returns the Redis URL, the services' addresses and the coordinator's identity."""
     from coordinator.processes import Child, python_module, start_redis, wait_healthy
     from fp8rl.serving import PARENT_ENV
 
@@ -285,9 +287,9 @@ def launch_embedded(
     redis_url, children["redis-server"] = start_redis(
         stack, run_dir / "redis", logs / "redis.log", watch=watched, password=password_file.read_text()
     )
-    # Tokens and the update key always, a CA with certificates with --tls: other local users can reach
-    # loopback ports too.
-    write_run_secrets(secrets_dir(run_dir), tls=config.tls)
+    # The run's secrets (written here, first): tokens and the update key always, a CA with certificates
+    # with --tls; other local users can reach loopback ports too.
+    me = security_for(secrets_dir(run_dir), "coordinator", config.tls)
     trainer_yaml = run_dir / "trainer.yaml"  # the embedded trainer's whole TrainerConfig, validated here
     trainer_yaml.write_text(
         yaml.safe_dump(embedded_trainer(config, model, dtype, run_dir).model_dump(mode="json"))
@@ -326,7 +328,6 @@ def launch_embedded(
     if watched is not None:
         watched += [trainer, rollout]
     trainer_address, rollout_address = trainer.bound_address(), rollout.bound_address()
-    me = security_for(secrets_dir(run_dir), "coordinator", config.tls)
     wait_healthy(trainer, trainer_address, "trainer", me)
     wait_healthy(rollout, rollout_address, "rollout", me)
-    return redis_url, trainer_address, [rollout_address]
+    return redis_url, trainer_address, [rollout_address], me

@@ -182,6 +182,16 @@ def token_digest(token: str) -> str:
     return hashlib.sha256(token.strip().encode()).hexdigest()
 
 
+def bearer_role(authorization: str, tokens: dict[str, str]) -> str | None:
+    """The role whose token an ``authorization: Bearer <token>`` value carries (``tokens``: sha256 hex ->
+    role, :func:`read_tokens`); None for anything else. Compared in constant time."""
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        return None
+    digest = token_digest(token)
+    return next((r for d, r in tokens.items() if hmac.compare_digest(d, digest)), None)
+
+
 def read_tokens(path: Path) -> dict[str, str]:
     """sha256 hex -> role, from a tokens file."""
     accepted: dict[str, str] = {}
@@ -219,12 +229,7 @@ class AccessControl(grpc.ServerInterceptor):
         self.tokens = read_tokens(security.tokens_file) if security.tokens_file else {}
 
     def token_role(self, metadata: Sequence[tuple[str, Any]]) -> str | None:
-        presented = next((str(v) for k, v in metadata if k == TOKEN_METADATA), "")
-        scheme, _, token = presented.partition(" ")
-        if scheme.lower() != "bearer" or not token:
-            return None
-        digest = token_digest(token)
-        return next((r for d, r in self.tokens.items() if hmac.compare_digest(d, digest)), None)
+        return bearer_role(next((str(v) for k, v in metadata if k == TOKEN_METADATA), ""), self.tokens)
 
     @staticmethod
     def certificate_role(context: grpc.ServicerContext) -> str | None:
@@ -273,53 +278,43 @@ def _code(refused: Exception) -> grpc.StatusCode:
     return grpc.StatusCode.PERMISSION_DENIED
 
 
+# A method handler's kind (request streaming, response streaming) -> its behaviour attribute and factory.
+_HANDLER_KINDS: dict[tuple[bool, bool], tuple[str, Callable[..., grpc.RpcMethodHandler]]] = {
+    (False, False): ("unary_unary", grpc.unary_unary_rpc_method_handler),
+    (False, True): ("unary_stream", grpc.unary_stream_rpc_method_handler),
+    (True, False): ("stream_unary", grpc.stream_unary_rpc_method_handler),
+    (True, True): ("stream_stream", grpc.stream_stream_rpc_method_handler),
+}
+
+
 def _refuse(handler: Any, refused: Exception) -> grpc.RpcMethodHandler:
     """A handler of ``handler``'s kind that aborts at once, leaving the request bytes unparsed."""
 
     def abort(request: Any, context: grpc.ServicerContext) -> Any:
         context.abort(_code(refused), str(refused))
 
-    make = {
-        (False, False): grpc.unary_unary_rpc_method_handler,
-        (False, True): grpc.unary_stream_rpc_method_handler,
-        (True, False): grpc.stream_unary_rpc_method_handler,
-        (True, True): grpc.stream_stream_rpc_method_handler,
-    }[(handler.request_streaming, handler.response_streaming)]
+    _, make = _HANDLER_KINDS[(handler.request_streaming, handler.response_streaming)]
     return make(abort, request_deserializer=None, response_serializer=handler.response_serializer)
 
 
 def _guarded(handler: Any, check: Callable[[grpc.ServicerContext], None]) -> grpc.RpcMethodHandler:
     """``handler`` with ``check(context)`` run before its behaviour (and so before any request is read)."""
-    kinds = (
-        ("unary_unary", grpc.unary_unary_rpc_method_handler),
-        ("unary_stream", grpc.unary_stream_rpc_method_handler),
-        ("stream_unary", grpc.stream_unary_rpc_method_handler),
-        ("stream_stream", grpc.stream_stream_rpc_method_handler),
+    attr, make = _HANDLER_KINDS[(handler.request_streaming, handler.response_streaming)]
+    behaviour = getattr(handler, attr)
+
+    def unary(request: Any, context: grpc.ServicerContext) -> Any:
+        check(context)
+        return behaviour(request, context)
+
+    def streaming(request: Any, context: grpc.ServicerContext) -> Any:
+        check(context)
+        yield from behaviour(request, context)
+
+    return make(
+        streaming if handler.response_streaming else unary,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
     )
-    for attr, make in kinds:
-        behaviour = getattr(handler, attr)
-        if behaviour is None:
-            continue
-        if handler.response_streaming:
-
-            def streaming(request: Any, context: grpc.ServicerContext, behaviour: Any = behaviour) -> Any:
-                check(context)
-                yield from behaviour(request, context)
-
-            wrapped = streaming
-        else:
-
-            def unary(request: Any, context: grpc.ServicerContext, behaviour: Any = behaviour) -> Any:
-                check(context)
-                return behaviour(request, context)
-
-            wrapped = unary
-        return make(
-            wrapped,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
-    raise AssertionError("a method handler without behaviour")
 
 
 # -- the client side ------------------------------------------------------------------------------------

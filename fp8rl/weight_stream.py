@@ -54,9 +54,9 @@ def receive_update(
     if first is None or first.WhichOneof("part") != "header":
         raise CorruptUpdateError("a weight stream must start with its header")
     header = first.header
-    if key is not None and not header.mac:
-        verify_update(UpdateMac(key, header), "")  # refused before a byte of data is read
     mac = UpdateMac(key, header) if key is not None else None
+    if mac is not None and not header.mac:
+        verify_update(mac, "")  # refused before a byte of data is read
     assembler = Reassembler(header.total_bytes, header.digest, max_bytes)
     for chunk in stream:
         if chunk.WhichOneof("part") != "data":

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import itertools
 import json
 import re
@@ -34,7 +33,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import TypeAdapter, ValidationError
 
 from fp8rl.errors import Cancelled, InvalidRequest
-from fp8rl.security import SecurityConfig, read_tokens, token_digest
+from fp8rl.security import SecurityConfig, bearer_role, read_tokens
 from fp8rl.serving import STATUS_OF, status_of
 from fp8rl.v1 import common_pb2, rollout_pb2
 from rollout_service.service import Generation, RolloutService
@@ -454,9 +453,7 @@ def build_app(service: RolloutService, model_name: str, security: SecurityConfig
 
         @app.middleware("http")
         async def authenticate(request: Request, call_next: Any) -> Response:
-            scheme, _, token = request.headers.get("authorization", "").partition(" ")
-            digest = token_digest(token) if scheme.lower() == "bearer" and token else ""
-            if not any(hmac.compare_digest(digest, known) for known in accepted):
+            if bearer_role(request.headers.get("authorization", ""), accepted) is None:
                 body = {
                     "error": {
                         "message": "send Authorization: Bearer <token>",

@@ -38,10 +38,6 @@ class Ranks:
     def is_root(self) -> bool:
         return self.rank == 0
 
-    def rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """This rank's share of ``rows`` (round robin: shares differ by at most one row)."""
-        return rows[self.rank :: self.world]
-
 
 GROUP_TIMEOUT = datetime.timedelta(days=7)
 """Ranks > 0 wait in a broadcast for rank 0's next command as long as no call comes (a run paused for
@@ -135,18 +131,17 @@ def in_step(ranks: Ranks | None) -> Iterator[None]:
         os._exit(1)
 
 
-def gather_rows(local: torch.Tensor, rows: torch.Tensor, ranks: Ranks) -> torch.Tensor:
-    """Every rank scored ``ranks.rows(rows)``; return all of ``rows``' results, in order, on every rank.
-    ``local`` is [len(this rank's rows), ...]; shares differ by at most one row, padded for the gather."""
-    share = -(-len(rows) // ranks.world)
+def gather_rows(local: torch.Tensor, owners: list[torch.Tensor], ranks: Ranks) -> torch.Tensor:
+    """Rank r computed the rows ``owners[r]`` (``local`` is this rank's, in that order); return every row,
+    in order, on every rank. Shares may differ in size: they are padded for the gather."""
+    share = max(len(rows) for rows in owners)
     padded = local.new_zeros((share, *local.shape[1:]))
     padded[: len(local)] = local
     gathered = [torch.empty_like(padded) for _ in range(ranks.world)]
     dist.all_gather(gathered, padded)
-    out = local.new_empty((len(rows), *local.shape[1:]))
-    for rank, part in enumerate(gathered):
-        mine = len(range(rank, len(rows), ranks.world))
-        out[rank :: ranks.world] = part[:mine]
+    out = local.new_empty((sum(len(rows) for rows in owners), *local.shape[1:]))
+    for rows, part in zip(owners, gathered, strict=True):
+        out[rows] = part[: len(rows)]
     return out
 
 

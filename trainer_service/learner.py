@@ -160,38 +160,26 @@ class Learner:
 
     @torch.no_grad()
     def score(self, batch: Batch, sampling: SamplingSettings) -> torch.Tensor:
-        """``logprobs`` without grad, in micro-batches; across ranks each scores its share of the rows and
+        """``logprobs`` without grad, in micro-batches; across ranks each scores its share of them and
         every rank gets them all."""
-        rows = torch.arange(len(batch.input_ids))
+        micros = list(torch.arange(len(batch.input_ids)).split(self.config.micro_batch_size))
         if self.ranks is None:
-            return torch.cat(
-                [self.logprobs(batch.rows(i), sampling) for i in rows.split(self.config.micro_batch_size)]
-            )
-        parts = [self.logprobs(batch.rows(i), sampling) for i in self._micro_batches(rows)]
-        local = torch.cat(parts)[: len(self.ranks.rows(rows))]
-        return gather_rows(local, rows, self.ranks)
+            return torch.cat([self.logprobs(batch.rows(m), sampling) for m in micros])
+        scored = [(self.logprobs(batch.rows(m), sampling), real) for m, real in self._share(micros)]
+        local = torch.cat([s for s, real in scored if real] or [scored[0][0][:0]])  # stand-ins dropped
+        owners = [
+            torch.cat(micros[r :: self.ranks.world] or [micros[0][:0]]) for r in range(self.ranks.world)
+        ]
+        return gather_rows(local, owners, self.ranks)
 
-    def _micro_share(self, micros: list[tuple[torch.Tensor, bool]]) -> list[tuple[torch.Tensor, bool]]:
-        """This rank's micro-batches of a mini-batch: whole micro-batches, round robin, so each is exactly
-        one rank's would be (FP8's wgrad quantizes 128 consecutive tokens per feature: the same rows give
-        the same groups), as many on every rank (FSDP's collectives run per forward and backward); a rank
-        short of one takes a stand-in (one row, weighed zero). The gradients are summed over ranks."""
+    def _share(self, micros: list[torch.Tensor]) -> list[tuple[torch.Tensor, bool]]:
+        """This rank's micro-batches, with whether each is real: whole micro-batches, round robin, so each
+        is exactly one a single process runs (FP8's wgrad quantizes 128 consecutive tokens per feature:
+        the same rows give the same groups), as many on every rank (FSDP's collectives run per forward
+        and backward); a rank short of one takes a stand-in (one row, weighed zero or dropped)."""
         assert self.ranks is not None
-        mine = micros[self.ranks.rank :: self.ranks.world]
-        count = _ceil_div(len(micros), self.ranks.world)
-        return mine + [(micros[0][0][:1], False)] * (count - len(mine))
-
-    def _micro_batches(self, rows: torch.Tensor) -> list[torch.Tensor]:
-        """This rank's share of ``rows`` in micro-batches, as many on every rank (FSDP's collectives run
-        per forward): a rank short of one repeats its first row (or ``rows[0]``), which the caller
-        discards or weighs zero."""
-        assert self.ranks is not None
-        size = self.config.micro_batch_size
-        count = _ceil_div(_ceil_div(len(rows), self.ranks.world), size)
-        mine = [m for m in self.ranks.rows(rows).split(size) if len(m)]  # (an empty share splits into [])
-        while len(mine) < count:
-            mine.append(rows[:1] if not mine else mine[0][:1])
-        return mine
+        mine = [(m, True) for m in micros[self.ranks.rank :: self.ranks.world]]
+        return mine + [(micros[0][:1], False)] * (_ceil_div(len(micros), self.ranks.world) - len(mine))
 
     def learning_rate(self) -> float:
         warmup = self.config.optimizer.warmup_steps
@@ -222,9 +210,8 @@ class Learner:
                 if normalizer == 0:  # no token this mini-batch covers: Adam would still move on its moments
                     continue
                 loss_sum, fractions = 0.0, []
-                micros = [(m, True) for m in mini.split(self.config.micro_batch_size)]
-                if self.ranks is not None:
-                    micros = self._micro_share(micros)
+                split_mini = list(mini.split(self.config.micro_batch_size))
+                micros = [(m, True) for m in split_mini] if self.ranks is None else self._share(split_mini)
                 for micro, counts in micros:
                     rows = batch.rows(micro)
                     cur = self._checked(functools.partial(self.logprobs, rows, sampling), index)
