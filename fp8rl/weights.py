@@ -48,11 +48,12 @@ from fp8rl import quant
 from fp8rl.errors import BaseMismatchError, CorruptUpdateError
 from fp8rl.recipes import WEIGHT_FORMATS, WeightFormat, is_fp8, weight_scale_format
 
-FORMAT_VERSION = "3"  # 3: XXH3-128 digests; the update digest covers the header (which seals the rest)
+FORMAT_VERSION = "4"  # 4: tensors hashed and packed in 16 MiB chunks; sparse streams in byte planes
 Encoding = Literal["keyframe", "delta"]
 SCALE_SUFFIX = "weight_scale_inv"
 _ZSTD_LEVEL = 1  # XOR streams are mostly zero bytes: level 1 already finds the runs, and is fast
 _BLOCK = 1 << 20  # bytes per step of the fused delta loops: a block and its XOR stay in L2 cache
+_CHUNK = 16 * _BLOCK  # bytes per task on the thread pool: a big tensor keeps every core busy
 _DIGEST = "xxh3-128:"
 T = TypeVar("T")
 R = TypeVar("R")
@@ -79,8 +80,32 @@ def bytes_digest(data: bytes | bytearray | memoryview | np.ndarray) -> str:
     return _DIGEST + xxhash.xxh3_128_hexdigest(data.data if isinstance(data, np.ndarray) else data)
 
 
+def _spans(nbytes: int) -> list[tuple[int, int]]:
+    """The byte ranges a tensor is hashed, packed and unpacked in, each on whichever core is free (one,
+    maybe empty, for a small tensor)."""
+    return [(begin, min(begin + _CHUNK, nbytes)) for begin in range(0, nbytes, _CHUNK)] or [(0, 0)]
+
+
+def _joined(chunk_digests: Sequence[bytes]) -> str:
+    """A tensor's digest: XXH3-128 over its chunks' XXH3-128 digests, so that a big tensor is hashed on
+    every core at once."""
+    return _DIGEST + xxhash.xxh3_128_hexdigest(b"".join(chunk_digests))
+
+
+def digest_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """Every tensor's digest, all their chunks hashed in parallel."""
+    arrays = {name: raw_bytes(t) for name, t in tensors.items()}
+    work = [(name, i, span) for name, a in arrays.items() for i, span in enumerate(_spans(a.size))]
+    work.sort(key=lambda w: w[2][0] - w[2][1])  # big first: balanced threads
+    hashed = parallel_map(lambda w: xxhash.xxh3_128_digest(arrays[w[0]][w[2][0] : w[2][1]].data), work)
+    chunks: dict[str, dict[int, bytes]] = {name: {} for name in arrays}
+    for (name, i, _), digest in zip(work, hashed, strict=True):
+        chunks[name][i] = digest
+    return {name: _joined([c[i] for i in range(len(c))]) for name, c in chunks.items()}
+
+
 def tensor_digest(t: torch.Tensor) -> str:
-    return bytes_digest(raw_bytes(t))
+    return digest_tensors({"": t})[""]
 
 
 _POOL: ThreadPoolExecutor | None = None
@@ -121,8 +146,7 @@ class WeightSet:
 
     @functools.cached_property
     def tensor_digests(self) -> dict[str, str]:
-        names = sorted(self.tensors, key=lambda n: -self.tensors[n].numel())  # big first: balanced threads
-        return dict(zip(names, parallel_map(lambda n: tensor_digest(self.tensors[n]), names), strict=True))
+        return digest_tensors(self.tensors)
 
     @functools.cached_property
     def digest(self) -> str:
@@ -341,13 +365,18 @@ def encode_keyframe(weights: WeightSet, version: int, recipe: str = "") -> Encod
 
 
 @dataclass(frozen=True)
-class _PackedTensor:
-    name: str
-    digest: str  # of the new tensor's bytes
-    packed: bytes | None  # None: unchanged
-    entry: dict[str, object]
+class _PackedChunk:
+    digest: bytes  # XXH3-128 of the chunk's new bytes
+    encoding: str  # same | xor-sparse | xor-zstd | zstd
+    packed: bytes
+    pairs: int  # xor-sparse: (index gap, XOR) pairs
     changed_bytes: int
-    nbytes: int
+
+    @property
+    def spec(self) -> list[object]:
+        # Some flipped bits in a zstd stream decode to the same bytes: checking the packed bytes too
+        # means no altered update is ever applied, even one that would come out right.
+        return [self.encoding, len(self.packed), self.pairs, bytes_digest(self.packed)]
 
 
 def _word(nbytes: int) -> np.dtype:
@@ -355,51 +384,52 @@ def _word(nbytes: int) -> np.dtype:
     return np.dtype(next(f"<u{w}" for w in (8, 4, 2, 1) if nbytes % w == 0))
 
 
-def _pack(name: str, t: torch.Tensor, old: torch.Tensor | None) -> _PackedTensor:
-    """Hash the new bytes and find the words that differ from the base's, one cache-sized block at a time;
-    ship them as (index, XOR) pairs. Dense changes (or no base) ship as a zstd stream of the XOR (or of the
-    bytes) instead."""
-    new = raw_bytes(t)
-    if old is None or old.dtype != t.dtype or old.shape != t.shape:
-        return _pack_dense(name, t, new, None)
-    word = _word(new.size)
-    new_words, base_words = new.view(word), raw_bytes(old).view(word)
+def _planes(a: np.ndarray) -> np.ndarray:
+    """``a``'s bytes regrouped by significance (every element's first byte, then every second byte...):
+    the high bytes of small gaps and of XORs are runs of zeros that zstd then finds at once."""
+    return a.view(np.uint8).reshape(-1, a.itemsize).T.ravel()
+
+
+def _from_planes(data: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    return data.reshape(dtype.itemsize, -1).T.copy().view(dtype).ravel()
+
+
+def _pack_chunk(new: np.ndarray, old: np.ndarray | None, word: np.dtype) -> _PackedChunk:
+    """One chunk of a tensor: hash its new bytes and find the words that differ from the base's, a
+    cache-sized block at a time; ship them as (index gap, XOR) pairs, their bytes grouped by significance.
+    Dense changes (or no base) ship as a zstd stream of the XOR (or of the bytes) instead."""
+    if old is None:
+        return _pack_dense(new, None)
+    new_words, base_words = new.view(word), old.view(word)
+    dense_from = new.size // 4 // (4 + word.itemsize)  # more pairs than this: a stream of the XOR is smaller
     step = _BLOCK // word.itemsize
-    scratch = np.empty(min(step, new_words.size), dtype=word)
+    differs = np.empty(min(step, new_words.size), dtype=bool)
     h = xxhash.xxh3_128()
-    where, what = [], []
+    where, what, pairs = [], [], 0
     for begin in range(0, new_words.size, step):
-        block = new_words[begin : begin + step]
+        block, base_block = new_words[begin : begin + step], base_words[begin : begin + step]
         h.update(block.data)
-        xor = scratch[: block.size]
-        np.bitwise_xor(block, base_words[begin : begin + step], out=xor)
-        at = np.flatnonzero(xor != 0)
+        at = np.flatnonzero(np.not_equal(block, base_block, out=differs[: block.size]))
         if at.size:
             where.append(at + begin)
-            what.append(xor[at])
-    digest = _DIGEST + h.hexdigest()
-    changes = sum(a.size for a in where)
-    if changes == 0:
-        return _PackedTensor(name, digest, None, {}, 0, new.size)
-    if changes * (4 + word.itemsize) > new.size // 4:  # dense: a stream of the XOR is smaller
-        return _pack_dense(name, t, new, raw_bytes(old))
-    index = np.concatenate(where)
-    gaps = np.diff(index, prepend=0).astype("<u4")  # word indices < 2**32: tensors below 32 GiB
-    packed = zstandard.ZstdCompressor(level=_ZSTD_LEVEL).compress(
-        gaps.tobytes() + np.concatenate(what).tobytes()
-    )
-    entry = _entry("xor-sparse", t, digest, packed, word.itemsize, changes)
-    changed_bytes = int(np.count_nonzero(np.concatenate(what).view(np.uint8)))
-    return _PackedTensor(name, digest, packed, entry, changed_bytes, new.size)
+            what.append(block[at] ^ base_block[at])
+            pairs += at.size
+            if pairs > dense_from:
+                return _pack_dense(new, old)
+    if pairs == 0:
+        return _PackedChunk(h.digest(), "same", b"", 0, 0)
+    index, xors = np.concatenate(where), np.concatenate(what)
+    gaps = np.diff(index, prepend=0).astype("<u4")  # a chunk has fewer than 2**32 words
+    stream = np.concatenate([_planes(gaps), _planes(xors)])
+    packed = zstandard.ZstdCompressor(level=_ZSTD_LEVEL).compress(stream.data)
+    return _PackedChunk(h.digest(), "xor-sparse", packed, pairs, int(np.count_nonzero(xors.view(np.uint8))))
 
 
-def _pack_dense(name: str, t: torch.Tensor, new: np.ndarray, base: np.ndarray | None) -> _PackedTensor:
+def _pack_dense(new: np.ndarray, base: np.ndarray | None) -> _PackedChunk:
     compressor = zstandard.ZstdCompressor(level=_ZSTD_LEVEL).compressobj(size=new.size)
     h = xxhash.xxh3_128()
     scratch = np.empty(min(_BLOCK, new.size), dtype=np.uint8)
-    pieces, changed = [], new.size
-    if base is not None:
-        changed = 0
+    pieces, changed = [], new.size if base is None else 0
     for begin in range(0, new.size, _BLOCK):
         block = new[begin : begin + _BLOCK]
         h.update(block.data)
@@ -410,39 +440,52 @@ def _pack_dense(name: str, t: torch.Tensor, new: np.ndarray, base: np.ndarray | 
             block = xor
         pieces.append(compressor.compress(block.data))
     pieces.append(compressor.flush())
-    digest, packed = _DIGEST + h.hexdigest(), b"".join(pieces)
-    entry = _entry("zstd" if base is None else "xor-zstd", t, digest, packed, 1, changed)
-    return _PackedTensor(name, digest, packed, entry, changed, new.size)
-
-
-def _entry(
-    encoding: str, t: torch.Tensor, digest: str, packed: bytes, word: int, changes: int
-) -> dict[str, object]:
-    return {
-        "encoding": encoding,
-        "dtype": _DTYPE_NAMES[t.dtype],
-        "shape": list(t.shape),
-        "digest": digest,
-        # Some flipped bits in a zstd stream decode to the same bytes: checking the packed bytes too
-        # means no altered update is ever applied, even one that would come out right.
-        "packed_digest": bytes_digest(packed),
-        "word": word,  # bytes per index of xor-sparse
-        "changes": changes,  # xor-sparse: (index, XOR) pairs; otherwise bytes that changed
-    }
+    encoding = "zstd" if base is None else "xor-zstd"
+    return _PackedChunk(h.digest(), encoding, b"".join(pieces), 0, changed)
 
 
 def encode_delta(
     new: WeightSet, base: WeightSet, version: int, base_version: int, recipe: str = ""
 ) -> EncodedUpdate:
-    """Encode ``new`` as changes against ``base`` (which the receiver holds as ``base_version``). The new
-    set's tensor digests are computed on the way (and kept on ``new``, the next delta's base)."""
+    """Encode ``new`` as changes against ``base`` (which the receiver holds as ``base_version``), the
+    chunks of every tensor on the thread pool. The new set's tensor digests are computed on the way (and
+    kept on ``new``, the next delta's base)."""
     if new.format != base.format:
         raise ValueError(f"cannot delta-encode format {new.format!r} against {base.format!r}")
-    names = sorted(new.tensors, key=lambda n: -new.tensors[n].numel())  # big first: balanced threads
-    results = parallel_map(lambda n: _pack(n, new.tensors[n], base.tensors.get(n)), names)
+    arrays, bases, words = {}, {}, {}
+    for name, t in new.tensors.items():
+        arrays[name], old = raw_bytes(t), base.tensors.get(name)
+        words[name] = _word(arrays[name].size)
+        same_kind = old is not None and old.dtype == t.dtype and old.shape == t.shape
+        bases[name] = raw_bytes(old) if same_kind else None  # type: ignore[arg-type]
+    work = [(name, i, span) for name, a in arrays.items() for i, span in enumerate(_spans(a.size))]
+    work.sort(key=lambda w: w[2][0] - w[2][1])  # big first: balanced threads
+
+    def pack(name: str, span: tuple[int, int]) -> _PackedChunk:
+        old = bases[name]
+        return _pack_chunk(
+            arrays[name][span[0] : span[1]], None if old is None else old[span[0] : span[1]], words[name]
+        )
+
+    packed = parallel_map(lambda w: pack(w[0], w[2]), work)
+    chunks: dict[str, dict[int, _PackedChunk]] = {name: {} for name in arrays}
+    for (name, i, _), chunk in zip(work, packed, strict=True):
+        chunks[name][i] = chunk
+    ordered = {name: [c[i] for i in range(len(c))] for name, c in sorted(chunks.items())}
+    digests = {name: _joined([c.digest for c in cs]) for name, cs in ordered.items()}
     if "tensor_digests" not in new.__dict__:
-        new.__dict__["tensor_digests"] = {r.name: r.digest for r in results}
-    changed = [r for r in sorted(results, key=lambda r: r.name) if r.packed is not None]
+        new.__dict__["tensor_digests"] = digests
+    changed = {name: cs for name, cs in ordered.items() if any(c.encoding != "same" for c in cs)}
+    entries = {
+        name: {
+            "dtype": _DTYPE_NAMES[new.tensors[name].dtype],
+            "shape": list(new.tensors[name].shape),
+            "digest": digests[name],
+            "word": words[name].itemsize,
+            "chunks": [c.spec for c in cs],
+        }
+        for name, cs in changed.items()
+    }
     removed = sorted(set(base.tensors) - set(new.tensors))
     metadata = {
         "format_version": FORMAT_VERSION,
@@ -452,16 +495,17 @@ def encode_delta(
         "base_digest": base.digest,
         "recipe": recipe,
         "format": new.format,
-        "tensors": json.dumps({r.name: r.entry for r in changed}, sort_keys=True),
+        "tensors": json.dumps(entries, sort_keys=True),
         "removed": json.dumps(removed),
         "set_digest": new.digest,
     }
-    layout = {r.name: (torch.uint8, [len(r.packed)], len(r.packed)) for r in changed if r.packed is not None}
+    sizes = {name: sum(len(c.packed) for c in cs) for name, cs in changed.items()}
+    layout = {name: (torch.uint8, [size], size) for name, size in sizes.items()}
     segments = (
         memoryview(_layout(layout, sealed(metadata))),
-        *(memoryview(r.packed) for r in changed if r.packed),
+        *(memoryview(c.packed) for cs in changed.values() for c in cs if c.packed),
     )
-    total = sum(r.nbytes for r in results)
+    total = sum(a.size for a in arrays.values())
     return EncodedUpdate(
         segments,
         "delta",
@@ -470,7 +514,7 @@ def encode_delta(
         new.format,
         recipe,
         tensors_changed=len(changed) + len(removed),
-        density=sum(r.changed_bytes for r in results) / total if total else 0.0,
+        density=sum(c.changed_bytes for cs in ordered.values() for c in cs) / total if total else 0.0,
     )
 
 
@@ -487,11 +531,18 @@ def decode_update(
     held: WeightSet | None = None,
     held_version: int | None = None,
     admit: Admit | None = None,
+    accept: Callable[[DecodedUpdate], None] | None = None,
 ) -> DecodedUpdate:
-    """Verify and apply an encoded update, returning the new set; ``held`` is never modified. A writable
-    ``blob`` (a received buffer) is decoded in place: a keyframe's tensors are views of it. ``admit(name,
-    dtype, shape)`` sees every tensor the update brings before any of it is allocated or decompressed, and
-    raises to refuse it (the receiver's model decides what it can take).
+    """Verify and apply an encoded update, returning the new set. A writable ``blob`` (a received buffer)
+    is decoded in place: a keyframe's tensors are views of it. ``admit(name, dtype, shape)`` sees every
+    tensor the update brings before any of it is allocated or decompressed, and raises to refuse it (the
+    receiver's model decides what it can take); ``accept(decoded)`` sees the result, and raises to
+    refuse it.
+
+    A delta is applied in place: the held tensors it changes are rewritten in their own memory (no copy
+    of the set is made; the new set shares them), and ``held`` then drops its digests, so that it cannot
+    pass for its old version. It is all or nothing all the same: on any failure (a digest, a bound,
+    ``accept``) every rewritten tensor is XORed back, bit for bit, before the error propagates.
 
     Raises :class:`BaseMismatchError` for a delta whose base is not (``held_version``, ``held``), and
     :class:`CorruptUpdateError` when any size, parse or digest check fails.
@@ -511,10 +562,21 @@ def decode_update(
         for name, t in tensors.items():
             if admit is not None:
                 admit(name, t.dtype, tuple(t.shape))
-        new = _decode_full(tensors, metadata, weight_format)
-        return DecodedUpdate(new, version, "keyframe", len(new.tensors))
+        decoded = DecodedUpdate(
+            _decode_full(tensors, metadata, weight_format), version, "keyframe", len(tensors)
+        )
+        if accept is not None:
+            accept(decoded)
+        return decoded
     if kind == "delta":
-        new, updated = _decode_delta(tensors, metadata, held, held_version, weight_format, admit)
+
+        def accept_delta(weights: WeightSet, updated: int) -> None:
+            if accept is not None:
+                accept(DecodedUpdate(weights, version, "delta", updated))
+
+        new, updated = _decode_delta(
+            tensors, metadata, held, held_version, weight_format, admit, accept_delta
+        )
         return DecodedUpdate(new, version, "delta", updated)
     raise CorruptUpdateError(f"unknown update kind {kind!r}")
 
@@ -550,14 +612,14 @@ def _decode_full(
     digests = _json_field(metadata, "digests")
     if not isinstance(digests, dict) or set(digests) != set(tensors):
         raise CorruptUpdateError("keyframe tensor names do not match its digests")
-    names = sorted(tensors, key=lambda n: -tensors[n].numel())
-    for name, digest in zip(names, parallel_map(lambda n: tensor_digest(tensors[n]), names), strict=True):
+    for name, digest in digest_tensors(tensors).items():
         if digest != digests[name]:
             raise CorruptUpdateError(f"digest mismatch for tensor {name!r}")
     return _checked_set(weight_format, tensors, digests, metadata)
 
 
-_DELTA_ENTRY_FIELDS = {"encoding", "dtype", "shape", "digest", "packed_digest", "word", "changes"}
+_DELTA_ENTRY_FIELDS = {"dtype", "shape", "digest", "word", "chunks"}
+_CHUNK_ENCODINGS = ("same", "xor-sparse", "xor-zstd", "zstd")
 
 
 def _decode_delta(
@@ -566,7 +628,8 @@ def _decode_delta(
     held: WeightSet | None,
     held_version: int | None,
     weight_format: WeightFormat,
-    admit: Admit | None = None,
+    admit: Admit | None,
+    accept: Callable[[WeightSet, int], None],
 ) -> tuple[WeightSet, int]:
     try:
         base_version = int(metadata["base_version"])
@@ -592,56 +655,152 @@ def _decode_delta(
             except Exception as exc:
                 raise CorruptUpdateError(f"bad entry for tensor {name!r}: {exc}") from exc
             admit(name, dtype, shape)
+    in_place = _unshared(held.tensors)
+    targets = [
+        _target(name, entry, payload[name], held.tensors.get(name), name in in_place)
+        for name, entry in entries.items()
+    ]
+    work = [(target, i) for target in targets for i in range(len(target.chunks))]
+    work.sort(key=lambda w: w[0].spans[w[1]][0] - w[0].spans[w[1]][1])  # big first: balanced threads
+    outcomes = parallel_map(lambda w: _attempt(lambda: _unpack_chunk(*w)), work)
+    undos = [o[1] for o in outcomes if isinstance(o, tuple) and o[1] is not None]
     new = {name: t for name, t in held.tensors.items() if name not in removed}
     digests = {name: d for name, d in held.tensor_digests.items() if name not in removed}
-    names = sorted(entries, key=lambda n: -payload[n].numel())
-    decoded = parallel_map(lambda n: _unpack(n, entries[n], payload[n], held.tensors.get(n)), names)
-    for name, tensor in zip(names, decoded, strict=True):
-        new[name] = tensor
-        digests[name] = str(entries[name]["digest"])
-    return _checked_set(held.format, new, digests, metadata), len(entries) + len(removed)
+    try:
+        hashed: dict[tuple[str, int], bytes] = {}
+        for (target, i), outcome in zip(work, outcomes, strict=True):
+            if isinstance(outcome, Exception):
+                raise outcome
+            hashed[target.name, i] = outcome[0]
+        for target in targets:
+            digest = _joined([hashed[target.name, i] for i in range(len(target.chunks))])
+            if digest != entries[target.name]["digest"]:
+                raise CorruptUpdateError(f"digest mismatch for tensor {target.name!r}")
+            new[target.name] = torch.from_numpy(target.out).view(target.dtype).reshape(target.shape)
+            digests[target.name] = digest
+        weights = _checked_set(held.format, new, digests, metadata)
+        accept(weights, len(entries) + len(removed))
+    except BaseException:
+        for undo in undos:  # XOR is its own inverse: the held set is back, bit for bit
+            undo()
+        raise
+    if undos:  # held's changed tensors now hold the new bytes: it must not pass for its old version
+        held.__dict__.pop("tensor_digests", None)
+        held.__dict__.pop("digest", None)
+    return weights, len(entries) + len(removed)
 
 
-def _unpack(
-    name: str, entry: dict[str, object], packed: torch.Tensor, old: torch.Tensor | None
-) -> torch.Tensor:
-    """Check the packed bytes, then rebuild the tensor into a fresh buffer one cache-sized block at a time
-    (copy the base and apply the XORs of its words, or decompress and XOR), hashing each block while it is
-    in cache. Nothing decompresses to more than the sizes the entry allows, whatever the stream claims."""
-    packed_bytes = raw_bytes(packed)
-    if bytes_digest(packed_bytes) != entry["packed_digest"]:
-        raise CorruptUpdateError(f"digest mismatch for the packed bytes of tensor {name!r}")
+@dataclass(frozen=True)
+class _Target:
+    """Where one tensor of a delta is rebuilt, and from what."""
+
+    name: str
+    dtype: torch.dtype
+    shape: list[int]
+    out: np.ndarray  # the held tensor's bytes (rewritten in place), a copy of them, or fresh memory
+    word: np.dtype
+    spans: list[tuple[int, int]]  # of ``out``, one per chunk
+    chunks: list[tuple[str, int, int, str]]  # (encoding, packed bytes, pairs, packed digest)
+    packed: list[np.ndarray]  # each chunk's packed bytes
+
+
+def _target(
+    name: str, entry: dict[str, object], payload: torch.Tensor, old: torch.Tensor | None, in_place: bool
+) -> _Target:
+    """One tensor of a delta, parsed and bounded against what is held before anything is decompressed."""
     try:
         dtype = _DTYPES[str(entry["dtype"])]
         shape = [int(d) for d in entry["shape"]]  # type: ignore[attr-defined]
         nbytes = _nbytes(dtype, shape)
-        word, changes = int(entry["word"]), int(entry["changes"])  # type: ignore[call-overload]
-        if word not in (1, 2, 4, 8) or nbytes % word or not 0 <= changes <= nbytes // word:
-            raise ValueError(f"shape {shape}, word {word}, changes {changes}")
+        word = _word(nbytes)
+        if entry["word"] != word.itemsize:
+            raise ValueError(f"word {entry['word']} is not the widest that tiles {nbytes} bytes")
+        spans, listed = _spans(nbytes), entry["chunks"]
+        if not isinstance(listed, list) or len(listed) != len(spans):
+            raise ValueError(f"{nbytes} bytes are {len(spans)} chunks")
+        chunks, packed, offset, whole = [], [], 0, raw_bytes(payload)
+        for (begin, end), chunk in zip(spans, listed, strict=True):
+            encoding, size, pairs, digest = chunk
+            if encoding not in _CHUNK_ENCODINGS or type(size) is not int or type(pairs) is not int:
+                raise ValueError(f"bad chunk {chunk}")
+            if not 0 <= size <= whole.size - offset or (encoding == "same") != (size == 0):
+                raise ValueError(f"chunk of {size} packed bytes at {offset} of {whole.size}")
+            if not (0 < pairs <= (end - begin) // word.itemsize if encoding == "xor-sparse" else pairs == 0):
+                raise ValueError(f"{pairs} pairs for a {encoding} chunk of {end - begin} bytes")
+            chunks.append((encoding, size, pairs, str(digest)))
+            packed.append(whole[offset : offset + size])
+            offset += size
+        if offset != whole.size:
+            raise ValueError(f"chunks hold {offset} of the {whole.size} packed bytes")
+        fresh = {c[0] for c in chunks} == {"zstd"}  # a new tensor: no base
+        if not fresh and any(c[0] == "zstd" for c in chunks):
+            raise ValueError("a tensor is either new (zstd chunks) or changed (XOR chunks)")
     except Exception as exc:
         raise CorruptUpdateError(f"bad entry for tensor {name!r}: {exc}") from exc
-    encoding = entry["encoding"]
-    if encoding not in ("xor-sparse", "xor-zstd", "zstd"):
-        raise CorruptUpdateError(f"unknown tensor encoding {encoding!r} for {name!r}")
-    base = None
-    if encoding != "zstd":
+    if fresh:
+        out = np.empty(nbytes, dtype=np.uint8)
+    else:
         if old is None or old.dtype != dtype or list(old.shape) != shape:
             raise BaseMismatchError(f"delta XORs tensor {name!r} against a base it does not match")
-        base = raw_bytes(old)
-    out = np.empty(nbytes, dtype=np.uint8)  # numpy asks for huge pages: fewer faults on fresh memory
+        out = raw_bytes(old)
+        if not (in_place and out.flags.writeable):
+            out = out.copy()
+    return _Target(name, dtype, shape, out, word, spans, chunks, packed)
+
+
+def _unpack_chunk(target: _Target, i: int) -> tuple[bytes, Callable[[], None] | None]:
+    """Check one chunk's packed bytes, rebuild the chunk (XOR the changes into the held bytes, or
+    decompress into fresh memory) and hash it; returns the hash and what undoes it. A chunk that fails
+    is undone before this raises. Nothing decompresses to more than the chunk, whatever the stream
+    claims."""
+    encoding, _, pairs, digest = target.chunks[i]
+    packed = target.packed[i]
+    if bytes_digest(packed) != digest:
+        raise CorruptUpdateError(f"digest mismatch for the packed bytes of tensor {target.name!r}")
+    begin, end = target.spans[i]
+    out = target.out[begin:end]
+    undo = None
     try:
-        if encoding == "xor-sparse":
-            assert base is not None
-            digest = _apply_words(out, base, packed_bytes, np.dtype(f"<u{word}"), changes)
-        else:
-            digest = _apply_stream(out, base, packed_bytes)
-    except CorruptUpdateError:
-        raise
+        if encoding == "zstd":
+            _decompress_exactly(packed, out)
+        elif encoding == "xor-sparse":
+            undo = _xor_changes(out, packed, target.word, pairs)
+        elif encoding == "xor-zstd":
+            undo = _xor_stream(out, packed)
     except Exception as exc:
-        raise CorruptUpdateError(f"cannot decode tensor {name!r}: {exc}") from exc
-    if digest != entry["digest"]:
-        raise CorruptUpdateError(f"digest mismatch for tensor {name!r}")
-    return torch.from_numpy(out).view(dtype).reshape(shape)
+        raise CorruptUpdateError(f"cannot decode tensor {target.name!r}: {exc}") from exc
+    return xxhash.xxh3_128_digest(out.data), undo
+
+
+def _unshared(tensors: Mapping[str, torch.Tensor]) -> set[str]:
+    """Names of the tensors whose bytes no other tensor of the set shares: only those are rewritten in
+    place (writing one of two aliases would change a tensor the delta does not touch)."""
+    spans = sorted(
+        (t.untyped_storage().data_ptr() + int(t.storage_offset()) * t.element_size(), int(t.nbytes), name)
+        for name, t in tensors.items()
+        if t.nbytes
+    )
+    alone: set[str] = set()
+    group: list[str] = []  # overlapping spans, in order of their start
+    end = -1
+    for begin, nbytes, name in spans:
+        if begin >= end:  # a new group: the last one was a single tensor, or aliases
+            if len(group) == 1:
+                alone.add(group[0])
+            group = []
+        group.append(name)
+        end = max(end, begin + nbytes)
+    if len(group) == 1:
+        alone.add(group[0])
+    return alone
+
+
+def _attempt(fn: Callable[[], T]) -> T | Exception:
+    """``fn()``, or the exception it raised: every tensor's outcome is known before any is undone."""
+    try:
+        return fn()
+    except Exception as exc:
+        return exc
 
 
 def _decompress_exactly(packed: np.ndarray, out: np.ndarray) -> None:
@@ -657,35 +816,48 @@ def _decompress_exactly(packed: np.ndarray, out: np.ndarray) -> None:
             raise ValueError(f"decodes to more than the expected {out.size} bytes")
 
 
-def _apply_words(out: np.ndarray, base: np.ndarray, packed: np.ndarray, word: np.dtype, changes: int) -> str:
-    pairs = np.empty(changes * (4 + word.itemsize), dtype=np.uint8)
-    _decompress_exactly(packed, pairs)
-    index = np.cumsum(pairs[: 4 * changes].view("<u4"), dtype=np.int64)
-    xors = pairs[4 * changes :].view(word)
-    out_words, base_words = out.view(word), base.view(word)
-    if changes and (index[-1] >= out_words.size or (changes > 1 and np.diff(index).min() < 1)):
+def _xor_changes(out: np.ndarray, packed: np.ndarray, word: np.dtype, changes: int) -> Callable[[], None]:
+    """XOR the (index gap, XOR) pairs into ``out``'s words; returns what undoes it."""
+    stream = np.empty(changes * (4 + word.itemsize), dtype=np.uint8)
+    _decompress_exactly(packed, stream)
+    gaps = _from_planes(stream[: 4 * changes], np.dtype("<u4"))
+    xors = _from_planes(stream[4 * changes :], word)
+    index = np.cumsum(gaps, dtype=np.int64)
+    words = out.view(word)
+    if changes and (index[-1] >= words.size or (changes > 1 and gaps[1:].min() < 1)):
         raise ValueError("word indices out of order or out of range")
-    step = _BLOCK // word.itemsize
-    h = xxhash.xxh3_128()
-    for begin in range(0, out_words.size, step):
-        block = out_words[begin : begin + step]
-        np.copyto(block, base_words[begin : begin + step])
-        lo, hi = np.searchsorted(index, [begin, begin + block.size])
-        at = index[lo:hi] - begin
-        block[at] ^= xors[lo:hi]
-        h.update(block.data)
-    return _DIGEST + h.hexdigest()
+
+    def xor() -> None:
+        words[index] ^= xors
+
+    xor()
+    return xor
 
 
-def _apply_stream(out: np.ndarray, base: np.ndarray | None, packed: np.ndarray) -> str:
-    _decompress_exactly(packed, out)
-    h = xxhash.xxh3_128()
-    for begin in range(0, out.size, _BLOCK):
-        block = out[begin : begin + _BLOCK]
-        if base is not None:
-            np.bitwise_xor(block, base[begin : begin + _BLOCK], out=block)
-        h.update(block.data)
-    return _DIGEST + h.hexdigest()
+def _xor_stream(out: np.ndarray, packed: np.ndarray) -> Callable[[], None]:
+    """XOR the decompressed stream into ``out`` a cache-sized block at a time; returns what undoes it. A
+    stream that fails part-way is undone as far as it got before the error propagates."""
+    scratch = np.empty(min(_BLOCK, out.size), dtype=np.uint8)
+
+    def xor(upto: int, done: list[int], whole: bool) -> None:
+        with zstandard.ZstdDecompressor().stream_reader(packed.data) as reader:
+            while done[0] < upto:
+                got = reader.readinto(scratch[: min(_BLOCK, upto - done[0])].data)
+                if got == 0:
+                    raise ValueError(f"decodes to {done[0]} bytes, expected {out.size}")
+                target = out[done[0] : done[0] + got]
+                np.bitwise_xor(target, scratch[:got], out=target)
+                done[0] += got
+            if whole and reader.read(1):
+                raise ValueError(f"decodes to more than the expected {out.size} bytes")
+
+    progress = [0]
+    try:
+        xor(out.size, progress, whole=True)
+    except Exception:
+        xor(progress[0], [0], whole=False)  # the same bytes again: undone as far as it got
+        raise
+    return lambda: xor(out.size, [0], whole=False)
 
 
 def _checked_set(

@@ -21,7 +21,14 @@ from fp8rl.prometheus import Sample
 from fp8rl.recipes import WeightFormat, get_recipe, is_fp8, weight_scale_format
 from fp8rl.security import registration_proof
 from fp8rl.v1 import rollout_pb2, weights_pb2
-from fp8rl.weights import SCALE_SUFFIX, WeightSet, decode_update, is_block_linear, scale_name
+from fp8rl.weights import (
+    SCALE_SUFFIX,
+    DecodedUpdate,
+    WeightSet,
+    decode_update,
+    is_block_linear,
+    scale_name,
+)
 from rollout_service.config import RolloutConfig
 from rollout_service.engine import VllmEngine
 from rollout_service.generation import GenerationLoop, Ticket
@@ -209,20 +216,29 @@ class RolloutService:
                 )
             self._check_forward(header)
             if header.encoding == "delta" and (self.held is None or header.base_version != self.version):
-                held = "no weight set (needs keyframe)" if self.held is None else f"version {self.version}"
+                holds = "no weight set (needs keyframe)" if self.held is None else f"version {self.version}"
                 raise PreconditionFailed(
-                    f"delta against version {header.base_version}, but replica holds {held}"
+                    f"delta against version {header.base_version}, but replica holds {holds}"
                 )
             started = time.perf_counter()
+            held = self.held
+
+            def acceptable(decoded: DecodedUpdate) -> None:
+                if decoded.version != header.version:
+                    raise PreconditionFailed(
+                        f"header says version {header.version}, payload {decoded.version}"
+                    )
+                check_schema(decoded.weights, self.schema, held)
+
+            # A delta rewrites the held set's tensors in place, and puts them back if anything refuses it.
             decoded = decode_update(
                 blob,
-                self.held,
-                self.version if self.held is not None else None,
+                held,
+                self.version if held is not None else None,
                 functools.partial(admit_tensor, self.schema),
+                acceptable,
             )
-            if decoded.version != header.version:
-                raise PreconditionFailed(f"header says version {header.version}, payload {decoded.version}")
-            check_schema(decoded.weights, self.schema, self.held)
+            self.held = None  # rewritten: the decoded set (or, if the engine fails, none) replaces it
             start = time.perf_counter()
             self.loop.run_exclusive(lambda: self._apply(decoded.weights, decoded.version))
             self.held, self.held_epoch = decoded.weights, header.epoch

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import grpc
@@ -159,6 +160,23 @@ def engine_weight_set(rollout: InProcessRollout) -> dict[str, torch.Tensor]:
     return out
 
 
+def overlapping(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> list[tuple[str, str]]:
+    """Pairs of tensors, one from each mapping, whose bytes share memory."""
+
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        begin = t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
+        return begin, begin + t.numel() * t.element_size()
+
+    spans = [(span(t), name) for name, t in b.items() if t.numel()]
+    return [
+        (x, y)
+        for x, t in a.items()
+        if t.numel()
+        for (lo, hi), y in spans
+        if span(t)[0] < hi and lo < span(t)[1]
+    ]
+
+
 def assert_engine_holds(rollout: InProcessRollout, ws: WeightSet) -> None:
     held = engine_weight_set(rollout)
     assert set(held) == set(ws.tensors)
@@ -194,6 +212,8 @@ def test_keyframe_then_deltas_reach_the_engine_bit_exact(rollout_fp8: InProcessR
         reply = push(stub, encode_delta(new, sent, version=version, base_version=version - 1))
         assert (reply.version, reply.encoding) == (version, "delta")
         assert_engine_holds(rollout_fp8, new)
+        # The replica applies deltas to its host copy in place: the engine must hold its own copy.
+        assert not overlapping(rollout_fp8.service.held.tensors, rollout_fp8.service.engine_weights())
         sent = new
         after = stub.Generate(
             request([long_prompt], max_tokens=6, temperature=0.0, seed=1), timeout=120
@@ -324,6 +344,16 @@ def test_a_set_the_model_cannot_take_is_refused_before_the_engine(rollout_fp8: I
     assert status.weight_version == 40 and not status.needs_keyframe
     assert_engine_holds(rollout_fp8, good)
     assert len(stub.Generate(request([[5, 6]], version=40), timeout=60).completions) == 1
+    # A delta is XORed into the held set in place before its values are checked: a NaN it brings is
+    # refused, and the held set is put back, bit for bit.
+    poisoned = dict(good.tensors)
+    poisoned["model.norm.weight"] = poisoned["model.norm.weight"].clone()
+    poisoned["model.norm.weight"][3] = float("nan")
+    with pytest.raises(grpc.RpcError) as err:
+        push(stub, encode_delta(WeightSet(FP8, poisoned), good, version=41, base_version=40))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "NaN" in err.value.details()
+    assert WeightSet(FP8, dict(rollout_fp8.service.held.tensors)).digest == good.digest  # hashed afresh
+    assert_engine_holds(rollout_fp8, good)
 
 
 def test_an_engine_that_fails_midway_is_healed_by_a_keyframe(rollout_fp8: InProcessRollout) -> None:

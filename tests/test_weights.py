@@ -179,6 +179,124 @@ def test_every_flipped_byte_is_rejected_and_held_set_untouched(gen: torch.Genera
     assert WeightSet(v0.format, dict(v0.tensors)).digest == before
 
 
+def mixed_step(sd: dict[str, torch.Tensor], gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """A step that changes some tensors sparsely (xor-sparse entries) and others densely (xor-zstd)."""
+    small, large = adam_like_step(sd, gen, 1e-4), adam_like_step(sd, gen, 1e-1)
+    return {k: (large if i % 2 else small)[k] for i, k in enumerate(sd)}
+
+
+def encodings(blob: bytes) -> set[str]:
+    return {c[0] for e in json.loads(read_metadata(blob)["tensors"]).values() for c in e["chunks"]}
+
+
+def snapshot(ws: WeightSet) -> dict[str, bytes]:
+    return {n: raw_bytes(t).tobytes() for n, t in ws.tensors.items()}
+
+
+def with_payload(blob: bytes, name: str, packed: bytes) -> bytes:
+    """``blob`` with one tensor's packed bytes replaced (and the entry's packed digest and the layout
+    made to match): a well-formed update whose stream for ``name`` decodes to the wrong length."""
+    from fp8rl.weights import _layout, bytes_digest, sealed
+
+    header_len = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8 : 8 + header_len])
+    metadata = {k: v for k, v in header.pop("__metadata__").items() if k != "metadata_digest"}
+    entries = json.loads(metadata["tensors"])
+    entries[name]["chunks"] = [["xor-zstd", len(packed), 0, bytes_digest(packed)]]  # a one-chunk tensor
+    metadata["tensors"] = json.dumps(entries, sort_keys=True)
+    data = blob[8 + header_len :]
+    payloads = {n: data[spec["data_offsets"][0] : spec["data_offsets"][1]] for n, spec in header.items()}
+    payloads[name] = packed
+    layout = {n: (torch.uint8, [len(b)], len(b)) for n, b in payloads.items()}
+    return _layout(layout, sealed(metadata)) + b"".join(payloads.values())
+
+
+@pytest.mark.parametrize("fmt", ["fp8-block128", "bf16"])
+def test_a_delta_is_applied_in_place_and_any_refusal_puts_every_byte_back(
+    fmt: str, gen: torch.Generator
+) -> None:
+    """The delta rewrites the held tensors in their own memory (no second copy of the set); a refusal at
+    any point (a tensor's digest after its XORs were applied, a stream that ends early part-way through a
+    tensor, the receiver's ``accept``) leaves the held set bit for bit as it was, whatever other tensors
+    had already been rewritten on other threads."""
+    import zstandard
+
+    sd = model_like_state_dict(gen)
+    v0, v1 = build_weight_set(sd, fmt), build_weight_set(mixed_step(sd, gen), fmt)  # type: ignore[arg-type]
+    delta = encode_delta(v1, v0, 1, 0).blob
+    assert encodings(delta) == {"xor-sparse", "xor-zstd"}
+    entries = json.loads(read_metadata(delta)["tensors"])
+    sparse = next(n for n, e in entries.items() if e["chunks"][0][0] == "xor-sparse")
+    dense = next(n for n, e in entries.items() if e["chunks"][0][0] == "xor-zstd")
+    half = raw_bytes(v1.tensors[dense]) ^ raw_bytes(v0.tensors[dense])
+    short = zstandard.ZstdCompressor().compress(half[: half.size // 2 + 3].tobytes())
+
+    def refuse(decoded: Any) -> None:
+        raise InvalidRequest("weights", "refused by the receiver")
+
+    before, digest = snapshot(v0), v0.digest
+    wrong_result = recrafted(delta, lambda e: e[sparse].update(digest=e[dense]["digest"]))
+    for bad, error in (
+        (wrong_result, CorruptUpdateError),
+        (with_payload(delta, dense, short), CorruptUpdateError),
+        (delta, InvalidRequest),
+    ):
+        with pytest.raises(error):
+            decode_update(bad, v0, held_version=0, accept=refuse if bad is delta else None)
+        assert snapshot(v0) == before and v0.digest == digest
+    assert WeightSet(v0.format, dict(v0.tensors)).digest == digest  # the bytes, hashed afresh
+
+    seen: list[int] = []
+    out = decode_update(delta, v0, held_version=0, accept=lambda d: seen.append(d.version))
+    assert seen == [1]
+    assert_sets_identical(v1, out.weights)
+    for name in (sparse, dense):  # rewritten where it was held
+        assert out.weights.tensors[name].data_ptr() == v0.tensors[name].data_ptr()
+    with pytest.raises(BaseMismatchError, match="digest"):  # the held set no longer passes for version 0
+        decode_update(delta, v0, held_version=0)
+
+
+def test_big_tensors_are_cut_into_chunks_each_encoded_its_own_way(gen: torch.Generator) -> None:
+    """A tensor over 16 MiB is hashed, packed and unpacked in chunks on every core: an unchanged chunk
+    ships nothing, a sparse one its pairs, a dense one its XOR stream, a new tensor's chunks their bytes;
+    a refusal after every chunk was applied puts every chunk back."""
+    from fp8rl.weights import _CHUNK
+
+    per_chunk = _CHUNK // 4
+    base_t = torch.randn(2 * per_chunk + 1000, generator=gen)  # three chunks, the last one short
+    new_t = base_t.clone()
+    new_t[per_chunk + 4 : per_chunk + 8] += 1.0
+    new_t[2 * per_chunk :] = torch.randn(1000, generator=gen)
+    base = WeightSet("bf16", {"big": base_t, "small": torch.ones(3)})
+    new = WeightSet(
+        "bf16", {"big": new_t, "small": torch.ones(3), "fresh": torch.randn(per_chunk + 1, generator=gen)}
+    )
+    delta = encode_delta(new, base, 1, 0).blob
+    entries = json.loads(read_metadata(delta)["tensors"])
+    assert [c[0] for c in entries["big"]["chunks"]] == ["same", "xor-sparse", "xor-zstd"]
+    assert [c[0] for c in entries["fresh"]["chunks"]] == ["zstd", "zstd"]
+    assert entries["big"]["chunks"][1][2] == 2  # four float32 changed: two 8-byte words
+    assert WeightSet("bf16", dict(new.tensors)).digest == new.digest  # chunked digests, computed two ways
+
+    before = snapshot(base)
+    wrong = recrafted(delta, lambda e: e["big"].update(digest=e["fresh"]["digest"]))
+    with pytest.raises(CorruptUpdateError, match="digest mismatch for tensor 'big'"):
+        decode_update(wrong, base, held_version=0)
+    assert snapshot(base) == before
+    out = decode_update(delta, base, held_version=0)
+    assert_sets_identical(new, out.weights)
+
+
+def test_tensors_that_share_memory_are_not_rewritten_in_place(gen: torch.Generator) -> None:
+    shared = torch.randn(64, generator=gen).bfloat16()
+    base = WeightSet("bf16", {"a": shared, "b": shared, "c": shared[:32], "d": torch.zeros(8).bfloat16()})
+    new = WeightSet("bf16", {**base.tensors, "a": shared + 1, "d": torch.ones(8).bfloat16()})
+    out = decode_update(encode_delta(new, base, 1, 0).blob, base, held_version=0)
+    assert_sets_identical(new, out.weights)
+    assert torch.equal(base.tensors["b"], out.weights.tensors["b"])  # b still reads the old bytes
+    assert out.weights.tensors["d"].data_ptr() == base.tensors["d"].data_ptr()  # alone: in place
+
+
 def test_every_bit_of_the_header_is_covered(gen: torch.Generator) -> None:
     """Flip each bit of the safetensors header in turn (names, dtypes, shapes, offsets and the metadata,
     version numbers included): every one is refused with a codec error, none is read as another update."""
@@ -312,13 +430,20 @@ def test_sizes_claimed_by_an_update_are_bounded_before_anything_is_allocated(gen
 
     with pytest.raises(InvalidRequest, match="not a tensor of this model"):
         decode_update(delta, v0, held_version=0, admit=refuse)
-    sparse = next(
-        n for n, e in json.loads(read_metadata(delta)["tensors"]).items() if e["encoding"] == "xor-sparse"
-    )
-    entry = json.loads(read_metadata(delta)["tensors"])[sparse]
-    too_many = math.prod(entry["shape"])  # more (index, XOR) pairs than the tensor has words
-    with pytest.raises(CorruptUpdateError, match="bad entry"):
-        decode_update(recrafted(delta, lambda e: e[sparse].update(changes=too_many)), v0, held_version=0)
+    entries = json.loads(read_metadata(delta)["tensors"])
+    sparse = next(n for n, e in entries.items() if e["chunks"][0][0] == "xor-sparse")
+    too_many = math.prod(entries[sparse]["shape"])  # more (index, XOR) pairs than the tensor has words
+
+    def pairs(count: Any) -> Callable[[dict[str, Any]], None]:
+        return lambda e: e[sparse]["chunks"][0].__setitem__(2, count)
+
+    for count in (too_many, 0, -1, 1.5, True):
+        with pytest.raises(CorruptUpdateError, match="bad entry"):
+            decode_update(recrafted(delta, pairs(count)), v0, held_version=0)
+    with pytest.raises(CorruptUpdateError, match="bad entry"):  # a chunk's size beyond the packed bytes
+        decode_update(
+            recrafted(delta, lambda e: e[sparse]["chunks"][0].__setitem__(1, 2**40)), v0, held_version=0
+        )
 
 
 def test_only_the_canonical_header_is_accepted(gen: torch.Generator) -> None:
