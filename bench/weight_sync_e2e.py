@@ -157,7 +157,7 @@ def main() -> None:
         warm_up = Publisher(args.format, torch.bfloat16, args.format)  # first-touch of both processes' memory
         warm_up.publish(0, lambda: master, [Target(address, -1)])
         warm_up.close()
-        # Unsigned, then signed (HMAC-SHA256 over every byte, made once by the trainer, checked by the
+        # Unsigned, then signed (keyed BLAKE3 over every byte, made once by the trainer, checked by the
         # replica as the chunks arrive): the same updates, so the difference is the MAC's cost.
         for signing in ("unsigned", "signed"):
             security = SecurityConfig(update_key_file=key_file) if signing == "signed" else None
