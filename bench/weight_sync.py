@@ -98,7 +98,8 @@ def received(blob: bytes) -> bytearray:
 def held_copy(ws: WeightSet) -> WeightSet:
     """A copy of the held set with its digests known, as the replica holds it: a delta is applied to the
     held set in place, so each timed decode gets its own (copied outside the timer)."""
-    return WeightSet.verified(ws.format, {n: t.clone() for n, t in ws.tensors.items()}, ws.tensor_digests)
+    tensors = {n: t.clone() for n, t in ws.tensors.items()}
+    return WeightSet.verified(ws.format, tensors, ws.tensor_digests, owned=True)
 
 
 def timed_decode(buffer: bytearray, held: WeightSet, repeats: int = 3) -> float:

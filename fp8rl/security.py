@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
+import json
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -404,7 +405,7 @@ class UpdateMac:
     2-core machine against HMAC-SHA256's 1.5."""
 
     def __init__(self, key: bytes, header: Any) -> None:
-        fields = (
+        fields = [
             "fp8rl-update-v2",
             header.version,
             header.base_version,
@@ -414,10 +415,10 @@ class UpdateMac:
             header.digest,
             header.format,
             header.recipe,
-        )
+        ]
         mac_key = blake3.blake3(key, derive_key_context=_UPDATE_MAC_CONTEXT).digest()
         self._mac = blake3.blake3(key=mac_key, max_threads=blake3.blake3.AUTO)
-        self._mac.update("\n".join(map(str, fields)).encode() + b"\n")
+        self._mac.update(json.dumps(fields).encode() + b"\n")  # JSON: one reading of where a field ends
 
     def update(self, data: bytes | bytearray | memoryview) -> None:
         self._mac.update(data)
@@ -438,7 +439,7 @@ def verify_update(mac: UpdateMac, claimed: str) -> None:
         raise Unauthenticated(
             "header.mac: missing; this replica applies only updates signed with the run's key"
         )
-    if not hmac.compare_digest(mac.value(), claimed):
+    if not hmac.compare_digest(mac.value().encode(), claimed.encode("utf-8", "replace")):
         raise Unauthenticated(
             "header.mac: does not verify under the run's update key (forged or another run's)"
         )

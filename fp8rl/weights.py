@@ -10,20 +10,23 @@ float32).
 Two encodings, both laid out as one safetensors file with string metadata:
 
 * keyframe (``kind: full``): the whole set, with a digest per tensor.
-* delta (``kind: delta``): for each tensor whose bytes changed, the XOR of its raw bytes with the base
-  version's, zstd-compressed, stored as a uint8 tensor, with the digests of the packed bytes and of the
-  result; unchanged tensors are omitted. A delta names its base version and the base set's digest, so it
-  is only ever applied to exactly the bytes it was computed against.
+* delta (``kind: delta``): each tensor whose bytes changed, as a uint8 tensor of packed chunks (16 MiB of
+  the tensor each): an unchanged chunk packs to nothing, a sparse one to its changed words as (index
+  gap, XOR) pairs with their bytes grouped by significance, a dense one to a stream of its XOR with the
+  base, a new tensor's to a stream of its bytes (zstd throughout), each with the digest of its packed
+  bytes; and the digest of each resulting tensor. A delta names its base version and the base set's
+  digest, so it is only ever applied to exactly the bytes it was computed against.
 
-Decoding verifies every digest before it returns, and builds a new set without touching the held one:
-an update is applied whole or not at all.
+Decoding verifies every digest before it returns, and an update is applied whole or not at all. A delta
+is applied in place: XORed into the held set's own memory (no second copy of the set is made), and on any
+refusal XORed back, bit for bit (XOR is its own inverse).
 
 Speed (bench/weight_sync.py): every byte is hashed once, with XXH3-128 (integrity against corruption;
-authenticity is the transport's job: TLS, or a MAC over the header); the set digest is built from the
-per-tensor digests. An update is a list of segments (its header, then each tensor's bytes, viewed, not
-copied) that the stream cuts into chunks; a received buffer is decoded in place. Deltas are computed and
-applied in cache-sized blocks (XOR, count, compress, hash while the block is in cache), tensors in
-parallel on a thread pool (numpy, zstd and xxhash release the GIL).
+authenticity is the transport's job: TLS, or a MAC over the update); a tensor's digest is built from its
+chunks' digests and the set digest from the tensors'. An update is a list of segments (its header, then
+each tensor's bytes, viewed, not copied) that the stream cuts into pieces; a received buffer is decoded in
+place. Chunks are the unit of work on a thread pool (numpy, zstd and xxhash release the GIL), so a big
+tensor keeps every core busy; within a chunk, deltas are computed in cache-sized blocks.
 """
 
 from __future__ import annotations
@@ -104,10 +107,6 @@ def digest_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
     return {name: _joined([c[i] for i in range(len(c))]) for name, c in chunks.items()}
 
 
-def tensor_digest(t: torch.Tensor) -> str:
-    return digest_tensors({"": t})[""]
-
-
 _POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
 MAX_TENSOR_BYTES = 1 << 40  # no tensor is larger; a claim beyond it is corrupt
@@ -116,13 +115,17 @@ MAX_TENSOR_BYTES = 1 << 40  # no tensor is larger; a claim beyond it is corrupt
 def parallel_map(fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
     """``[fn(x) for x in items]`` on a process-wide pool of one thread per core (the work is numpy, zstd
     and xxhash calls, which release the GIL)."""
-    global _POOL
     if len(items) < 2:
         return [fn(x) for x in items]
+    return list(_pool().map(fn, items))
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _POOL
     with _POOL_LOCK:
         if _POOL is None:
             _POOL = ThreadPoolExecutor(max_workers=os.cpu_count() or 2, thread_name_prefix="codec")
-    return list(_POOL.map(fn, items))
+        return _POOL
 
 
 _DTYPE_NAMES = {
@@ -139,19 +142,27 @@ _DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
 
 @dataclass(frozen=True)
 class WeightSet:
-    """Named tensors in one rollout weight format. Treated as immutable: updates build a new set."""
+    """Named tensors in one rollout weight format.
+
+    ``owned``: the tensors' memory is the codec's own (copies it made, or a received buffer handed to
+    it), so a delta decoded against this set may rewrite it in place; the set is then consumed (its
+    digests refuse to be read, since its memory now holds another version), and the decoded set, which
+    shares that memory, takes its place. A set over the caller's own tensors is never written to."""
 
     format: WeightFormat
     tensors: Mapping[str, torch.Tensor]
+    owned: bool = False
 
     @functools.cached_property
     def tensor_digests(self) -> dict[str, str]:
+        self._check_not_consumed()
         return digest_tensors(self.tensors)
 
     @functools.cached_property
     def digest(self) -> str:
         """Digest over names, dtypes, shapes and tensor digests, independent of order (no tensor byte is
         read again)."""
+        self._check_not_consumed()
         h = xxhash.xxh3_128()
         for name in sorted(self.tensors):
             t = self.tensors[name]
@@ -160,12 +171,29 @@ class WeightSet:
 
     @classmethod
     def verified(
-        cls, weight_format: WeightFormat, tensors: Mapping[str, torch.Tensor], digests: Mapping[str, str]
+        cls,
+        weight_format: WeightFormat,
+        tensors: Mapping[str, torch.Tensor],
+        digests: Mapping[str, str],
+        owned: bool = False,
     ) -> WeightSet:
         """A set whose tensor digests were just checked (or computed): keep them rather than hash again."""
-        weights = cls(weight_format, tensors)
+        weights = cls(weight_format, tensors, owned)
         weights.__dict__["tensor_digests"] = dict(digests)
         return weights
+
+    @property
+    def consumed(self) -> bool:
+        return bool(self.__dict__.get("_consumed"))
+
+    def _consume(self) -> None:
+        self.__dict__.pop("tensor_digests", None)
+        self.__dict__.pop("digest", None)
+        self.__dict__["_consumed"] = True
+
+    def _check_not_consumed(self) -> None:
+        if self.consumed:
+            raise ValueError("this weight set was consumed by a delta applied in place: use the decoded set")
 
     @property
     def nbytes(self) -> int:
@@ -194,7 +222,7 @@ def build_weight_set(
         else:
             # Always a copy: a set must never alias live parameters the optimizer keeps changing.
             out[name] = t.to(hp_dtype, copy=True).contiguous()
-    return WeightSet(weight_format, out)
+    return WeightSet(weight_format, out, owned=True)
 
 
 # -- the safetensors layout -------------------------------------------------------------------------------
@@ -615,7 +643,9 @@ def _decode_full(
     for name, digest in digest_tensors(tensors).items():
         if digest != digests[name]:
             raise CorruptUpdateError(f"digest mismatch for tensor {name!r}")
-    return _checked_set(weight_format, tensors, digests, metadata)
+    return _checked_set(
+        weight_format, tensors, digests, metadata, owned=True
+    )  # views of a handed-over buffer
 
 
 _DELTA_ENTRY_FIELDS = {"dtype", "shape", "digest", "word", "chunks"}
@@ -635,6 +665,10 @@ def _decode_delta(
         base_version = int(metadata["base_version"])
     except (KeyError, ValueError) as exc:
         raise CorruptUpdateError(f"bad delta base_version: {exc}") from exc
+    if held is not None and held.consumed:
+        raise BaseMismatchError(
+            "the held set was consumed by an earlier delta: decode against the set it gave"
+        )
     if held is None or held_version != base_version:
         raise BaseMismatchError(
             f"delta applies to version {base_version}, receiver holds "
@@ -655,21 +689,23 @@ def _decode_delta(
             except Exception as exc:
                 raise CorruptUpdateError(f"bad entry for tensor {name!r}: {exc}") from exc
             admit(name, dtype, shape)
-    in_place = _unshared(held.tensors)
+    in_place = _unshared(held.tensors) if held.owned else set()
     targets = [
         _target(name, entry, payload[name], held.tensors.get(name), name in in_place)
         for name, entry in entries.items()
     ]
     work = [(target, i) for target in targets for i in range(len(target.chunks))]
     work.sort(key=lambda w: w[0].spans[w[1]][0] - w[0].spans[w[1]][1])  # big first: balanced threads
-    outcomes = parallel_map(lambda w: _attempt(lambda: _unpack_chunk(*w)), work)
+    outcomes, interrupted = _settled(lambda w: _unpack_chunk(*w), work)
     undos = [o[1] for o in outcomes if isinstance(o, tuple) and o[1] is not None]
-    new = {name: t for name, t in held.tensors.items() if name not in removed}
-    digests = {name: d for name, d in held.tensor_digests.items() if name not in removed}
     try:
+        if interrupted is not None:
+            raise interrupted
+        new = {name: t for name, t in held.tensors.items() if name not in removed}
+        digests = {name: d for name, d in held.tensor_digests.items() if name not in removed}
         hashed: dict[tuple[str, int], bytes] = {}
         for (target, i), outcome in zip(work, outcomes, strict=True):
-            if isinstance(outcome, Exception):
+            if isinstance(outcome, BaseException):
                 raise outcome
             hashed[target.name, i] = outcome[0]
         for target in targets:
@@ -678,16 +714,22 @@ def _decode_delta(
                 raise CorruptUpdateError(f"digest mismatch for tensor {target.name!r}")
             new[target.name] = torch.from_numpy(target.out).view(target.dtype).reshape(target.shape)
             digests[target.name] = digest
-        weights = _checked_set(held.format, new, digests, metadata)
+        weights = _checked_set(held.format, new, digests, metadata, held.owned)
         accept(weights, len(entries) + len(removed))
     except BaseException:
         for undo in undos:  # XOR is its own inverse: the held set is back, bit for bit
             undo()
         raise
-    if undos:  # held's changed tensors now hold the new bytes: it must not pass for its old version
-        held.__dict__.pop("tensor_digests", None)
-        held.__dict__.pop("digest", None)
+    if held.owned:  # its memory now belongs to (and may hold) the new version
+        held._consume()
     return weights, len(entries) + len(removed)
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """(first byte, bytes) of the memory ``t`` may read: its whole storage unless it is contiguous."""
+    if t.is_contiguous():
+        return t.untyped_storage().data_ptr() + int(t.storage_offset()) * t.element_size(), int(t.nbytes)
+    return t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
 
 
 @dataclass(frozen=True)
@@ -738,12 +780,15 @@ def _target(
     except Exception as exc:
         raise CorruptUpdateError(f"bad entry for tensor {name!r}: {exc}") from exc
     if fresh:
-        out = np.empty(nbytes, dtype=np.uint8)
+        try:
+            out = np.empty(nbytes, dtype=np.uint8)
+        except MemoryError as exc:
+            raise CorruptUpdateError(f"tensor {name!r}: cannot hold {nbytes} bytes") from exc
     else:
         if old is None or old.dtype != dtype or list(old.shape) != shape:
             raise BaseMismatchError(f"delta XORs tensor {name!r} against a base it does not match")
         out = raw_bytes(old)
-        if not (in_place and out.flags.writeable):
+        if not in_place:
             out = out.copy()
     return _Target(name, dtype, shape, out, word, spans, chunks, packed)
 
@@ -775,11 +820,7 @@ def _unpack_chunk(target: _Target, i: int) -> tuple[bytes, Callable[[], None] | 
 def _unshared(tensors: Mapping[str, torch.Tensor]) -> set[str]:
     """Names of the tensors whose bytes no other tensor of the set shares: only those are rewritten in
     place (writing one of two aliases would change a tensor the delta does not touch)."""
-    spans = sorted(
-        (t.untyped_storage().data_ptr() + int(t.storage_offset()) * t.element_size(), int(t.nbytes), name)
-        for name, t in tensors.items()
-        if t.nbytes
-    )
+    spans = sorted((*_extent(t), name) for name, t in tensors.items() if t.nbytes)
     alone: set[str] = set()
     group: list[str] = []  # overlapping spans, in order of their start
     end = -1
@@ -795,12 +836,32 @@ def _unshared(tensors: Mapping[str, torch.Tensor]) -> set[str]:
     return alone
 
 
-def _attempt(fn: Callable[[], T]) -> T | Exception:
-    """``fn()``, or the exception it raised: every tensor's outcome is known before any is undone."""
-    try:
-        return fn()
-    except Exception as exc:
-        return exc
+def _settled(
+    fn: Callable[[T], R], items: Sequence[T]
+) -> tuple[list[R | BaseException], BaseException | None]:
+    """``fn`` over ``items`` on the pool, each outcome a result or the exception it raised, and every call
+    run to its end, even when this thread is interrupted meanwhile (returned second): nothing is undone
+    while a chunk may still be writing."""
+    from concurrent.futures import wait
+
+    def attempt(item: T) -> R | BaseException:
+        try:
+            return fn(item)
+        except BaseException as exc:
+            return exc
+
+    if len(items) < 2:
+        return [attempt(x) for x in items], None
+    pool = _pool()
+    futures = [pool.submit(attempt, x) for x in items]
+    interrupted: BaseException | None = None
+    while True:
+        try:
+            wait(futures)
+            break
+        except BaseException as exc:  # e.g. KeyboardInterrupt: let the writers finish, then undo
+            interrupted = interrupted or exc
+    return [f.result() for f in futures], interrupted
 
 
 def _decompress_exactly(packed: np.ndarray, out: np.ndarray) -> None:
@@ -865,8 +926,9 @@ def _checked_set(
     tensors: Mapping[str, torch.Tensor],
     digests: Mapping[str, str],
     metadata: Mapping[str, str],
+    owned: bool,
 ) -> WeightSet:
-    weights = WeightSet.verified(weight_format, tensors, digests)
+    weights = WeightSet.verified(weight_format, tensors, digests, owned)
     if weights.digest != metadata.get("set_digest"):
         raise CorruptUpdateError("weight set digest mismatch")
     return weights

@@ -252,8 +252,10 @@ def test_a_delta_is_applied_in_place_and_any_refusal_puts_every_byte_back(
     assert_sets_identical(v1, out.weights)
     for name in (sparse, dense):  # rewritten where it was held
         assert out.weights.tensors[name].data_ptr() == v0.tensors[name].data_ptr()
-    with pytest.raises(BaseMismatchError, match="digest"):  # the held set no longer passes for version 0
+    with pytest.raises(BaseMismatchError, match="consumed"):  # the held set no longer passes for version 0
         decode_update(delta, v0, held_version=0)
+    with pytest.raises(ValueError, match="consumed"):
+        v0.digest  # noqa: B018
 
 
 def test_big_tensors_are_cut_into_chunks_each_encoded_its_own_way(gen: torch.Generator) -> None:
@@ -287,14 +289,74 @@ def test_big_tensors_are_cut_into_chunks_each_encoded_its_own_way(gen: torch.Gen
     assert_sets_identical(new, out.weights)
 
 
+def owned(tensors: dict[str, torch.Tensor]) -> WeightSet:
+    return WeightSet("bf16", tensors, owned=True)
+
+
 def test_tensors_that_share_memory_are_not_rewritten_in_place(gen: torch.Generator) -> None:
-    shared = torch.randn(64, generator=gen).bfloat16()
-    base = WeightSet("bf16", {"a": shared, "b": shared, "c": shared[:32], "d": torch.zeros(8).bfloat16()})
-    new = WeightSet("bf16", {**base.tensors, "a": shared + 1, "d": torch.ones(8).bfloat16()})
+    """Only memory no other tensor of the set reads is rewritten, strided views' whole storage counted."""
+    shared, strided = torch.randn(64, generator=gen).bfloat16(), torch.randn(256, generator=gen).bfloat16()
+    base = owned(
+        {
+            "a": shared,
+            "b": shared,
+            "c": shared[:32],
+            "d": torch.zeros(8).bfloat16(),
+            "every other": strided[::2],  # reads bytes all over the storage...
+            "tail": strided[96:],  # ...that this one, contiguous, also covers
+        }
+    )
+    new = WeightSet(
+        "bf16", {**base.tensors, "a": shared + 1, "d": torch.ones(8).bfloat16(), "tail": strided[96:] + 1}
+    )
+    before = snapshot(base)
     out = decode_update(encode_delta(new, base, 1, 0).blob, base, held_version=0)
     assert_sets_identical(new, out.weights)
-    assert torch.equal(base.tensors["b"], out.weights.tensors["b"])  # b still reads the old bytes
+    for name in ("b", "c", "every other"):  # still read the old bytes
+        assert raw_bytes(base.tensors[name]).tobytes() == before[name]
     assert out.weights.tensors["d"].data_ptr() == base.tensors["d"].data_ptr()  # alone: in place
+    assert WeightSet("bf16", dict(out.weights.tensors)).digest == new.digest  # hashed afresh
+
+
+def test_memory_the_codec_does_not_own_is_never_written(gen: torch.Generator) -> None:
+    """A set over the caller's tensors (not built nor decoded by the codec) is read, never written: here
+    they sit in immutable ``bytes``, which numpy and torch would both let a careless decoder write."""
+    import warnings
+
+    data = bytes(raw_bytes(torch.randn(64, generator=gen).bfloat16()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns that the buffer is not writable: that is the point
+        held = WeightSet("bf16", {"w": torch.frombuffer(data, dtype=torch.bfloat16)})
+    original = bytearray(data)  # a copy (bytes(data) would be the same object)
+    new = WeightSet("bf16", {"w": held.tensors["w"] + 1})
+    out = decode_update(encode_delta(new, held, 1, 0).blob, held, held_version=0)
+    assert_sets_identical(new, out.weights)
+    assert data == original and not held.consumed
+
+
+def test_an_interrupt_while_chunks_are_applied_leaves_the_held_set_as_it_was(
+    gen: torch.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C (or any BaseException) part-way through: every chunk still being written finishes, then all
+    are undone, then the interrupt propagates."""
+    import fp8rl.weights as codec
+
+    sd = model_like_state_dict(gen)
+    v0, v1 = build_weight_set(sd, "bf16"), build_weight_set(mixed_step(sd, gen), "bf16")
+    delta = encode_delta(v1, v0, 1, 0).blob
+    before, digest = snapshot(v0), v0.digest
+    real, calls = codec._unpack_chunk, []
+
+    def interrupted(target: Any, i: int) -> Any:
+        calls.append(i)
+        if len(calls) == 5:  # after others were applied, on whichever thread runs it
+            raise KeyboardInterrupt
+        return real(target, i)
+
+    monkeypatch.setattr(codec, "_unpack_chunk", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        decode_update(delta, v0, held_version=0)
+    assert len(calls) > 5 and snapshot(v0) == before and v0.digest == digest and not v0.consumed
 
 
 def test_every_bit_of_the_header_is_covered(gen: torch.Generator) -> None:
