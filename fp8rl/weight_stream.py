@@ -31,7 +31,7 @@ def header_of(update: EncodedUpdate, epoch: int = 0, key: bytes | None = None) -
         epoch=epoch,
     )
     if key is not None:
-        header.mac = sign_update(key, header, update.pieces(CHUNK_BYTES))
+        header.mac = sign_update(key, header, update.segments)  # the same bytes as the pieces, uncopied
     return header
 
 
