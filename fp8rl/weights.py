@@ -37,8 +37,9 @@ import math
 import os
 import struct
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal, TypeVar, cast
 
@@ -107,6 +108,7 @@ def digest_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
     return {name: _joined([c[i] for i in range(len(c))]) for name, c in chunks.items()}
 
 
+_WORKERS = os.cpu_count() or 2  # one thread per core
 _POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
 MAX_TENSOR_BYTES = 1 << 40  # no tensor is larger; a claim beyond it is corrupt
@@ -124,7 +126,7 @@ def _pool() -> ThreadPoolExecutor:
     global _POOL
     with _POOL_LOCK:
         if _POOL is None:
-            _POOL = ThreadPoolExecutor(max_workers=os.cpu_count() or 2, thread_name_prefix="codec")
+            _POOL = ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="codec")
         return _POOL
 
 
@@ -214,14 +216,25 @@ def build_weight_set(
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight format {weight_format!r}; expected one of {WEIGHT_FORMATS}")
     scale_format = weight_scale_format(weight_format)
-    out: dict[str, torch.Tensor] = {}
-    for name, t in state_dict.items():
-        t = t.detach().cpu()
+
+    def convert(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
         if is_fp8(weight_format) and is_block_linear(name, t.ndim):
-            out[name], out[scale_name(name)] = quant.quantize_blockwise(t, scale_format=scale_format)
-        else:
-            # Always a copy: a set must never alias live parameters the optimizer keeps changing.
-            out[name] = t.to(hp_dtype, copy=True).contiguous()
+            codes, scales = quant.quantize_blockwise(t, scale_format=scale_format)
+            return {name: codes, scale_name(name): scales}
+        # Always a copy: a set must never alias live parameters the optimizer keeps changing.
+        return {name: t.to(hp_dtype, copy=True).contiguous()}
+
+    # Tensors are read in order on this thread (a sharded learner gathers each one, collectively, as it
+    # is read) and converted on the pool: quantizing is many small torch ops, and two tensors at a time
+    # keep both cores busy. A bounded number wait, so a gathered model is never held whole.
+    out: dict[str, torch.Tensor] = {}
+    pool, pending = _pool(), deque[Future[dict[str, torch.Tensor]]]()
+    for name, t in state_dict.items():
+        pending.append(pool.submit(convert, name, t.detach().cpu()))
+        while len(pending) > 2 * _WORKERS:
+            out.update(pending.popleft().result())
+    while pending:
+        out.update(pending.popleft().result())
     return WeightSet(weight_format, out, owned=True)
 
 
