@@ -218,11 +218,13 @@ def build_weight_set(
     scale_format = weight_scale_format(weight_format)
 
     def convert(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        # On the weight's own device, then to the host: a GPU quantizes fast and sends the host a quarter
+        # of the bytes, and its codes equal the CPU's bit for bit (tests/test_quant_gpu.py).
         if is_fp8(weight_format) and is_block_linear(name, t.ndim):
             codes, scales = quant.quantize_blockwise(t, scale_format=scale_format)
-            return {name: codes, scale_name(name): scales}
+            return {name: codes.cpu(), scale_name(name): scales.cpu()}
         # Always a copy: a set must never alias live parameters the optimizer keeps changing.
-        return {name: t.to(hp_dtype, copy=True).contiguous()}
+        return {name: t.to(hp_dtype, copy=True).cpu().contiguous()}
 
     # Tensors are read in order on this thread (a sharded learner gathers each one, collectively, as it
     # is read) and converted on the pool: quantizing is many small torch ops, and two tensors at a time
@@ -230,7 +232,7 @@ def build_weight_set(
     out: dict[str, torch.Tensor] = {}
     pool, pending = _pool(), deque[Future[dict[str, torch.Tensor]]]()
     for name, t in state_dict.items():
-        pending.append(pool.submit(convert, name, t.detach().cpu()))
+        pending.append(pool.submit(convert, name, t.detach()))
         while len(pending) > 2 * _WORKERS:
             out.update(pending.popleft().result())
     while pending:

@@ -14,10 +14,11 @@ pytestmark = pytest.mark.gpu
 
 def test_cuda_codes_equal_cpu_codes(gen: torch.Generator) -> None:
     w = torch.randn(384, 640, generator=gen)
-    q_cpu, s_cpu = quant.quantize_blockwise(w)
-    q_gpu, s_gpu = quant.quantize_blockwise(w.cuda())
-    assert torch.equal(s_gpu.cpu(), s_cpu)
-    assert torch.equal(q_gpu.cpu().view(torch.uint8), q_cpu.view(torch.uint8))
+    for fmt in quant.SCALE_FORMATS:
+        q_cpu, s_cpu = quant.quantize_blockwise(w, scale_format=fmt)
+        q_gpu, s_gpu = quant.quantize_blockwise(w.cuda(), scale_format=fmt)
+        assert torch.equal(s_gpu.cpu(), s_cpu), fmt
+        assert torch.equal(q_gpu.cpu().view(torch.uint8), q_cpu.view(torch.uint8)), fmt
     x = torch.randn(7, 640, generator=gen) * 10.0 ** torch.randint(-6, 7, (7, 1), generator=gen)
     for arithmetic in ("te", "vllm"):  # each engine's arithmetic, each scale format: CUDA = CPU
         for fmt in quant.SCALE_FORMATS:
@@ -25,6 +26,23 @@ def test_cuda_codes_equal_cpu_codes(gen: torch.Generator) -> None:
             qa_cpu, sa_cpu = quant.quantize_activation(x, scale_format=fmt, arithmetic=arithmetic)  # type: ignore[arg-type]
             assert torch.equal(sa.cpu(), sa_cpu), (arithmetic, fmt)
             assert torch.equal(qa.cpu().view(torch.uint8), qa_cpu.view(torch.uint8)), (arithmetic, fmt)
+
+
+def test_a_weight_set_built_on_the_gpu_is_the_cpu_set(gen: torch.Generator) -> None:
+    """The publisher quantizes master weights where they live: a CUDA model's set is byte for byte the
+    set of the same weights on CPU."""
+    from fp8rl.weights import build_weight_set
+
+    state = {
+        "model.layers.0.mlp.down_proj.weight": torch.randn(300, 520, generator=gen) * 0.02,
+        "model.layers.0.input_layernorm.weight": torch.randn(520, generator=gen),
+        "lm_head.weight": torch.randn(64, 520, generator=gen),
+    }
+    for fmt in ("fp8-block128", "fp8-block128-pow2", "bf16"):
+        on_cpu = build_weight_set(state, fmt)  # type: ignore[arg-type]
+        on_gpu = build_weight_set({n: t.cuda() for n, t in state.items()}, fmt)  # type: ignore[arg-type]
+        assert all(t.device.type == "cpu" for t in on_gpu.tensors.values())
+        assert on_gpu.digest == on_cpu.digest, fmt
 
 
 def test_scaled_mm_over_our_codes_matches_float64(gen: torch.Generator) -> None:
