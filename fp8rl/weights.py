@@ -658,9 +658,8 @@ def _decode_full(
     for name, digest in digest_tensors(tensors).items():
         if digest != digests[name]:
             raise CorruptUpdateError(f"digest mismatch for tensor {name!r}")
-    return _checked_set(
-        weight_format, tensors, digests, metadata, owned=True
-    )  # views of a handed-over buffer
+    # The tensors are copies, or views of a buffer handed to the decoder: the set owns its memory.
+    return _checked_set(weight_format, tensors, digests, metadata, owned=True)
 
 
 _DELTA_ENTRY_FIELDS = {"dtype", "shape", "digest", "word", "chunks"}
