@@ -577,15 +577,16 @@ def decode_update(
     accept: Callable[[DecodedUpdate], None] | None = None,
 ) -> DecodedUpdate:
     """Verify and apply an encoded update, returning the new set. A writable ``blob`` (a received buffer)
-    is decoded in place: a keyframe's tensors are views of it. ``admit(name, dtype, shape)`` sees every
-    tensor the update brings before any of it is allocated or decompressed, and raises to refuse it (the
-    receiver's model decides what it can take); ``accept(decoded)`` sees the result, and raises to
-    refuse it.
+    is decoded in place: a keyframe's tensors are views of it, and the set owns it from then on (a later
+    delta may rewrite it). ``admit(name, dtype, shape)`` sees every tensor the update brings before any
+    of it is allocated or decompressed, and raises to refuse it (the receiver's model decides what it can
+    take); ``accept(decoded)`` sees the result, and raises to refuse it.
 
-    A delta is applied in place: the held tensors it changes are rewritten in their own memory (no copy
-    of the set is made; the new set shares them), and ``held`` then drops its digests, so that it cannot
-    pass for its old version. It is all or nothing all the same: on any failure (a digest, a bound,
-    ``accept``) every rewritten tensor is XORed back, bit for bit, before the error propagates.
+    A delta against a set that owns its memory (:attr:`WeightSet.owned`) is applied in place: the held
+    tensors it changes are rewritten in their own memory (no copy of the set is made; the new set shares
+    them), and ``held`` is consumed, so that it cannot pass for its old version. It is all or nothing all
+    the same: on any failure (a digest, a bound, ``accept``, an interrupt) every rewritten chunk is XORed
+    back, bit for bit, before the error propagates. Against any other set, changed tensors are copies.
 
     Raises :class:`BaseMismatchError` for a delta whose base is not (``held_version``, ``held``), and
     :class:`CorruptUpdateError` when any size, parse or digest check fails.
