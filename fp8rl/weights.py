@@ -18,8 +18,9 @@ Two encodings, both laid out as one safetensors file with string metadata:
   digest, so it is only ever applied to exactly the bytes it was computed against.
 
 Decoding verifies every digest before it returns, and an update is applied whole or not at all. A delta
-is applied in place: XORed into the held set's own memory (no second copy of the set is made), and on any
-refusal XORed back, bit for bit (XOR is its own inverse).
+against a set that owns its memory (one the codec built or decoded) is applied in place: XORed into that
+memory (no second copy of the set is made), and on any refusal XORed back, bit for bit (XOR is its own
+inverse).
 
 Speed (bench/weight_sync.py): every byte is hashed once, with XXH3-128 (integrity against corruption;
 authenticity is the transport's job: TLS, or a MAC over the update); a tensor's digest is built from its
@@ -31,6 +32,7 @@ tensor keeps every core busy; within a chunk, deltas are computed in cache-sized
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import json
 import math
@@ -39,7 +41,7 @@ import struct
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Literal, TypeVar, cast
 
@@ -109,6 +111,7 @@ def digest_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
 
 
 _WORKERS = os.cpu_count() or 2  # one thread per core
+_IN_FLIGHT = 4  # tensors converted or waiting at a time while a set is built (memory, not speed)
 _POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
 MAX_TENSOR_BYTES = 1 << 40  # no tensor is larger; a claim beyond it is corrupt
@@ -227,16 +230,30 @@ def build_weight_set(
         return {name: t.to(hp_dtype, copy=True).cpu().contiguous()}
 
     # Tensors are read in order on this thread (a sharded learner gathers each one, collectively, as it
-    # is read) and converted on the pool: quantizing is many small torch ops, and two tensors at a time
-    # keep both cores busy. A bounded number wait, so a gathered model is never held whole.
+    # is read). CPU tensors are converted on the pool (quantizing is many small torch ops: two tensors
+    # at a time keep two cores busy), at most _IN_FLIGHT at a time, so that a gathered model is never
+    # held whole. GPU tensors are converted on this thread: their kernels queue on the device anyway,
+    # and a pool thread's current CUDA device is not this one's.
     out: dict[str, torch.Tensor] = {}
     pool, pending = _pool(), deque[Future[dict[str, torch.Tensor]]]()
-    for name, t in state_dict.items():
-        pending.append(pool.submit(convert, name, t.detach()))
-        while len(pending) > 2 * _WORKERS:
+    try:
+        for name, t in state_dict.items():
+            t = t.detach()
+            if t.device.type != "cpu":
+                while pending:  # (in order)
+                    out.update(pending.popleft().result())
+                out.update(convert(name, t))
+                continue
+            # The caller's context (e.g. quant.nonfinite_passes) goes with the work to the pool's thread.
+            pending.append(pool.submit(contextvars.copy_context().run, convert, name, t))
+            while len(pending) >= _IN_FLIGHT:
+                out.update(pending.popleft().result())
+        while pending:
             out.update(pending.popleft().result())
-    while pending:
-        out.update(pending.popleft().result())
+    finally:
+        for future in pending:  # after an error: nothing keeps converting once this returns
+            future.cancel()
+        wait(pending)
     return WeightSet(weight_format, out, owned=True)
 
 
@@ -711,9 +728,9 @@ def _decode_delta(
     ]
     work = [(target, i) for target in targets for i in range(len(target.chunks))]
     work.sort(key=lambda w: w[0].spans[w[1]][0] - w[0].spans[w[1]][1])  # big first: balanced threads
-    outcomes, interrupted = _settled(lambda w: _unpack_chunk(*w), work)
-    undos = [o[1] for o in outcomes if isinstance(o, tuple) and o[1] is not None]
+    outcomes: list[tuple[bytes, Callable[[], None] | None] | BaseException] = []
     try:
+        outcomes, interrupted = _settled(lambda w: _unpack_chunk(*w), work)
         if interrupted is not None:
             raise interrupted
         new = {name: t for name, t in held.tensors.items() if name not in removed}
@@ -732,12 +749,26 @@ def _decode_delta(
         weights = _checked_set(held.format, new, digests, metadata, held.owned)
         accept(weights, len(entries) + len(removed))
     except BaseException:
-        for undo in undos:  # XOR is its own inverse: the held set is back, bit for bit
-            undo()
+        _undo(held, outcomes)
         raise
     if held.owned:  # its memory now belongs to (and may hold) the new version
         held._consume()
     return weights, len(entries) + len(removed)
+
+
+def _undo(
+    held: WeightSet, outcomes: Sequence[tuple[bytes, Callable[[], None] | None] | BaseException]
+) -> None:
+    """XOR every rewritten chunk back (XOR is its own inverse): the held set is back, bit for bit. Should
+    that itself be cut short, the set is consumed: it must not pass for a version its bytes no longer
+    are."""
+    try:
+        for outcome in outcomes:
+            if isinstance(outcome, tuple) and outcome[1] is not None:
+                outcome[1]()
+    except BaseException:
+        held._consume()
+        raise
 
 
 def _extent(t: torch.Tensor) -> tuple[int, int]:
@@ -854,10 +885,10 @@ def _unshared(tensors: Mapping[str, torch.Tensor]) -> set[str]:
 def _settled(
     fn: Callable[[T], R], items: Sequence[T]
 ) -> tuple[list[R | BaseException], BaseException | None]:
-    """``fn`` over ``items`` on the pool, each outcome a result or the exception it raised, and every call
-    run to its end, even when this thread is interrupted meanwhile (returned second): nothing is undone
-    while a chunk may still be writing."""
-    from concurrent.futures import wait
+    """``fn`` over ``items`` on the pool, each outcome a result or the exception it raised, every call
+    run to its end even when this thread is interrupted meanwhile (the interrupt is returned second, with
+    the outcomes of the calls it let start): nothing is undone while a chunk may still be writing. The
+    calls always run on the pool, where no signal lands; this thread only waits."""
 
     def attempt(item: T) -> R | BaseException:
         try:
@@ -865,16 +896,18 @@ def _settled(
         except BaseException as exc:
             return exc
 
-    if len(items) < 2:
-        return [attempt(x) for x in items], None
-    pool = _pool()
-    futures = [pool.submit(attempt, x) for x in items]
+    pool, futures = _pool(), list[Future[R | BaseException]]()
     interrupted: BaseException | None = None
+    try:
+        for item in items:
+            futures.append(pool.submit(attempt, item))
+    except BaseException as exc:  # e.g. KeyboardInterrupt: submit no more
+        interrupted = exc
     while True:
         try:
             wait(futures)
             break
-        except BaseException as exc:  # e.g. KeyboardInterrupt: let the writers finish, then undo
+        except BaseException as exc:  # let the writers finish, then undo
             interrupted = interrupted or exc
     return [f.result() for f in futures], interrupted
 
@@ -930,7 +963,7 @@ def _xor_stream(out: np.ndarray, packed: np.ndarray) -> Callable[[], None]:
     progress = [0]
     try:
         xor(out.size, progress, whole=True)
-    except Exception:
+    except BaseException:
         xor(progress[0], [0], whole=False)  # the same bytes again: undone as far as it got
         raise
     return lambda: xor(out.size, [0], whole=False)

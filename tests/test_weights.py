@@ -100,6 +100,26 @@ def test_fp8_weight_set_layout(gen: torch.Generator) -> None:
     assert WeightSet(f32.format, dict(f32.tensors)).digest == before
 
 
+def test_a_set_is_built_on_the_pool_in_order_and_in_the_caller_s_context(gen: torch.Generator) -> None:
+    """Tensors are quantized on the codec's threads: the set keeps the state dict's order (each scale
+    after its weight), equals one built a tensor at a time, and the caller's quant.nonfinite_passes
+    reaches those threads (a NaN weight is refused without it, quantized to NaN codes within it)."""
+    sd = model_like_state_dict(gen, layers=3)
+    ws = build_weight_set(sd, "fp8-block128")
+    one_by_one: dict[str, torch.Tensor] = {}
+    for name, t in sd.items():
+        one_by_one |= build_weight_set({name: t}, "fp8-block128").tensors
+    assert list(ws.tensors) == list(one_by_one)
+    assert_sets_identical(WeightSet("fp8-block128", one_by_one), ws)
+    poisoned = {**sd, "model.layers.2.mlp.up_proj.weight": sd["model.layers.2.mlp.up_proj.weight"].clone()}
+    poisoned["model.layers.2.mlp.up_proj.weight"][5, 7] = float("nan")
+    with pytest.raises(quant.NonFiniteError):
+        build_weight_set(poisoned, "fp8-block128")
+    with quant.nonfinite_passes():
+        codes = build_weight_set(poisoned, "fp8-block128").tensors["model.layers.2.mlp.up_proj.weight"]
+    assert ((codes.view(torch.uint8) & 0x7F) == 0x7F).any()
+
+
 @pytest.mark.parametrize("fmt", ["fp8-block128", "bf16"])
 def test_keyframe_then_deltas_round_trip_bit_exact(fmt: str, gen: torch.Generator) -> None:
     master = model_like_state_dict(gen)
