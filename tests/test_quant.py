@@ -121,15 +121,15 @@ def test_bf16_input_quantizes_its_float32_value(gen: torch.Generator) -> None:
 @pytest.mark.parametrize("shape", SHAPES)
 def test_dequantized_weight_gives_back_its_codes(shape: tuple[int, int], gen: torch.Generator) -> None:
     """What a replica computes with, dequant(q, s), holds the codes: dividing by the held scales gives
-    them back exactly, and so does re-quantizing (whose scales may differ from the held ones by an ulp,
-    as 1 / (448 / amax) need not round back to the same float)."""
+    them back exactly, and so does re-quantizing (whose scales may differ from the held ones by an ulp or
+    two, as 1 / (448 / amax) need not round back to the same float)."""
     q, s = quant.quantize_blockwise(random_weight(shape, gen))
     dq = quant.dequantize_blockwise(q, s)
     per_element = s.repeat_interleave(128, 0).repeat_interleave(128, 1)[: shape[0], : shape[1]]
     assert_codes_equal((dq / per_element).to(E4M3), q)
     q2, s2 = quant.quantize_blockwise(dq)
     assert_codes_equal(q2, q)
-    assert ((s2 - s).abs() <= s * 2.0**-23).all()
+    assert ((s2 - s).abs() <= s * 2.0**-22).all()  # three roundings: see the activations' round trip
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -178,7 +178,9 @@ def test_activation_quantization_matches_reference(shape: tuple[int, ...], gen: 
     assert torch.equal(dq.reshape(rows.shape), reference_dequantize(rq, rs, 1, 128))
     q2, s2 = quant.quantize_activation(quant.dequantize_activation(q, s))
     assert_codes_equal(q, q2)
-    assert ((s2 - s).abs() <= s * 2.0**-23).all()
+    # The round trip rounds three times (448 * s, 448 / amax, 1 / scale: TE's arithmetic), each within
+    # 2**-24 of the value: the scale may move by 1.5 * 2**-23 of itself (seen: seed 3372469919, 17 x 129).
+    assert ((s2 - s).abs() <= s * 2.0**-22).all()
 
 
 def test_fake_quant_keeps_dtype_and_equals_dequantized_codes(gen: torch.Generator) -> None:
