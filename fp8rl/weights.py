@@ -101,13 +101,23 @@ def _joined(chunk_digests: Sequence[bytes]) -> str:
 def digest_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
     """Every tensor's digest, all their chunks hashed in parallel."""
     arrays = {name: raw_bytes(t) for name, t in tensors.items()}
-    work = [(name, i, span) for name, a in arrays.items() for i, span in enumerate(_spans(a.size))]
-    work.sort(key=lambda w: w[2][0] - w[2][1])  # big first: balanced threads
-    hashed = parallel_map(lambda w: xxhash.xxh3_128_digest(arrays[w[0]][w[2][0] : w[2][1]].data), work)
-    chunks: dict[str, dict[int, bytes]] = {name: {} for name in arrays}
-    for (name, i, _), digest in zip(work, hashed, strict=True):
-        chunks[name][i] = digest
-    return {name: _joined([c[i] for i in range(len(c))]) for name, c in chunks.items()}
+    hashed = _map_chunks(
+        {name: a.size for name, a in arrays.items()},
+        lambda name, span: xxhash.xxh3_128_digest(arrays[name][span[0] : span[1]].data),
+    )
+    return {name: _joined(digests) for name, digests in hashed.items()}
+
+
+def _map_chunks(sizes: Mapping[str, int], fn: Callable[[str, tuple[int, int]], R]) -> dict[str, list[R]]:
+    """``fn(name, span)`` for every chunk of every tensor (``sizes``: bytes per name) on the pool, biggest
+    first (balanced threads); each tensor's results in chunk order."""
+    work = [(name, i, span) for name, nbytes in sizes.items() for i, span in enumerate(_spans(nbytes))]
+    work.sort(key=lambda w: w[2][0] - w[2][1])
+    results = parallel_map(lambda w: fn(w[0], w[2]), work)
+    chunks: dict[str, dict[int, R]] = {name: {} for name in sizes}
+    for (name, i, _), result in zip(work, results, strict=True):
+        chunks[name][i] = result
+    return {name: [c[i] for i in range(len(c))] for name, c in chunks.items()}
 
 
 _WORKERS = os.cpu_count() or 2  # one thread per core
@@ -518,8 +528,6 @@ def encode_delta(
         words[name] = _word(arrays[name].size)
         same_kind = old is not None and old.dtype == t.dtype and old.shape == t.shape
         bases[name] = raw_bytes(old) if same_kind else None  # type: ignore[arg-type]
-    work = [(name, i, span) for name, a in arrays.items() for i, span in enumerate(_spans(a.size))]
-    work.sort(key=lambda w: w[2][0] - w[2][1])  # big first: balanced threads
 
     def pack(name: str, span: tuple[int, int]) -> _PackedChunk:
         old = bases[name]
@@ -527,11 +535,7 @@ def encode_delta(
             arrays[name][span[0] : span[1]], None if old is None else old[span[0] : span[1]], words[name]
         )
 
-    packed = parallel_map(lambda w: pack(w[0], w[2]), work)
-    chunks: dict[str, dict[int, _PackedChunk]] = {name: {} for name in arrays}
-    for (name, i, _), chunk in zip(work, packed, strict=True):
-        chunks[name][i] = chunk
-    ordered = {name: [c[i] for i in range(len(c))] for name, c in sorted(chunks.items())}
+    ordered = dict(sorted(_map_chunks({name: a.size for name, a in arrays.items()}, pack).items()))
     digests = {name: _joined([c.digest for c in cs]) for name, cs in ordered.items()}
     if "tensor_digests" not in new.__dict__:
         new.__dict__["tensor_digests"] = digests
