@@ -6,19 +6,28 @@ engine, ``StoringReplica``, in place of vLLM). Printed, measured in this one run
 * seconds to stream the same bytes over the same RPC with no codec at either end (``raw``: pieces cut
   from a buffer, kept in one by the receiver, as any receiver of weights must);
 * their ratio (raw / ours: 1.0 means the codec costs nothing beyond the bytes it sends), with and without
-  the time the trainer spends building the rollout's set from its master weights (quantizing to FP8),
-  which is printed on its own (``build s``), as is the delivery's own time (``send s``: encode, stream,
-  the replica's decode and reply).
+  the time the trainer spends building the rollout's set from its master weights (quantizing to FP8,
+  measured on its own as ``build s``): ``raw set/send`` compares raw with the delivery's own time
+  (``send s``: encode, stream, the replica's decode and reply).
 
 For a delta, raw is given for the delta's own wire bytes and for the whole set's bytes (what sending the
-new weights without a codec would cost).
+new weights without a codec would cost). Each update is sent three ways: ``whole`` (one part: encoded
+whole, then sent, then decoded), ``parts`` (streamed: each part sent and applied while the next one is
+encoded) and ``signed`` (streamed, with the run's MAC on every part), each twice; the ratios printed
+last compare each mode's best ``send s``.
 
-    python bench/weight_sync_e2e.py [--layers 24] [--format fp8-block128]
+With ``--split-cores`` the trainer runs on half the cores and the replica on the other half, as if on
+two machines: only then can one side encode while the other decodes (on shared cores, streaming only
+overlaps the codec with gRPC's own work).
+
+    python bench/weight_sync_e2e.py [--layers 24] [--format fp8-block128] [--split-cores]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import subprocess
 import sys
 import tempfile
@@ -34,9 +43,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/weight_sync.py
 
 from fp8rl.recipes import WEIGHT_FORMATS
 from fp8rl.security import SecurityConfig
+from fp8rl.serving import read_ahead, start_server
 from fp8rl.v1 import rollout_pb2_grpc, weights_pb2
-from fp8rl.weight_stream import CHUNK_BYTES, Reassembler, receive_update
-from fp8rl.weights import WeightSet, build_weight_set, decode_update
+from fp8rl.weight_stream import CHUNK_BYTES, Reassembler, decode_parts, receive_parts
+from fp8rl.weights import PART_BYTES, WeightSet, build_weight_set
 from trainer_service.publisher import Publisher, Target
 
 
@@ -58,18 +68,12 @@ class StoringReplica(rollout_pb2_grpc.RolloutServicer):
             for chunk in stream:
                 assembler.add(chunk.data)
             return weights_pb2.UpdateWeightsResponse(encoding="raw", bytes_received=first.header.total_bytes)
-        key = (
-            BENCH_KEY if first.header.mac else None
-        )  # signed updates are verified, as a replica with the key does
-        _, blob = receive_update(_prepend(first, stream), max_bytes=1 << 36, key=key)
-        start = time.perf_counter()
-        decoded = decode_update(blob, self.held, self.version if self.held is not None else None)
+        key = BENCH_KEY if first.header.mac else None  # signed updates are verified, as with the run's key
+        parts = read_ahead(receive_parts(_prepend(first, stream), max_bytes=1 << 36, key=key))
+        decoded, received = decode_parts(parts, self.held, self.version if self.held is not None else None)
         self.held, self.version = decoded.weights, decoded.version  # the stand-in engine's "load"
         return weights_pb2.UpdateWeightsResponse(
-            version=decoded.version,
-            encoding=decoded.encoding,
-            bytes_received=len(blob),
-            apply_s=time.perf_counter() - start,
+            version=decoded.version, encoding=decoded.encoding, bytes_received=received
         )
 
 
@@ -82,7 +86,6 @@ def _prepend(first: weights_pb2.WeightChunk, rest: Iterator[weights_pb2.WeightCh
 
 
 def serve_replica() -> None:
-    from fp8rl.serving import start_server
 
     running = start_server(
         lambda s: rollout_pb2_grpc.add_RolloutServicer_to_server(StoringReplica(), s),
@@ -124,8 +127,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--format", choices=WEIGHT_FORMATS, default="fp8-block128")
+    parser.add_argument(
+        "--split-cores",
+        action="store_true",
+        help="trainer on the first half of the cores, replica on the rest, as on two machines",
+    )
     parser.add_argument("--replica", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.split_cores:
+        cores = list(range(os.cpu_count() or 2))  # (the replica inherits the trainer's half: not those)
+        half = max(1, len(cores) // 2)
+        os.sched_setaffinity(0, cores[half:] if args.replica else cores[:half])
     if args.replica:
         serve_replica()
         return
@@ -136,7 +148,10 @@ def main() -> None:
         n: torch.randn(s) * (0.02 if len(s) == 2 else 1.0) for n, s in qwen2_05b_shapes(args.layers).items()
     }
     replica = subprocess.Popen(
-        [sys.executable, __file__, "--replica"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        [sys.executable, __file__, "--replica", *(["--split-cores"] if args.split_cores else [])],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         line = replica.stdout.readline() if replica.stdout else ""
@@ -145,7 +160,7 @@ def main() -> None:
         print(
             f"{'update':17} {'wire MB':>9} {'set MB':>8} {'build s':>8} {'send s':>7} {'ours s':>8} "
             f"{'raw wire s':>10} "
-            f"{'raw set s':>9} {'raw/ours wire':>13} {'raw set/ours':>12} {'raw set/(ours-build)':>20}"
+            f"{'raw set s':>9} {'raw/ours wire':>13} {'raw set/ours':>12} {'raw set/send':>12}"
         )
         key_file = Path(tempfile.mkdtemp()) / "update.key"
         key_file.write_text(BENCH_KEY.hex())
@@ -153,15 +168,19 @@ def main() -> None:
         for step_size in (1e-4, 1e-5, 1e-6):
             master = {n: w + step_size * w.abs() * torch.randn(w.shape) for n, w in master.items()}
             steps.append((step_size, master))
-        send_s: dict[tuple[str, str], float] = {}
+        send_s: dict[tuple[str, str], float] = {}  # (update, mode)
         warm_up = Publisher(args.format, torch.bfloat16, args.format)  # first-touch of both processes' memory
         warm_up.publish(0, lambda: master, [Target(address, -1)])
         warm_up.close()
-        # Unsigned, then signed (keyed BLAKE3 over every byte, made once by the trainer, checked by the
-        # replica as the chunks arrive): the same updates, so the difference is the MAC's cost.
-        for signing in ("unsigned", "signed"):
-            security = SecurityConfig(update_key_file=key_file) if signing == "signed" else None
-            publisher = Publisher(args.format, torch.bfloat16, args.format, security)
+        # The same updates sent as one part (encoded whole, then sent, then decoded whole), streamed in
+        # parts (each part encoded, sent and applied while the next is encoded), and streamed and signed
+        # (keyed BLAKE3 over every byte, made by the trainer as each part is encoded, checked by the
+        # replica as the chunks arrive): the differences are streaming's gain and the MAC's cost. Each
+        # mode runs twice, in mirrored order, and the ratios take each one's best (this VM drifts).
+        for mode in ("whole", "parts", "signed", "signed", "parts", "whole"):
+            security = SecurityConfig(update_key_file=key_file) if mode == "signed" else None
+            part_bytes = sys.maxsize if mode == "whole" else PART_BYTES
+            publisher = Publisher(args.format, torch.bfloat16, args.format, security, part_bytes)
             held = -1
             for version, (relative, step_master) in enumerate(steps):
                 weights = {n: w.clone() for n, w in step_master.items()}
@@ -173,22 +192,22 @@ def main() -> None:
                 held = version
                 set_bytes = publisher.last[1].nbytes if publisher.last else 0
                 wire, whole = raw_seconds(address, delivery.wire_bytes), raw_seconds(address, set_bytes)
-                label = ("keyframe" if relative is None else f"delta {relative:.0e}") + f" {signing[:4]}"
-                send_s[(label.rsplit(" ", 1)[0], signing)] = delivery.seconds
+                label = ("keyframe" if relative is None else f"delta {relative:.0e}") + f" {mode}"
+                kind = label.rsplit(" ", 1)[0]
+                send_s[kind, mode] = min(send_s.get((kind, mode), math.inf), delivery.seconds)
                 sizes = f"{label:17} {delivery.wire_bytes / 1e6:9.2f} {set_bytes / 1e6:8.1f}"
                 times = f"{build:8.3f} {delivery.seconds:7.3f} {ours:8.3f} {wire:10.3f} {whole:9.3f}"
-                print(
-                    f"{sizes} {times} {wire / ours:13.3f} {whole / ours:12.3f} {whole / (ours - build):20.3f}"
-                )
+                ratios = f"{wire / ours:13.3f} {whole / ours:12.3f} {whole / delivery.seconds:12.3f}"
+                print(f"{sizes} {times} {ratios}")
             publisher.close()
-        print(
-            "send s, signed / unsigned: "
-            + ", ".join(
-                f"{label} {send_s[(label, 'signed')] / send_s[(label, 'unsigned')]:.2f}x"
-                for label, signing in send_s
-                if signing == "unsigned"
-            )
-        )
+        for name, mode, against in (
+            ("streamed / whole", "parts", "whole"),
+            ("signed / unsigned", "signed", "parts"),
+        ):
+            compared = [
+                f"{kind} {send_s[kind, mode] / send_s[kind, against]:.2f}x" for kind, m in send_s if m == mode
+            ]
+            print(f"send s, {name}: " + ", ".join(compared))
     finally:
         if replica.stdin:
             replica.stdin.close()

@@ -10,7 +10,7 @@
   (Generate, GetStatus, health, reflection) is a read, open to any identified caller, or to anyone where
   ``open_reads`` is set. A server with no way to identify callers (no tokens, no client CA) lets
   everyone in, and so may only bind loopback (:func:`exposure_problem`).
-- Updates: the trainer signs each update's header fields and every byte of its blob with keyed BLAKE3
+- Updates: the trainer signs each part of an update (its header fields, and every byte) with keyed BLAKE3
   (its key derived from the run's update key); a replica with that key applies only updates that
   verify, and only forward: (epoch, version) must grow, where epoch is the fencing token of the
   coordinator that asked for the publish. A coordinator that takes a run over (a restart, a rewind to a
@@ -400,17 +400,20 @@ _UPDATE_MAC_CONTEXT = "fp8rl 2026-12 weight update MAC"  # the update key is tur
 
 
 class UpdateMac:
-    """Keyed BLAKE3 (a MAC: BLAKE3's keyed mode is a PRF) over an update's header fields and then every
-    byte of its blob, fed as it streams. It runs on every core for big chunks: 6 GB/s on this project's
-    2-core machine against HMAC-SHA256's 1.5."""
+    """Keyed BLAKE3 (a MAC: BLAKE3's keyed mode is a PRF) over the header fields of one part of an update
+    (its index and the part count among them) and then every byte of the part's blob, fed as it streams.
+    It runs on every core for big chunks: 6 GB/s on this project's 2-core machine against HMAC-SHA256's
+    1.5."""
 
     def __init__(self, key: bytes, header: Any) -> None:
         fields = [
-            "fp8rl-update-v2",
+            "fp8rl-update-v3",
             header.version,
             header.base_version,
             header.epoch,
             header.encoding,
+            header.part,
+            header.parts,
             header.total_bytes,
             header.digest,
             header.format,

@@ -11,6 +11,7 @@ import functools
 import inspect
 import logging
 import os
+import queue
 import signal
 import threading
 import time
@@ -199,6 +200,45 @@ def idle_limited(items: Iterable[T], context: grpc.ServicerContext, idle_s: floa
     finally:
         if timer is not None:
             timer.cancel()
+
+
+def read_ahead(items: Iterable[T], depth: int = 1) -> Iterator[T]:
+    """``items``, read on a thread of their own up to ``depth`` items ahead of the consumer: a weight
+    stream's next part arrives while this one is applied. An error reading them is raised to the consumer
+    in its turn; the reader stops at the next item once the consumer stops (an RPC that ends, ends its
+    request stream)."""
+    ready: queue.Queue[tuple[bool, Any]] = queue.Queue(maxsize=depth)
+    stopped = threading.Event()
+
+    def put(entry: tuple[bool, Any]) -> None:
+        while not stopped.is_set():
+            try:
+                ready.put(entry, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def read() -> None:
+        try:
+            for item in items:
+                put((True, item))
+                if stopped.is_set():
+                    return
+            put((False, None))
+        except BaseException as exc:
+            put((False, exc))
+
+    threading.Thread(target=read, name="read-ahead", daemon=True).start()
+    try:
+        while True:
+            more, value = ready.get()
+            if not more:
+                if value is not None:
+                    raise value
+                return
+            yield value
+    finally:
+        stopped.set()
 
 
 FENCE_METADATA = "fp8rl-fence"

@@ -1,24 +1,32 @@
-"""Weight updates as gRPC message streams: one ``WeightHeader``, then data chunks of at most 4 MiB, cut
-from the update's segments as they are sent.
+"""Weight updates as gRPC message streams: for each part of an update, one ``WeightHeader``, then data
+chunks of at most 4 MiB, cut from the part's segments as they are sent.
 
-Proto conversion only; the bytes themselves come from and go to :mod:`fp8rl.weights`.
+Proto conversion and stream checks only; the bytes themselves come from and go to :mod:`fp8rl.weights`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from fp8rl.errors import CorruptUpdateError
 from fp8rl.security import UpdateMac, sign_update, verify_update
 from fp8rl.v1 import weights_pb2
-from fp8rl.weights import EncodedUpdate, bytes_digest
+from fp8rl.weights import (
+    MAX_PARTS,
+    Admit,
+    DecodedUpdate,
+    EncodedUpdate,
+    UpdateDecoder,
+    WeightSet,
+    bytes_digest,
+)
 
 # gRPC's default receive limit is 4 MiB per message; leave room for the message framing.
 CHUNK_BYTES = 4 * 1024 * 1024 - 4096
 
 
 def header_of(update: EncodedUpdate, epoch: int = 0, key: bytes | None = None) -> weights_pb2.WeightHeader:
-    """The update's header; with the run's ``key``, signed (one pass over the blob: sign once, send to
+    """The header of one part; with the run's ``key``, signed (one pass over the part: sign once, send to
     every target)."""
     header = weights_pb2.WeightHeader(
         version=update.version,
@@ -29,6 +37,8 @@ def header_of(update: EncodedUpdate, epoch: int = 0, key: bytes | None = None) -
         format=update.format,
         recipe=update.recipe,
         epoch=epoch,
+        part=update.part,
+        parts=update.parts,
     )
     if key is not None:
         header.mac = sign_update(key, header, update.segments)  # the same bytes as the pieces, uncopied
@@ -38,36 +48,86 @@ def header_of(update: EncodedUpdate, epoch: int = 0, key: bytes | None = None) -
 def update_to_chunks(
     update: EncodedUpdate, chunk_bytes: int = CHUNK_BYTES, header: weights_pb2.WeightHeader | None = None
 ) -> Iterator[weights_pb2.WeightChunk]:
+    """One part's messages (a whole stream when the update is one part)."""
     yield weights_pb2.WeightChunk(header=header if header is not None else header_of(update))
     for piece in update.pieces(chunk_bytes):
         yield weights_pb2.WeightChunk(data=piece)
 
 
-def receive_update(
+def parts_to_chunks(
+    parts: Iterable[EncodedUpdate], epoch: int = 0, key: bytes | None = None, chunk_bytes: int = CHUNK_BYTES
+) -> Iterator[weights_pb2.WeightChunk]:
+    """An update's messages, each part signed (with ``key``) and sent as it comes."""
+    for part in parts:
+        yield from update_to_chunks(part, chunk_bytes, header_of(part, epoch, key))
+
+
+_SAME_IN_EVERY_PART = ("version", "base_version", "encoding", "format", "recipe", "epoch", "parts")
+
+
+def receive_parts(
     chunks: Iterable[weights_pb2.WeightChunk], max_bytes: int | None = None, key: bytes | None = None
-) -> tuple[weights_pb2.WeightHeader, bytearray]:
-    """Reassemble a chunk stream; raises :class:`CorruptUpdateError` unless it is one header followed
-    by data whose total size and header digest match the header, and with the run's ``key``
-    :class:`~fp8rl.errors.Unauthenticated` unless its MAC verifies."""
+) -> Iterator[tuple[weights_pb2.WeightHeader, bytearray]]:
+    """Reassemble a chunk stream part by part, yielding each part's header and blob (writable: it is
+    decoded in place) as soon as the part is whole. Raises :class:`CorruptUpdateError` unless every part is
+    one header followed by data whose total size and header digest match it, the headers number the
+    parts 0, 1, ... up to their count and agree on everything else, and all parts together stay within
+    ``max_bytes``; with the run's ``key``, :class:`~fp8rl.errors.Unauthenticated` unless every part's MAC
+    verifies (each before a byte of it is yielded)."""
     stream = iter(chunks)
-    first = next(stream, None)
-    if first is None or first.WhichOneof("part") != "header":
+    chunk = next(stream, None)
+    if chunk is None or chunk.WhichOneof("part") != "header":
         raise CorruptUpdateError("a weight stream must start with its header")
-    header = first.header
-    mac = UpdateMac(key, header) if key is not None else None
-    if mac is not None and not header.mac:
-        verify_update(mac, "")  # refused before a byte of data is read
-    assembler = Reassembler(header.total_bytes, header.digest, max_bytes)
-    for chunk in stream:
-        if chunk.WhichOneof("part") != "data":
-            raise CorruptUpdateError("a weight stream has exactly one header, at the start")
-        assembler.add(chunk.data)
+    first = chunk.header
+    if not 0 < first.parts <= MAX_PARTS:
+        raise CorruptUpdateError(f"header.parts: {first.parts} outside [1, {MAX_PARTS}]")
+    budget = max_bytes
+    for index in range(first.parts):
+        if chunk is None:
+            raise CorruptUpdateError(f"truncated update: {index} of {first.parts} parts arrived")
+        if chunk.WhichOneof("part") != "header":
+            raise CorruptUpdateError(f"part {index} must start with its header")
+        header = chunk.header
+        if header.part != index:
+            raise CorruptUpdateError(f"header.part: {header.part} arrived where part {index} was due")
+        differs = [f for f in _SAME_IN_EVERY_PART if getattr(header, f) != getattr(first, f)]
+        if differs:
+            raise CorruptUpdateError(f"header.{differs[0]}: part {index} belongs to another update")
+        mac = UpdateMac(key, header) if key is not None else None
+        if mac is not None and not header.mac:
+            verify_update(mac, "")  # refused before a byte of data is read
+        assembler = Reassembler(header.total_bytes, header.digest, budget)
+        chunk = next(stream, None)
+        while chunk is not None and chunk.WhichOneof("part") == "data":
+            assembler.add(chunk.data)
+            if mac is not None:
+                mac.update(chunk.data)
+            chunk = next(stream, None)
+        blob = assembler.finish()
         if mac is not None:
-            mac.update(chunk.data)
-    blob = assembler.finish()
-    if mac is not None:
-        verify_update(mac, header.mac)
-    return header, blob
+            verify_update(mac, header.mac)
+        if budget is not None:
+            budget -= len(blob)
+        yield header, blob
+    if chunk is not None:
+        raise CorruptUpdateError(f"a weight stream of {first.parts} parts goes on after its last part")
+
+
+def decode_parts(
+    parts: Iterable[tuple[weights_pb2.WeightHeader, bytearray]],
+    held: WeightSet | None = None,
+    held_version: int | None = None,
+    admit: Admit | None = None,
+    accept: Callable[[DecodedUpdate], None] | None = None,
+) -> tuple[DecodedUpdate, int]:
+    """Apply received parts as they come (:class:`~fp8rl.weights.UpdateDecoder`: all or nothing, even
+    when the stream breaks after some parts were applied); returns the update and the bytes received."""
+    received = 0
+    with UpdateDecoder(held, held_version, admit) as decoder:
+        for _, blob in parts:
+            decoder.add(blob)
+            received += len(blob)
+        return decoder.finish(accept), received
 
 
 class Reassembler:

@@ -7,7 +7,10 @@ transformer blocks ships as ``<module>.weight`` (float8_e4m3fn) plus ``<module>.
 every tensor of ``bf16``, in the high-precision dtype (bf16 unless a float32 exactness run asks for
 float32).
 
-Two encodings, both laid out as one safetensors file with string metadata:
+Two encodings, both sent as one or more *parts*, each part laid out as one safetensors file with string
+metadata (its index and the number of parts; the last part seals the set with its digest). Parts cover
+consecutive tensors, about 64 MiB of them each, so that a stream sends one part while the next is
+encoded and its receiver applies one part while the next arrives:
 
 * keyframe (``kind: full``): the whole set, with a digest per tensor.
 * delta (``kind: delta``): each tensor whose bytes changed, as a uint8 tensor of packed chunks (16 MiB of
@@ -17,7 +20,8 @@ Two encodings, both laid out as one safetensors file with string metadata:
   bytes; and the digest of each resulting tensor. A delta names its base version and the base set's
   digest, so it is only ever applied to exactly the bytes it was computed against.
 
-Decoding verifies every digest before it returns, and an update is applied whole or not at all. A delta
+Decoding verifies every digest before it returns, and an update is applied whole or not at all (parts are
+applied as they arrive, and every part is put back if a later one fails). A delta
 against a set that owns its memory (one the codec built or decoded) is applied in place: XORed into that
 memory (no second copy of the set is made), and on any refusal XORed back, bit for bit (XOR is its own
 inverse).
@@ -38,6 +42,7 @@ import json
 import math
 import os
 import struct
+import sys
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -54,12 +59,14 @@ from fp8rl import quant
 from fp8rl.errors import BaseMismatchError, CorruptUpdateError
 from fp8rl.recipes import WEIGHT_FORMATS, WeightFormat, is_fp8, weight_scale_format
 
-FORMAT_VERSION = "4"  # 4: tensors hashed and packed in 16 MiB chunks; sparse streams in byte planes
+FORMAT_VERSION = "5"  # 4: 16 MiB chunks, sparse streams in byte planes; 5: updates in parts
 Encoding = Literal["keyframe", "delta"]
 SCALE_SUFFIX = "weight_scale_inv"
 _ZSTD_LEVEL = 1  # XOR streams are mostly zero bytes: level 1 already finds the runs, and is fast
 _BLOCK = 1 << 20  # bytes per step of the fused delta loops: a block and its XOR stay in L2 cache
 _CHUNK = 16 * _BLOCK  # bytes per task on the thread pool: a big tensor keeps every core busy
+PART_BYTES = 4 * _CHUNK  # tensor bytes per part of a streamed update (a bigger tensor is a part alone)
+MAX_PARTS = 1 << 20  # bounds what a claim can cost (64 PiB of tensors at the default part size)
 _DIGEST = "xxh3-128:"
 T = TypeVar("T")
 R = TypeVar("R")
@@ -358,8 +365,8 @@ def _tensors_of(
 
 @dataclass(frozen=True)
 class EncodedUpdate:
-    """One encoded update as segments to stream (header, then tensor bytes, not concatenated), and what
-    the header and reports need."""
+    """One part of an encoded update (often the only one) as segments to stream (its header, then tensor
+    bytes, not concatenated), and what the stream's header and reports need."""
 
     segments: tuple[memoryview, ...]
     encoding: Encoding
@@ -368,7 +375,19 @@ class EncodedUpdate:
     format: WeightFormat
     recipe: str
     tensors_changed: int
-    density: float  # fraction of the set's tensor bytes that changed (1.0 for a keyframe)
+    changed_bytes: int  # of the tensor bytes this part covers, those that changed (all, for a keyframe)
+    tensor_bytes: int  # bytes of the set's tensors this part covers
+    part: int = 0
+    parts: int = 1
+
+    @property
+    def density(self) -> float:
+        """Fraction of the covered tensor bytes that changed (1.0 for a keyframe)."""
+        return (
+            self.changed_bytes / self.tensor_bytes
+            if self.tensor_bytes
+            else float(self.encoding == "keyframe")
+        )
 
     @functools.cached_property
     def digest(self) -> str:
@@ -417,21 +436,69 @@ def _metadata_digest(metadata: Mapping[str, str]) -> str:
 
 
 def encode_keyframe(weights: WeightSet, version: int, recipe: str = "") -> EncodedUpdate:
-    metadata = {
-        "format_version": FORMAT_VERSION,
-        "kind": "full",
-        "version": str(version),
-        "recipe": recipe,
-        "format": weights.format,
-        "digests": json.dumps(weights.tensor_digests, sort_keys=True),
-        "set_digest": weights.digest,
-    }
+    """The whole set as a keyframe in one part."""
+    (whole,) = keyframe_parts(weights, version, recipe, part_bytes=sys.maxsize)
+    return whole
+
+
+def keyframe_parts(
+    weights: WeightSet, version: int, recipe: str = "", part_bytes: int = PART_BYTES
+) -> Iterator[EncodedUpdate]:
+    """The set as a keyframe in parts of about ``part_bytes`` tensor bytes, each hashed as it is asked
+    for: a stream sends one part while the next is hashed, and its receiver checks one part while the
+    next arrives. The last part seals the set."""
+    weights._check_not_consumed()
     tensors = {n: t.contiguous() for n, t in weights.tensors.items()}
-    layout = {n: (t.dtype, t.shape, t.numel() * t.element_size()) for n, t in tensors.items()}
-    segments = (memoryview(_layout(layout, sealed(metadata))), *(_view(t) for t in tensors.values()))
-    return EncodedUpdate(
-        segments, "keyframe", version, -1, weights.format, recipe, tensors_changed=len(tensors), density=1.0
-    )
+    groups = _grouped({n: t.numel() * t.element_size() for n, t in tensors.items()}, part_bytes)
+    known = weights.__dict__.get("tensor_digests")  # hashed already (e.g. as the last delta's new set)
+    digests: dict[str, str] = {}
+    for i, names in enumerate(groups):
+        part = {n: tensors[n] for n in names}
+        part_digests = {n: known[n] for n in names} if known is not None else digest_tensors(part)
+        digests.update(part_digests)
+        metadata = {
+            "format_version": FORMAT_VERSION,
+            "kind": "full",
+            "version": str(version),
+            "recipe": recipe,
+            "format": weights.format,
+            "part": str(i),
+            "parts": str(len(groups)),
+            "digests": json.dumps(part_digests, sort_keys=True),
+        }
+        if i == len(groups) - 1:
+            if known is None:
+                weights.__dict__["tensor_digests"] = digests
+            metadata["set_digest"] = weights.digest
+        layout = {n: (t.dtype, t.shape, t.numel() * t.element_size()) for n, t in part.items()}
+        nbytes = sum(size for _, _, size in layout.values())
+        yield EncodedUpdate(
+            (memoryview(_layout(layout, sealed(metadata))), *(_view(t) for t in part.values())),
+            "keyframe",
+            version,
+            -1,
+            weights.format,
+            recipe,
+            tensors_changed=len(part),
+            changed_bytes=nbytes,
+            tensor_bytes=nbytes,
+            part=i,
+            parts=len(groups),
+        )
+
+
+def _grouped(sizes: Mapping[str, int], part_bytes: int) -> list[list[str]]:
+    """The names in order, cut into parts of at most ``part_bytes`` (a bigger tensor alone); at least one
+    part, which may be empty."""
+    groups: list[list[str]] = [[]]
+    filled = 0
+    for name, nbytes in sizes.items():
+        if groups[-1] and filled + nbytes > part_bytes:
+            groups.append([])
+            filled = 0
+        groups[-1].append(name)
+        filled += nbytes
+    return groups
 
 
 @dataclass(frozen=True)
@@ -517,11 +584,27 @@ def _pack_dense(new: np.ndarray, base: np.ndarray | None) -> _PackedChunk:
 def encode_delta(
     new: WeightSet, base: WeightSet, version: int, base_version: int, recipe: str = ""
 ) -> EncodedUpdate:
-    """Encode ``new`` as changes against ``base`` (which the receiver holds as ``base_version``), the
-    chunks of every tensor on the thread pool. The new set's tensor digests are computed on the way (and
-    kept on ``new``, the next delta's base)."""
+    """``new`` as changes against ``base`` in one part (see :func:`delta_parts`)."""
+    (whole,) = delta_parts(new, base, version, base_version, recipe, part_bytes=sys.maxsize)
+    return whole
+
+
+def delta_parts(
+    new: WeightSet,
+    base: WeightSet,
+    version: int,
+    base_version: int,
+    recipe: str = "",
+    part_bytes: int = PART_BYTES,
+) -> Iterator[EncodedUpdate]:
+    """``new`` as changes against ``base`` (which the receiver holds as ``base_version``), in parts of
+    about ``part_bytes`` tensor bytes, each encoded as it is asked for (its chunks on the thread pool). The
+    new set's tensor digests are computed on the way (and kept on ``new``, the next delta's base); the
+    last part seals the set."""
     if new.format != base.format:
         raise ValueError(f"cannot delta-encode format {new.format!r} against {base.format!r}")
+    new._check_not_consumed()
+    base_digest = base.digest
     arrays, bases, words = {}, {}, {}
     for name, t in new.tensors.items():
         arrays[name], old = raw_bytes(t), base.tensors.get(name)
@@ -535,51 +618,58 @@ def encode_delta(
             arrays[name][span[0] : span[1]], None if old is None else old[span[0] : span[1]], words[name]
         )
 
-    ordered = dict(sorted(_map_chunks({name: a.size for name, a in arrays.items()}, pack).items()))
-    digests = {name: _joined([c.digest for c in cs]) for name, cs in ordered.items()}
-    if "tensor_digests" not in new.__dict__:
-        new.__dict__["tensor_digests"] = digests
-    changed = {name: cs for name, cs in ordered.items() if any(c.encoding != "same" for c in cs)}
-    entries = {
-        name: {
-            "dtype": _DTYPE_NAMES[new.tensors[name].dtype],
-            "shape": list(new.tensors[name].shape),
-            "digest": digests[name],
-            "word": words[name].itemsize,
-            "chunks": [c.spec for c in cs],
-        }
-        for name, cs in changed.items()
-    }
+    groups = _grouped({name: a.size for name, a in arrays.items()}, part_bytes)
     removed = sorted(set(base.tensors) - set(new.tensors))
-    metadata = {
-        "format_version": FORMAT_VERSION,
-        "kind": "delta",
-        "version": str(version),
-        "base_version": str(base_version),
-        "base_digest": base.digest,
-        "recipe": recipe,
-        "format": new.format,
-        "tensors": json.dumps(entries, sort_keys=True),
-        "removed": json.dumps(removed),
-        "set_digest": new.digest,
-    }
-    sizes = {name: sum(len(c.packed) for c in cs) for name, cs in changed.items()}
-    layout = {name: (torch.uint8, [size], size) for name, size in sizes.items()}
-    segments = (
-        memoryview(_layout(layout, sealed(metadata))),
-        *(memoryview(c.packed) for cs in changed.values() for c in cs if c.packed),
-    )
-    total = sum(a.size for a in arrays.values())
-    return EncodedUpdate(
-        segments,
-        "delta",
-        version,
-        base_version,
-        new.format,
-        recipe,
-        tensors_changed=len(changed) + len(removed),
-        density=sum(c.changed_bytes for cs in ordered.values() for c in cs) / total if total else 0.0,
-    )
+    digests: dict[str, str] = {}
+    for i, names in enumerate(groups):
+        packed = _map_chunks({name: arrays[name].size for name in names}, pack)
+        digests.update({name: _joined([c.digest for c in cs]) for name, cs in packed.items()})
+        changed = {name: cs for name, cs in packed.items() if any(c.encoding != "same" for c in cs)}
+        entries = {
+            name: {
+                "dtype": _DTYPE_NAMES[new.tensors[name].dtype],
+                "shape": list(new.tensors[name].shape),
+                "digest": digests[name],
+                "word": words[name].itemsize,
+                "chunks": [c.spec for c in cs],
+            }
+            for name, cs in changed.items()
+        }
+        metadata = {
+            "format_version": FORMAT_VERSION,
+            "kind": "delta",
+            "version": str(version),
+            "base_version": str(base_version),
+            "base_digest": base_digest,
+            "recipe": recipe,
+            "format": new.format,
+            "part": str(i),
+            "parts": str(len(groups)),
+            "tensors": json.dumps(entries, sort_keys=True),
+        }
+        last = i == len(groups) - 1
+        if last:
+            if "tensor_digests" not in new.__dict__:
+                new.__dict__["tensor_digests"] = digests
+            metadata |= {"removed": json.dumps(removed), "set_digest": new.digest}
+        sizes = {name: sum(len(c.packed) for c in cs) for name, cs in changed.items()}
+        layout = {name: (torch.uint8, [size], size) for name, size in sizes.items()}
+        yield EncodedUpdate(
+            (
+                memoryview(_layout(layout, sealed(metadata))),
+                *(memoryview(c.packed) for cs in changed.values() for c in cs if c.packed),
+            ),
+            "delta",
+            version,
+            base_version,
+            new.format,
+            recipe,
+            tensors_changed=len(changed) + (len(removed) if last else 0),
+            changed_bytes=sum(c.changed_bytes for cs in packed.values() for c in cs),
+            tensor_bytes=sum(arrays[name].size for name in names),
+            part=i,
+            parts=len(groups),
+        )
 
 
 @dataclass(frozen=True)
@@ -597,53 +687,219 @@ def decode_update(
     admit: Admit | None = None,
     accept: Callable[[DecodedUpdate], None] | None = None,
 ) -> DecodedUpdate:
-    """Verify and apply an encoded update, returning the new set. A writable ``blob`` (a received buffer)
-    is decoded in place: a keyframe's tensors are views of it, and the set owns it from then on (a later
-    delta may rewrite it). ``admit(name, dtype, shape)`` sees every tensor the update brings before any
-    of it is allocated or decompressed, and raises to refuse it (the receiver's model decides what it can
-    take); ``accept(decoded)`` sees the result, and raises to refuse it.
+    """Verify and apply an update that is one part (see :class:`UpdateDecoder`)."""
+    decoder = UpdateDecoder(held, held_version, admit)
+    decoder.add(blob)
+    return decoder.finish(accept)
 
-    A delta against a set that owns its memory (:attr:`WeightSet.owned`) is applied in place: the held
-    tensors it changes are rewritten in their own memory (no copy of the set is made; the new set shares
-    them), and ``held`` is consumed, so that it cannot pass for its old version. It is all or nothing all
-    the same: on any failure (a digest, a bound, ``accept``, an interrupt) every rewritten chunk is XORed
-    back, bit for bit, before the error propagates. Against any other set, changed tensors are copies.
+
+class UpdateDecoder:
+    """Verifies and applies an update part by part, as the parts arrive; :meth:`finish` returns the new
+    set once the last part sealed it. A writable part (a received buffer) is decoded in place: a
+    keyframe's tensors are views of it, and the set owns it from then on (a later delta may rewrite it).
+    ``admit(name, dtype, shape)`` sees every tensor a part brings before any of it is allocated or
+    decompressed, and raises to refuse it (the receiver's model decides what it can take);
+    ``accept(decoded)`` sees the result, and raises to refuse it.
+
+    A delta against a set that owns its memory (:attr:`WeightSet.owned`) is applied in place, part by
+    part: the held tensors it changes are rewritten in their own memory (no copy of the set is made; the
+    new set shares them), and ``held`` is consumed once the update is accepted, so that it cannot pass for
+    its old version. It is all or nothing all the same: on any failure (a digest, a bound, a missing part,
+    ``accept``, an interrupt, or :meth:`abort` from a caller whose stream broke) every rewritten chunk of
+    every part is XORed back, bit for bit, before the error propagates. Against any other set, changed
+    tensors are copies. Used as a context manager, it aborts unless it finished.
 
     Raises :class:`BaseMismatchError` for a delta whose base is not (``held_version``, ``held``), and
-    :class:`CorruptUpdateError` when any size, parse or digest check fails.
+    :class:`CorruptUpdateError` when any size, parse, order or digest check fails.
     """
-    header, start = _read_header(blob)
-    metadata = _checked_metadata(header)
-    tensors = _tensors_of(blob, header, start)
-    try:
-        version = int(metadata["version"])
-        kind = metadata["kind"]
-        weight_format = cast(WeightFormat, metadata["format"])
-    except Exception as exc:  # any parse failure means the bytes are not what was sent
-        raise CorruptUpdateError(f"cannot parse weight update: {exc}") from exc
-    if weight_format not in WEIGHT_FORMATS:
-        raise CorruptUpdateError(f"unknown weight format {weight_format!r}")
-    if kind == "full":
-        for name, t in tensors.items():
-            if admit is not None:
-                admit(name, t.dtype, tuple(t.shape))
-        decoded = DecodedUpdate(
-            _decode_full(tensors, metadata, weight_format), version, "keyframe", len(tensors)
-        )
-        if accept is not None:
-            accept(decoded)
-        return decoded
-    if kind == "delta":
 
-        def accept_delta(weights: WeightSet, updated: int) -> None:
+    def __init__(
+        self, held: WeightSet | None = None, held_version: int | None = None, admit: Admit | None = None
+    ) -> None:
+        self.held, self.held_version, self.admit = held, held_version, admit
+        self.parts = 0  # parts added
+        self._identity: dict[str, str | None] | None = None  # what every part must say alike
+        self._last: dict[str, str] | None = None  # the sealing part's metadata
+        self._tensors: dict[str, torch.Tensor] = {}
+        self._digests: dict[str, str] = {}
+        self._outcomes: list[tuple[bytes, Callable[[], None] | None] | BaseException] = []
+        self._in_place: set[str] = set()
+        self._updated = 0
+        self._closed = False
+
+    def __enter__(self) -> UpdateDecoder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.abort()
+
+    def add(self, blob: bytes | bytearray | memoryview) -> None:
+        """Verify and apply the next part."""
+        if self._closed:
+            raise ValueError("this update was finished or aborted")
+        try:
+            self._add(blob)
+        except BaseException:
+            self.abort()
+            raise
+
+    def finish(self, accept: Callable[[DecodedUpdate], None] | None = None) -> DecodedUpdate:
+        """The new set, once every part is in and the set digest checks out (and ``accept`` took it)."""
+        if self._closed:
+            raise ValueError("this update was finished or aborted")
+        try:
+            decoded = self._finish()
             if accept is not None:
-                accept(DecodedUpdate(weights, version, "delta", updated))
+                accept(decoded)
+        except BaseException:
+            self.abort()
+            raise
+        self._closed = True
+        if decoded.encoding == "delta" and self.held is not None and self.held.owned:
+            self.held._consume()  # its memory now belongs to (and may hold) the new version
+        return decoded
 
-        new, updated = _decode_delta(
-            tensors, metadata, held, held_version, weight_format, admit, accept_delta
-        )
-        return DecodedUpdate(new, version, "delta", updated)
-    raise CorruptUpdateError(f"unknown update kind {kind!r}")
+    def abort(self) -> None:
+        """Put back everything applied so far (a no-op once finished or aborted)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.held is not None:
+            _undo(self.held, self._outcomes)
+
+    def _add(self, blob: bytes | bytearray | memoryview) -> None:
+        header, start = _read_header(blob)
+        metadata = _checked_metadata(header)
+        tensors = _tensors_of(blob, header, start)
+        identity = {key: metadata.get(key) for key in _IDENTITY}
+        try:
+            part, parts = int(metadata["part"]), int(identity["parts"])  # type: ignore[arg-type]
+            int(metadata["version"])
+        except Exception as exc:  # any parse failure means the bytes are not what was sent
+            raise CorruptUpdateError(f"cannot parse weight update: {exc}") from exc
+        if self._identity is None:
+            if not 0 < parts <= MAX_PARTS:
+                raise CorruptUpdateError(f"an update of {parts} parts (at most {MAX_PARTS})")
+            self._start(identity)
+        elif identity != self._identity:
+            raise CorruptUpdateError(f"part {part} belongs to another update than part 0")
+        if part != self.parts:
+            raise CorruptUpdateError(f"part {part} arrived where part {self.parts} of {parts} was due")
+        last = part == parts - 1
+        if ("set_digest" in metadata) != last:
+            raise CorruptUpdateError(f"part {part} of {parts}: only the last part seals the set")
+        names = set(tensors)
+        if names & self._tensors.keys():
+            raise CorruptUpdateError(f"tensors {sorted(names & self._tensors.keys())} came in two parts")
+        if identity["kind"] == "full":
+            self._add_full(tensors, metadata)
+        else:
+            self._add_delta(tensors, metadata)
+        self.parts += 1
+        if last:
+            self._last = metadata
+
+    def _start(self, identity: dict[str, str | None]) -> None:
+        """Checks the first part's identity: what it is, and for a delta, that it applies to what is held."""
+        kind, weight_format = identity["kind"], identity["format"]
+        if weight_format not in WEIGHT_FORMATS:
+            raise CorruptUpdateError(f"unknown weight format {weight_format!r}")
+        if kind == "delta":
+            held, held_version = self.held, self.held_version
+            try:
+                base_version = int(identity["base_version"])  # type: ignore[arg-type]
+            except (TypeError, ValueError) as exc:
+                raise CorruptUpdateError(f"bad delta base_version: {exc}") from exc
+            if held is not None and held.consumed:
+                raise BaseMismatchError(
+                    "the held set was consumed by an earlier delta: decode against the set it gave"
+                )
+            if held is None or held_version != base_version:
+                raise BaseMismatchError(
+                    f"delta applies to version {base_version}, receiver holds "
+                    f"{'nothing' if held is None else held_version}"
+                )
+            if held.digest != identity["base_digest"] or held.format != weight_format:
+                raise BaseMismatchError(f"delta base digest does not match the held version {held_version}")
+            self._in_place = _unshared(held.tensors) if held.owned else set()
+        elif kind != "full":
+            raise CorruptUpdateError(f"unknown update kind {kind!r}")
+        self._identity = identity
+
+    def _add_full(self, tensors: dict[str, torch.Tensor], metadata: Mapping[str, str]) -> None:
+        digests = _json_field(metadata, "digests")
+        if not isinstance(digests, dict) or set(digests) != set(tensors):
+            raise CorruptUpdateError("keyframe tensor names do not match its digests")
+        if self.admit is not None:
+            for name, t in tensors.items():
+                self.admit(name, t.dtype, tuple(t.shape))
+        for name, digest in digest_tensors(tensors).items():
+            if digest != digests[name]:
+                raise CorruptUpdateError(f"digest mismatch for tensor {name!r}")
+        self._tensors.update(tensors)
+        self._digests.update(digests)
+        self._updated += len(tensors)
+
+    def _add_delta(self, payload: dict[str, torch.Tensor], metadata: Mapping[str, str]) -> None:
+        held = self.held
+        assert held is not None  # checked by _start
+        entries = _json_field(metadata, "tensors")
+        if not isinstance(entries, dict) or set(entries) != set(payload):
+            raise CorruptUpdateError("delta tensor list does not match its payload")
+        for name, entry in entries.items():
+            if not isinstance(entry, dict) or set(entry) != _DELTA_ENTRY_FIELDS:
+                raise CorruptUpdateError(f"delta entry for tensor {name!r} is malformed")
+            if self.admit is not None:
+                try:
+                    dtype, shape = _DTYPES[str(entry["dtype"])], tuple(int(d) for d in entry["shape"])
+                except Exception as exc:
+                    raise CorruptUpdateError(f"bad entry for tensor {name!r}: {exc}") from exc
+                self.admit(name, dtype, shape)
+        targets = [
+            _target(name, entry, payload[name], held.tensors.get(name), name in self._in_place)
+            for name, entry in entries.items()
+        ]
+        work = [(target, i) for target in targets for i in range(len(target.chunks))]
+        work.sort(key=lambda w: w[0].spans[w[1]][0] - w[0].spans[w[1]][1])  # big first: balanced threads
+        outcomes, interrupted = _settled(lambda w: _unpack_chunk(*w), work)
+        self._outcomes += outcomes  # (undone by abort, whatever happens next)
+        if interrupted is not None:
+            raise interrupted
+        hashed: dict[tuple[str, int], bytes] = {}
+        for (target, i), outcome in zip(work, outcomes, strict=True):
+            if isinstance(outcome, BaseException):
+                raise outcome
+            hashed[target.name, i] = outcome[0]
+        for target in targets:
+            digest = _joined([hashed[target.name, i] for i in range(len(target.chunks))])
+            if digest != entries[target.name]["digest"]:
+                raise CorruptUpdateError(f"digest mismatch for tensor {target.name!r}")
+            self._tensors[target.name] = torch.from_numpy(target.out).view(target.dtype).reshape(target.shape)
+            self._digests[target.name] = digest
+        self._updated += len(entries)
+
+    def _finish(self) -> DecodedUpdate:
+        metadata, identity = self._last, self._identity
+        if metadata is None or identity is None:
+            raise CorruptUpdateError(f"truncated update: {self.parts} parts arrived, the last did not")
+        version = int(metadata["version"])
+        weight_format = cast(WeightFormat, metadata["format"])
+        if identity["kind"] == "full":
+            # The tensors are copies, or views of buffers handed to the decoder: the set owns its memory.
+            weights = _checked_set(weight_format, self._tensors, self._digests, metadata, owned=True)
+            return DecodedUpdate(weights, version, "keyframe", self._updated)
+        held = self.held
+        assert held is not None  # checked by _start
+        removed = _json_field(metadata, "removed")
+        if not isinstance(removed, list):
+            raise CorruptUpdateError("delta removed list is malformed")
+        new = {name: t for name, t in held.tensors.items() if name not in removed} | self._tensors
+        digests = {name: d for name, d in held.tensor_digests.items() if name not in removed} | self._digests
+        weights = _checked_set(held.format, new, digests, metadata, held.owned)
+        return DecodedUpdate(weights, version, "delta", self._updated + len(removed))
+
+
+_IDENTITY = ("kind", "version", "base_version", "base_digest", "recipe", "format", "parts")
 
 
 def read_metadata(blob: bytes | bytearray | memoryview) -> dict[str, str]:
@@ -671,93 +927,8 @@ def _json_field(metadata: Mapping[str, str], key: str) -> object:
         raise CorruptUpdateError(f"bad metadata field {key!r}: {exc}") from exc
 
 
-def _decode_full(
-    tensors: dict[str, torch.Tensor], metadata: Mapping[str, str], weight_format: WeightFormat
-) -> WeightSet:
-    digests = _json_field(metadata, "digests")
-    if not isinstance(digests, dict) or set(digests) != set(tensors):
-        raise CorruptUpdateError("keyframe tensor names do not match its digests")
-    for name, digest in digest_tensors(tensors).items():
-        if digest != digests[name]:
-            raise CorruptUpdateError(f"digest mismatch for tensor {name!r}")
-    # The tensors are copies, or views of a buffer handed to the decoder: the set owns its memory.
-    return _checked_set(weight_format, tensors, digests, metadata, owned=True)
-
-
 _DELTA_ENTRY_FIELDS = {"dtype", "shape", "digest", "word", "chunks"}
 _CHUNK_ENCODINGS = ("same", "xor-sparse", "xor-zstd", "zstd")
-
-
-def _decode_delta(
-    payload: dict[str, torch.Tensor],
-    metadata: Mapping[str, str],
-    held: WeightSet | None,
-    held_version: int | None,
-    weight_format: WeightFormat,
-    admit: Admit | None,
-    accept: Callable[[WeightSet, int], None],
-) -> tuple[WeightSet, int]:
-    try:
-        base_version = int(metadata["base_version"])
-    except (KeyError, ValueError) as exc:
-        raise CorruptUpdateError(f"bad delta base_version: {exc}") from exc
-    if held is not None and held.consumed:
-        raise BaseMismatchError(
-            "the held set was consumed by an earlier delta: decode against the set it gave"
-        )
-    if held is None or held_version != base_version:
-        raise BaseMismatchError(
-            f"delta applies to version {base_version}, receiver holds "
-            f"{'nothing' if held is None else held_version}"
-        )
-    if held.digest != metadata.get("base_digest") or held.format != weight_format:
-        raise BaseMismatchError(f"delta base digest does not match the held version {held_version}")
-    entries = _json_field(metadata, "tensors")
-    removed = _json_field(metadata, "removed")
-    if not isinstance(entries, dict) or set(entries) != set(payload) or not isinstance(removed, list):
-        raise CorruptUpdateError("delta tensor list does not match its payload")
-    for name, entry in entries.items():
-        if not isinstance(entry, dict) or set(entry) != _DELTA_ENTRY_FIELDS:
-            raise CorruptUpdateError(f"delta entry for tensor {name!r} is malformed")
-        if admit is not None:
-            try:
-                dtype, shape = _DTYPES[str(entry["dtype"])], tuple(int(d) for d in entry["shape"])
-            except Exception as exc:
-                raise CorruptUpdateError(f"bad entry for tensor {name!r}: {exc}") from exc
-            admit(name, dtype, shape)
-    in_place = _unshared(held.tensors) if held.owned else set()
-    targets = [
-        _target(name, entry, payload[name], held.tensors.get(name), name in in_place)
-        for name, entry in entries.items()
-    ]
-    work = [(target, i) for target in targets for i in range(len(target.chunks))]
-    work.sort(key=lambda w: w[0].spans[w[1]][0] - w[0].spans[w[1]][1])  # big first: balanced threads
-    outcomes: list[tuple[bytes, Callable[[], None] | None] | BaseException] = []
-    try:
-        outcomes, interrupted = _settled(lambda w: _unpack_chunk(*w), work)
-        if interrupted is not None:
-            raise interrupted
-        new = {name: t for name, t in held.tensors.items() if name not in removed}
-        digests = {name: d for name, d in held.tensor_digests.items() if name not in removed}
-        hashed: dict[tuple[str, int], bytes] = {}
-        for (target, i), outcome in zip(work, outcomes, strict=True):
-            if isinstance(outcome, BaseException):
-                raise outcome
-            hashed[target.name, i] = outcome[0]
-        for target in targets:
-            digest = _joined([hashed[target.name, i] for i in range(len(target.chunks))])
-            if digest != entries[target.name]["digest"]:
-                raise CorruptUpdateError(f"digest mismatch for tensor {target.name!r}")
-            new[target.name] = torch.from_numpy(target.out).view(target.dtype).reshape(target.shape)
-            digests[target.name] = digest
-        weights = _checked_set(held.format, new, digests, metadata, held.owned)
-        accept(weights, len(entries) + len(removed))
-    except BaseException:
-        _undo(held, outcomes)
-        raise
-    if held.owned:  # its memory now belongs to (and may hold) the new version
-        held._consume()
-    return weights, len(entries) + len(removed)
 
 
 def _undo(

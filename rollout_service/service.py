@@ -6,10 +6,11 @@ Plain Python over the engine loop; the gRPC servicer only converts messages and 
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,11 +22,11 @@ from fp8rl.prometheus import Sample
 from fp8rl.recipes import WeightFormat, get_recipe, is_fp8, weight_scale_format
 from fp8rl.security import registration_proof
 from fp8rl.v1 import rollout_pb2, weights_pb2
+from fp8rl.weight_stream import decode_parts
 from fp8rl.weights import (
     SCALE_SUFFIX,
     DecodedUpdate,
     WeightSet,
-    decode_update,
     is_block_linear,
     scale_name,
 )
@@ -146,6 +147,7 @@ class UpdateResult:
     encoding: str
     tensors_updated: int
     apply_s: float
+    bytes_received: int
 
 
 class RolloutService:
@@ -198,13 +200,17 @@ class RolloutService:
             self.loop, ticket, {r.request_id: s for r, s in zip(engine_requests, slots, strict=True)}
         )
 
-    def update_weights(self, header: weights_pb2.WeightHeader, blob: bytes | bytearray) -> UpdateResult:
-        """Verify, decode and apply one update; concurrent updates are serialized.
+    def update_weights(self, parts: Iterable[tuple[weights_pb2.WeightHeader, bytearray]]) -> UpdateResult:
+        """Verify, decode and apply one update, each part as it arrives (``fp8rl.weight_stream.receive_parts``
+        checked that the parts belong together); concurrent updates are serialized.
 
-        Nothing touches the engine before every digest checked out. Generation pauses while the engine
-        changes; if the engine fails midway it is restarted, and the replica refuses to generate until a
-        keyframe lands.
+        Nothing touches the engine before every digest of every part checked out; until then a failure
+        (the stream's too) puts the held set back as it was. Generation pauses while the engine changes;
+        if the engine fails midway it is restarted, and the replica refuses to generate until a keyframe
+        lands.
         """
+        stream = iter(parts)
+        header, blob = next(stream)  # (receive_parts raises on an empty stream)
         with self._update_lock:
             if header.format != self.recipe.rollout_weights:
                 raise PreconditionFailed(
@@ -231,8 +237,8 @@ class RolloutService:
                 check_schema(decoded.weights, self.schema, held)
 
             # A delta rewrites the held set's tensors in place, and puts them back if anything refuses it.
-            decoded = decode_update(
-                blob,
+            decoded, received = decode_parts(
+                itertools.chain([(header, blob)], stream),
                 held,
                 self.version if held is not None else None,
                 functools.partial(admit_tensor, self.schema),
@@ -246,7 +252,11 @@ class RolloutService:
             self.updates_applied += 1
             self.update_seconds += time.perf_counter() - started
             return UpdateResult(
-                decoded.version, decoded.encoding, decoded.tensors_updated, time.perf_counter() - start
+                decoded.version,
+                decoded.encoding,
+                decoded.tensors_updated,
+                time.perf_counter() - start,
+                received,
             )
 
     def _check_forward(self, header: weights_pb2.WeightHeader) -> None:

@@ -7,9 +7,9 @@ from collections.abc import Iterable, Iterator
 import grpc
 
 from fp8rl.errors import NotReady
-from fp8rl.serving import Capacity, idle_limited, map_errors
+from fp8rl.serving import Capacity, idle_limited, map_errors, read_ahead
 from fp8rl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, weights_pb2
-from fp8rl.weight_stream import receive_update
+from fp8rl.weight_stream import receive_parts
 from rollout_service.service import RolloutService
 
 SERVICE_NAME = "fp8rl.v1.Rollout"
@@ -63,12 +63,13 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     ) -> weights_pb2.UpdateWeightsResponse:
         with self.updating.slot():
             chunks = idle_limited(request_iterator, context, self.service.config.stream_idle_s)
-            header, blob = receive_update(chunks, self.service.max_update_bytes, self.service.update_key)
-            result = self.service.update_weights(header, blob)
+            # Each part is received (and its MAC checked) while the one before it is applied.
+            parts = read_ahead(receive_parts(chunks, self.service.max_update_bytes, self.service.update_key))
+            result = self.service.update_weights(parts)
         return weights_pb2.UpdateWeightsResponse(
             version=result.version,
             encoding=result.encoding,
-            bytes_received=len(blob),
+            bytes_received=result.bytes_received,
             tensors_updated=result.tensors_updated,
             apply_s=result.apply_s,
         )

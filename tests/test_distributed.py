@@ -22,8 +22,8 @@ from fp8rl.recipes import get_recipe
 from fp8rl.sampling import SamplingSettings, sampling_settings
 from fp8rl.serving import start_server
 from fp8rl.v1 import common_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc, weights_pb2
-from fp8rl.weight_stream import receive_update
-from fp8rl.weights import WeightSet, build_weight_set, decode_update
+from fp8rl.weight_stream import decode_parts, receive_parts
+from fp8rl.weights import WeightSet, build_weight_set
 from tests.support import child_process, free_port, wait_for_line
 from tests.test_trainer import samples
 from trainer_service.config import TrainerConfig
@@ -114,8 +114,8 @@ class KeptUpdates(rollout_pb2_grpc.RolloutServicer):
     def UpdateWeights(
         self, request_iterator: Iterable[weights_pb2.WeightChunk], context: grpc.ServicerContext
     ) -> weights_pb2.UpdateWeightsResponse:
-        _, blob = receive_update(request_iterator, max_bytes=1 << 30)
-        decoded = decode_update(blob, self.held, self.version if self.held is not None else None)
+        parts = receive_parts(request_iterator, max_bytes=1 << 30)
+        decoded, _ = decode_parts(parts, self.held, self.version if self.held is not None else None)
         self.held, self.version = decoded.weights, decoded.version
         return weights_pb2.UpdateWeightsResponse(version=decoded.version, encoding=decoded.encoding)
 

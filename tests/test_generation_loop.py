@@ -170,7 +170,7 @@ def test_failed_apply_refuses_work_until_a_keyframe(tiny_model_dir: Path) -> Non
     keyframe = encode_keyframe(weights, 1)
     engine.fail_loads = 1
     with pytest.raises(RuntimeError, match="midway"):
-        service.update_weights(header_of(keyframe), keyframe.blob)
+        service.update_weights([(header_of(keyframe), bytearray(keyframe.blob))])
     assert service.status().needs_keyframe and service.held is None
     assert engine.events[-2:] == ["load", "restart"]  # a half-refitted engine is replaced at once
     request = rollout_pb2.GenerateRequest(
@@ -181,7 +181,7 @@ def test_failed_apply_refuses_work_until_a_keyframe(tiny_model_dir: Path) -> Non
     )
     with pytest.raises(PreconditionFailed, match="needs keyframe"):
         service.generate(request)
-    result = service.update_weights(header_of(keyframe), keyframe.blob)
+    result = service.update_weights([(header_of(keyframe), bytearray(keyframe.blob))])
     assert (result.version, result.encoding) == (1, "keyframe") and not service.status().needs_keyframe
     assert [c.weight_version for c in service.generate(request)] == [1]
     service.loop.stop()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import grpc
@@ -13,10 +13,11 @@ import torch
 from safetensors.torch import load_file
 
 from fp8rl.v1 import common_pb2, rollout_pb2, weights_pb2
-from fp8rl.weight_stream import update_to_chunks
-from fp8rl.weights import WeightSet, build_weight_set, encode_delta, encode_keyframe
+from fp8rl.weight_stream import parts_to_chunks, update_to_chunks
+from fp8rl.weights import WeightSet, build_weight_set, delta_parts, encode_delta, encode_keyframe
 from tests.conftest import InProcessRollout
 from tests.support import load_reference, reference_logprobs, set_weights
+from trainer_service.publisher import Publisher, Target
 
 FP8 = "fp8-block128"
 
@@ -258,6 +259,57 @@ def test_rejected_updates_change_nothing(rollout_fp8: InProcessRollout) -> None:
         stub.Generate(request([[5, 6]], version=21), timeout=60)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert stub.UpdateWeights(iter(good), timeout=60).version == 21  # the intact stream still applies
+
+
+def test_an_update_streamed_in_parts_is_applied_whole_or_not_at_all(rollout_fp8: InProcessRollout) -> None:
+    """A delta in parts of 64 KiB: each part is applied to the held set as it arrives, and a stream that
+    fails after some parts (a corrupt part, one of another update, the sender breaking off) leaves the
+    held set and the engine as they were; the trainer's publisher streams it whole."""
+    stub = rollout_fp8.stub
+    base = push_keyframe(rollout_fp8, random_state(rollout_fp8.model_dir, 0), version=40)
+    new = build_weight_set(random_state(rollout_fp8.model_dir, 5, scale=0.1), FP8, hp_dtype=torch.float32)
+    small = 64 * 1024
+    good = list(parts_to_chunks(delta_parts(new, base, 41, 40, part_bytes=small), chunk_bytes=small))
+    starts = [i for i, c in enumerate(good) if c.WhichOneof("part") == "header"]
+    assert len(starts) > 3
+    other = list(parts_to_chunks(delta_parts(new, base, 42, 40, part_bytes=small), chunk_bytes=small))
+    corrupted = [*good]
+    flipped = bytearray(good[starts[2] - 1].data)  # the last data chunk of part 1
+    flipped[-1] ^= 0xFF
+    corrupted[starts[2] - 1] = weights_pb2.WeightChunk(data=bytes(flipped))
+
+    def broken_off() -> Iterator[weights_pb2.WeightChunk]:
+        yield from good[: starts[2]]
+        raise ConnectionError("the trainer went away")
+
+    for name, chunks in {
+        "a corrupt part": iter(corrupted),
+        "a part of another update": iter(good[: starts[1]] + other[starts[1] :]),
+        "the last part missing": iter(good[: starts[-1]]),
+        "broken off": broken_off(),
+    }.items():
+        with pytest.raises(grpc.RpcError) as err:
+            stub.UpdateWeights(chunks, timeout=60)
+        # (A sender that breaks off sees its own error; the replica sees the stream cancelled.)
+        assert err.value.code() == (
+            grpc.StatusCode.UNKNOWN if name == "broken off" else grpc.StatusCode.INVALID_ARGUMENT
+        ), name
+        assert stub.GetStatus(common_pb2.GetStatusRequest()).weight_version == 40, name
+    assert_engine_holds(rollout_fp8, base)
+    # The held set was put back bit for bit: a delta against it rebuilds every tensor's digest.
+    assert stub.UpdateWeights(iter(good), timeout=60).version == 41
+    assert_engine_holds(rollout_fp8, new)
+
+    newer = build_weight_set(random_state(rollout_fp8.model_dir, 6, scale=0.1), FP8, hp_dtype=torch.float32)
+    publisher = Publisher(FP8, torch.float32, "fp8", part_bytes=small)
+    publisher.last = (41, new)
+    try:
+        [delivery] = publisher.publish(42, dict, [Target(rollout_fp8.server.address, 41)], built=newer)
+    finally:
+        publisher.close()
+    assert delivery.ok and delivery.encoding == "delta", delivery.error
+    assert 0 < delivery.wire_bytes < newer.nbytes and 0 < delivery.density <= 1
+    assert_engine_holds(rollout_fp8, newer)
 
 
 def test_no_completion_mixes_weight_versions(rollout_fp8: InProcessRollout) -> None:

@@ -27,8 +27,8 @@ from fp8rl.security import (
 )
 from fp8rl.serving import InsecureBinding, RunningServer, start_server
 from fp8rl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc, weights_pb2
-from fp8rl.weight_stream import header_of, update_to_chunks
-from fp8rl.weights import WeightSet, build_weight_set, encode_keyframe
+from fp8rl.weight_stream import header_of, parts_to_chunks, update_to_chunks
+from fp8rl.weights import WeightSet, build_weight_set, encode_keyframe, keyframe_parts
 from tests.conftest import InProcessRollout
 from tests.test_rollout import random_state
 from tests.test_trainer import samples
@@ -352,6 +352,15 @@ def test_replica_applies_only_signed_updates_from_the_trainer_role(
     data[-1] ^= 1
     chunks = [weights_pb2.WeightChunk(header=header), weights_pb2.WeightChunk(data=bytes(data))]
     code, details = code_of(as_trainer.UpdateWeights, iter(chunks), timeout=60)
+    assert code == Code.UNAUTHENTICATED and "header.mac" in details and held() == (100, epoch)
+    # Each part is signed with its index and the part count: the first part of a signed update, relabelled
+    # as the whole of it, does not verify.
+    parted = list(parts_to_chunks(keyframe_parts(weights, 102, part_bytes=1 << 16), epoch, key))
+    second = next(i for i, c in enumerate(parted) if c.WhichOneof("part") == "header" and c.header.part == 1)
+    relabelled = weights_pb2.WeightChunk()
+    relabelled.CopyFrom(parted[0])
+    relabelled.header.parts = 1
+    code, details = code_of(as_trainer.UpdateWeights, iter([relabelled, *parted[1:second]]), timeout=60)
     assert code == Code.UNAUTHENTICATED and "header.mac" in details and held() == (100, epoch)
     # A signed keyframe of NaN weights is refused all the same.
     poisoned = dict(weights.tensors)

@@ -16,11 +16,14 @@ from fp8rl import quant
 from fp8rl.errors import BaseMismatchError, CorruptUpdateError, InvalidRequest, WeightCodecError
 from fp8rl.weight_stream import Reassembler
 from fp8rl.weights import (
+    UpdateDecoder,
     WeightSet,
     build_weight_set,
     decode_update,
+    delta_parts,
     encode_delta,
     encode_keyframe,
+    keyframe_parts,
     raw_bytes,
     read_metadata,
 )
@@ -276,6 +279,71 @@ def test_a_delta_is_applied_in_place_and_any_refusal_puts_every_byte_back(
         decode_update(delta, v0, held_version=0)
     with pytest.raises(ValueError, match="consumed"):
         v0.digest  # noqa: B018
+
+
+@pytest.mark.parametrize("fmt", ["fp8-block128", "bf16"])
+def test_an_update_in_parts_is_applied_as_they_come_and_put_back_whole_if_any_fails(
+    fmt: str, gen: torch.Generator
+) -> None:
+    """Each part is applied in place as it is added; a later part that is corrupt, missing, out of
+    order or from another update, a stream that breaks (abort) or an interrupt puts back every part
+    already applied, bit for bit."""
+    sd = model_like_state_dict(gen)
+    v0, v1 = build_weight_set(sd, fmt), build_weight_set(mixed_step(sd, gen), fmt)  # type: ignore[arg-type]
+    small = 1 << 16
+    parts = [p.blob for p in delta_parts(v1, v0, 1, 0, part_bytes=small)]
+    assert len(parts) >= 4 and all(read_metadata(b)["parts"] == str(len(parts)) for b in parts)
+    other_version = [p.blob for p in delta_parts(v1, v0, 2, 0, part_bytes=small)]
+    other_cut = [p.blob for p in delta_parts(v1, v0, 1, 0, part_bytes=2 * small)]
+    with_data = max(i for i, b in enumerate(parts) if len(b) > 8 + int.from_bytes(b[:8], "little"))
+    flipped = bytearray(parts[with_data])
+    flipped[-1] ^= 1
+    before, digest = snapshot(v0), v0.digest
+
+    def fails_after(sent: list[bytes], finish: bool = True) -> None:
+        decoder = UpdateDecoder(v0, 0)
+        decoder.add(parts[0])
+        assert snapshot(v0) != before  # part 0 was applied in place, before any other part arrived
+        for blob in sent:
+            decoder.add(blob)
+        if finish:
+            decoder.finish()
+
+    cases: dict[str, Callable[[], None]] = {
+        "a corrupt part": lambda: fails_after([*parts[1:with_data], bytes(flipped)]),
+        "the last part missing": lambda: fails_after(parts[1:-1]),
+        "a part skipped": lambda: fails_after(parts[2:]),
+        "a part twice": lambda: fails_after(parts[:2]),
+        "a part of another version": lambda: fails_after([other_version[1]]),
+        "a part of another cut": lambda: fails_after([other_cut[1]]),
+    }
+    for name, case in cases.items():
+        with pytest.raises(CorruptUpdateError):
+            case()
+        assert snapshot(v0) == before and v0.digest == digest, name
+
+    with UpdateDecoder(v0, 0) as decoder:  # the stream broke after two parts: the caller aborts
+        decoder.add(parts[0])
+        decoder.add(parts[1])
+    assert snapshot(v0) == before
+    with pytest.raises(KeyboardInterrupt), UpdateDecoder(v0, 0) as decoder:
+        decoder.add(parts[0])
+        raise KeyboardInterrupt
+    assert snapshot(v0) == before and WeightSet(v0.format, dict(v0.tensors)).digest == digest
+
+    keyframe = UpdateDecoder()
+    for part in keyframe_parts(v0, 0, part_bytes=small):
+        keyframe.add(bytearray(part.blob))
+    assert_sets_identical(v0, keyframe.finish().weights)
+    decoder = UpdateDecoder(v0, 0)
+    for blob in parts:
+        decoder.add(blob)
+    out = decoder.finish()
+    assert_sets_identical(v1, out.weights)
+    assert out.tensors_updated == sum(before[n] != b for n, b in snapshot(v1).items()) > len(parts)
+    assert v0.consumed
+    whole = encode_delta(v1, build_weight_set(sd, fmt), 1, 0)  # type: ignore[arg-type]
+    assert sum(len(b) for b in parts) > whole.wire_bytes > 0  # parts cost a header each, nothing else
 
 
 def test_big_tensors_are_cut_into_chunks_each_encoded_its_own_way(gen: torch.Generator) -> None:

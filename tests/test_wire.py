@@ -6,6 +6,7 @@ from __future__ import annotations
 import filecmp
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -17,8 +18,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from fp8rl.errors import CorruptUpdateError
 from fp8rl.serving import start_server
 from fp8rl.v1 import rollout_pb2, rollout_pb2_grpc, trainer_pb2_grpc, weights_pb2
-from fp8rl.weight_stream import receive_update, update_to_chunks
-from fp8rl.weights import WeightSet, decode_update, encode_keyframe
+from fp8rl.weight_stream import decode_parts, parts_to_chunks, receive_parts, update_to_chunks
+from fp8rl.weights import WeightSet, decode_update, delta_parts, encode_keyframe, keyframe_parts
 
 ROOT = Path(__file__).resolve().parent.parent
 GRPC_DEFAULT_LIMIT = 4 * 1024 * 1024
@@ -68,15 +69,57 @@ def test_weight_stream_round_trip_within_message_limit(gen: torch.Generator) -> 
     chunks = list(update_to_chunks(update))
     assert chunks[0].WhichOneof("part") == "header" and len(chunks) > 2
     assert all(c.ByteSize() <= GRPC_DEFAULT_LIMIT for c in chunks)
-    header, blob = receive_update(chunks)
+    ((header, blob),) = receive_parts(chunks)
     assert (header.version, header.base_version, header.encoding) == (3, -1, "keyframe")
+    assert (header.part, header.parts) == (0, 1)
     assert header.total_bytes == len(blob) == update.wire_bytes
     assert decode_update(blob).weights.digest == ws.digest
 
 
+def test_an_update_streams_in_parts_each_applied_as_it_arrives(gen: torch.Generator) -> None:
+    """Parts of about 2 MiB: each is whole (and decoded) before the next one's bytes are read."""
+    ws = big_weight_set(gen)  # five 2 MiB tensors
+    chunks = list(parts_to_chunks(keyframe_parts(ws, version=3, part_bytes=2 << 20), epoch=2))
+    headers = [c.header for c in chunks if c.WhichOneof("part") == "header"]
+    assert [(h.part, h.parts, h.epoch) for h in headers] == [(i, 5, 2) for i in range(5)]
+    read = 0
+
+    def counted() -> Iterator[weights_pb2.WeightChunk]:
+        nonlocal read
+        for chunk in chunks:
+            read += 1
+            yield chunk
+
+    seen = []
+    for header, blob in receive_parts(counted()):
+        seen.append((header.part, read))
+        assert header.total_bytes == len(blob)
+    # Part i is yielded once its data is in and the next header read, never later.
+    starts = [i for i, c in enumerate(chunks) if c.WhichOneof("part") == "header"]
+    assert [r for _, r in seen] == [*(s + 1 for s in starts[1:]), len(chunks)]
+    decoded, received = decode_parts(receive_parts(chunks))
+    assert decoded.weights.digest == ws.digest and received == sum(h.total_bytes for h in headers)
+
+    base = WeightSet.verified(
+        ws.format, {n: t.clone() for n, t in ws.tensors.items()}, ws.tensor_digests, owned=True
+    )
+    new = WeightSet(ws.format, {n: t + 1 if n in ("w1", "w3") else t for n, t in ws.tensors.items()})
+    delta = list(parts_to_chunks(delta_parts(new, ws, 4, 3, part_bytes=2 << 20)))
+    decoded, _ = decode_parts(receive_parts(delta), base, 3)
+    assert decoded.weights.digest == new.digest and decoded.tensors_updated == 2
+
+
 def test_weight_stream_rejects_malformed_streams(gen: torch.Generator) -> None:
-    chunks = list(update_to_chunks(encode_keyframe(big_weight_set(gen), version=1)))
+    ws = big_weight_set(gen)
+    chunks = list(update_to_chunks(encode_keyframe(ws, version=1)))
     header, data = chunks[0], chunks[1:]
+    parted = list(parts_to_chunks(keyframe_parts(ws, version=1, part_bytes=4 << 20)))
+    starts = [i for i, c in enumerate(parted) if c.WhichOneof("part") == "header"]
+    assert len(starts) == 3
+    other = list(parts_to_chunks(keyframe_parts(ws, version=2, part_bytes=4 << 20)))
+    no_parts = weights_pb2.WeightChunk(header=weights_pb2.WeightHeader())
+    no_parts.header.CopyFrom(header.header)
+    no_parts.header.parts = 0
     cases = {
         "no header": data,
         "empty": [],
@@ -84,10 +127,17 @@ def test_weight_stream_rejects_malformed_streams(gen: torch.Generator) -> None:
         "truncated": [header, *data[:-1]],
         "reordered": [header, data[1], data[0], *data[2:]],
         "corrupted": [header, weights_pb2.WeightChunk(data=b"\0" + data[0].data[1:]), *data[1:]],
+        "zero parts": [no_parts, *data],
+        "a part missing at the end": parted[: starts[2]],
+        "a part missing in the middle": parted[: starts[1]] + parted[starts[2] :],
+        "parts swapped": parted[starts[1] : starts[2]] + parted[: starts[1]] + parted[starts[2] :],
+        "a part of another update": parted[: starts[1]] + other[starts[1] : starts[2]] + parted[starts[2] :],
+        "a part after the last": [*parted, *parted[starts[2] :]],
     }
     for name, stream in cases.items():
         with pytest.raises(CorruptUpdateError):
-            receive_update(stream)
+            for _ in receive_parts(stream):
+                pass
         print("rejected:", name)
 
 

@@ -1,13 +1,14 @@
-"""PublishWeights: quantize the master weights into the rollout's format once per version, then send
-each target a delta against the version it holds (or a keyframe), concurrently. A target that refuses a
-delta (FAILED_PRECONDITION: it holds something else) gets a keyframe at once."""
+"""PublishWeights: quantize the master weights into the rollout's format once per version, then stream
+each target a delta against the version it holds (or a keyframe), concurrently, each part as soon as it
+is encoded. A target that refuses a delta (FAILED_PRECONDITION: it holds something else) gets a keyframe
+at once."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -19,11 +20,12 @@ from fp8rl.security import SecurityConfig, channel
 from fp8rl.v1 import rollout_pb2_grpc, weights_pb2
 from fp8rl.weight_stream import header_of, update_to_chunks
 from fp8rl.weights import (
+    PART_BYTES,
     EncodedUpdate,
     WeightSet,
     build_weight_set,
-    encode_delta,
-    encode_keyframe,
+    delta_parts,
+    keyframe_parts,
 )
 
 log = logging.getLogger(__name__)
@@ -54,8 +56,11 @@ class Publisher:
         hp_dtype: torch.dtype,
         recipe: str,
         security: SecurityConfig | None = None,
+        part_bytes: int = PART_BYTES,
     ) -> None:
+        """``part_bytes``: tensor bytes per part of a streamed update (fp8rl.weights)."""
         self.weight_format, self.hp_dtype, self.recipe = weight_format, hp_dtype, recipe
+        self.part_bytes = part_bytes
         self.security = security or SecurityConfig()
         self.update_key = self.security.update_key()  # every update is signed with it (fp8rl.security)
         self.last: tuple[int, WeightSet] | None = None  # the one base any delta is computed against
@@ -81,7 +86,7 @@ class Publisher:
                 weights = base[1]  # type: ignore[index]
             else:
                 weights = built or build_weight_set(master(), self.weight_format, self.hp_dtype)
-            updates = _Updates(weights, version, base, self.recipe, epoch, self.update_key)
+            updates = _Updates(weights, version, base, self.recipe, epoch, self.update_key, self.part_bytes)
             with ThreadPoolExecutor(max_workers=max(1, len(targets))) as pool:
                 deliveries = list(pool.map(lambda t: self._deliver(t, updates), targets))
             self.last = (version, weights)
@@ -104,7 +109,7 @@ class Publisher:
             try:
                 self._send(target.address, update)
             except grpc.RpcError as exc:
-                if update.encoding == "keyframe":
+                if update.encoding == "keyframe" or update.error is not None:
                     raise
                 # FAILED_PRECONDITION: the target holds another version. Anything else: the delta did not
                 # apply. Either way nothing changed there, and a keyframe heals it.
@@ -117,6 +122,8 @@ class Publisher:
                 update = updates.keyframe()
                 self._send(target.address, update)
         except grpc.RpcError as exc:
+            if update.error is not None:  # our encoder failed, not the target: the publish fails
+                raise RuntimeError(f"encoding the {update.encoding} failed") from update.error
             return Delivery(
                 target.address,
                 False,
@@ -126,23 +133,17 @@ class Publisher:
                 time.perf_counter() - start,
                 f"{exc.code().name}: {exc.details()}",
             )
+        wire_bytes, density = update.totals()
         return Delivery(
-            target.address,
-            True,
-            update.encoding,
-            update.wire_bytes,
-            update.density,
-            time.perf_counter() - start,
+            target.address, True, update.encoding, wire_bytes, density, time.perf_counter() - start
         )
 
-    def _send(self, address: str, update: _Signed) -> None:
+    def _send(self, address: str, update: _Streamed) -> None:
         with self._channels_lock:
             if address not in self._channels:
                 self._channels[address] = channel(address, self.security, "rollout")
             chan = self._channels[address]
-        rollout_pb2_grpc.RolloutStub(chan).UpdateWeights(
-            update_to_chunks(update.update, header=update.header), timeout=UPDATE_DEADLINE_S
-        )
+        rollout_pb2_grpc.RolloutStub(chan).UpdateWeights(update.chunks(), timeout=UPDATE_DEADLINE_S)
 
     def close(self) -> None:
         with self._channels_lock:
@@ -151,22 +152,64 @@ class Publisher:
             self._channels.clear()
 
 
-@dataclass(frozen=True)
-class _Signed:
-    update: EncodedUpdate
-    header: weights_pb2.WeightHeader
+class _Streamed:
+    """One update, encoded part by part on a thread of its own and each part signed as it is done; every
+    target's stream sends the parts as they come (the next part is encoded while this one travels and is
+    applied), and each distinct update is encoded once, however many targets need it."""
 
-    @property
-    def encoding(self) -> str:
-        return self.update.encoding
+    def __init__(self, encoding: str, parts: Iterator[EncodedUpdate], epoch: int, key: bytes | None) -> None:
+        self.encoding = encoding
+        self._parts: list[tuple[EncodedUpdate, weights_pb2.WeightHeader]] = []
+        self._done = False
+        self.error: BaseException | None = None
+        self._ready = threading.Condition()
+        threading.Thread(
+            target=self._encode, args=(parts, epoch, key), name=f"encode-{encoding}", daemon=True
+        ).start()
 
-    @property
-    def wire_bytes(self) -> int:
-        return self.update.wire_bytes
+    def _encode(self, parts: Iterator[EncodedUpdate], epoch: int, key: bytes | None) -> None:
+        try:
+            for part in parts:
+                signed = (part, header_of(part, epoch, key))
+                with self._ready:
+                    self._parts.append(signed)
+                    self._ready.notify_all()
+        except BaseException as exc:
+            log.exception("encoding a %s failed", self.encoding)
+            self.error = exc
+        finally:
+            with self._ready:
+                self._done = True
+                self._ready.notify_all()
 
-    @property
-    def density(self) -> float:
-        return self.update.density
+    def chunks(self) -> Iterator[weights_pb2.WeightChunk]:
+        """The stream's messages, each part's as soon as it is encoded. A failed encode ends the stream
+        with an error (gRPC cancels the call, and the target puts back what it applied)."""
+        for part, header in self._signed():
+            yield from update_to_chunks(part, header=header)
+
+    def _signed(self) -> Iterator[tuple[EncodedUpdate, weights_pb2.WeightHeader]]:
+        sent = 0
+        while True:
+            with self._ready:
+                while len(self._parts) == sent and not self._done:
+                    self._ready.wait()
+                if sent == len(self._parts):
+                    if self.error is not None:
+                        raise RuntimeError(f"encoding the {self.encoding} failed") from self.error
+                    return
+                signed = self._parts[sent]
+            yield signed
+            sent += 1
+
+    def totals(self) -> tuple[int, float]:
+        """(wire bytes, density) of the whole update, once it is encoded."""
+        parts = [part for part, _ in self._signed()]
+        covered = sum(p.tensor_bytes for p in parts)
+        changed = sum(p.changed_bytes for p in parts)
+        return sum(p.wire_bytes for p in parts), changed / covered if covered else float(
+            self.encoding == "keyframe"
+        )
 
 
 class _Updates:
@@ -180,28 +223,31 @@ class _Updates:
         recipe: str,
         epoch: int,
         key: bytes | None,
+        part_bytes: int,
     ) -> None:
         self.weights, self.version, self.base, self.recipe = weights, version, base, recipe
-        self.epoch, self.key = epoch, key
-        self._cache: dict[str, _Signed] = {}
+        self.epoch, self.key, self.part_bytes = epoch, key, part_bytes
+        self._cache: dict[str, _Streamed] = {}
         self._lock = threading.Lock()
 
-    def for_held(self, held_version: int) -> _Signed:
+    def for_held(self, held_version: int) -> _Streamed:
         """A delta for a target holding the last published version (a tiny one if that is ``version``
         itself, which still proves it holds those exact bytes); a keyframe otherwise."""
         base = self.base
         if base is None or held_version != base[0]:
             return self.keyframe()
         return self._get(
-            "delta", lambda: encode_delta(self.weights, base[1], self.version, base[0], self.recipe)
+            "delta",
+            lambda: delta_parts(self.weights, base[1], self.version, base[0], self.recipe, self.part_bytes),
         )
 
-    def keyframe(self) -> _Signed:
-        return self._get("keyframe", lambda: encode_keyframe(self.weights, self.version, self.recipe))
+    def keyframe(self) -> _Streamed:
+        return self._get(
+            "keyframe", lambda: keyframe_parts(self.weights, self.version, self.recipe, self.part_bytes)
+        )
 
-    def _get(self, kind: str, encode: Callable[[], EncodedUpdate]) -> _Signed:
+    def _get(self, kind: str, parts: Callable[[], Iterator[EncodedUpdate]]) -> _Streamed:
         with self._lock:
             if kind not in self._cache:
-                update = encode()
-                self._cache[kind] = _Signed(update, header_of(update, self.epoch, self.key))
+                self._cache[kind] = _Streamed(kind, parts(), self.epoch, self.key)
             return self._cache[kind]
