@@ -26,6 +26,7 @@ overlaps the codec with gRPC's own work).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import subprocess
@@ -69,8 +70,11 @@ class StoringReplica(rollout_pb2_grpc.RolloutServicer):
                 assembler.add(chunk.data)
             return weights_pb2.UpdateWeightsResponse(encoding="raw", bytes_received=first.header.total_bytes)
         key = BENCH_KEY if first.header.mac else None  # signed updates are verified, as with the run's key
-        parts = read_ahead(receive_parts(_prepend(first, stream), max_bytes=1 << 36, key=key))
-        decoded, received = decode_parts(parts, self.held, self.version if self.held is not None else None)
+        parts = receive_parts(_prepend(first, stream), max_bytes=1 << 36, key=key)
+        with contextlib.closing(read_ahead(parts)) as ahead:
+            decoded, received = decode_parts(
+                ahead, self.held, self.version if self.held is not None else None
+            )
         self.held, self.version = decoded.weights, decoded.version  # the stand-in engine's "load"
         return weights_pb2.UpdateWeightsResponse(
             version=decoded.version, encoding=decoded.encoding, bytes_received=received

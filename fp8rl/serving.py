@@ -15,7 +15,7 @@ import queue
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -202,11 +202,11 @@ def idle_limited(items: Iterable[T], context: grpc.ServicerContext, idle_s: floa
             timer.cancel()
 
 
-def read_ahead(items: Iterable[T], depth: int = 1) -> Iterator[T]:
+def read_ahead(items: Iterable[T], depth: int = 1) -> Generator[T, None, None]:
     """``items``, read on a thread of their own up to ``depth`` items ahead of the consumer: a weight
     stream's next part arrives while this one is applied. An error reading them is raised to the consumer
-    in its turn; the reader stops at the next item once the consumer stops (an RPC that ends, ends its
-    request stream)."""
+    in its turn; the reader stops at its next item once the consumer closes this generator (an RPC that
+    ends, ends its request stream, so that item comes at once)."""
     ready: queue.Queue[tuple[bool, Any]] = queue.Queue(maxsize=depth)
     stopped = threading.Event()
 

@@ -63,10 +63,10 @@ FORMAT_VERSION = "5"  # 4: 16 MiB chunks, sparse streams in byte planes; 5: upda
 Encoding = Literal["keyframe", "delta"]
 SCALE_SUFFIX = "weight_scale_inv"
 _ZSTD_LEVEL = 1  # XOR streams are mostly zero bytes: level 1 already finds the runs, and is fast
-_BLOCK = 1 << 20  # bytes per step of the fused delta loops: a block and its XOR stay in L2 cache
+_BLOCK = 1 << 20  # bytes per step of the delta loops: a block is compared, gathered and hashed from cache
 _CHUNK = 16 * _BLOCK  # bytes per task on the thread pool: a big tensor keeps every core busy
 PART_BYTES = 4 * _CHUNK  # tensor bytes per part of a streamed update (a bigger tensor is a part alone)
-MAX_PARTS = 1 << 20  # bounds what a claim can cost (64 PiB of tensors at the default part size)
+MAX_PARTS = 1 << 20  # parts in one update: 64 TiB of tensors at the default part size
 _DIGEST = "xxh3-128:"
 T = TypeVar("T")
 R = TypeVar("R")
@@ -755,6 +755,7 @@ class UpdateDecoder:
             self.abort()
             raise
         self._closed = True
+        self._outcomes.clear()  # (the undo records hold received bytes)
         if decoded.encoding == "delta" and self.held is not None and self.held.owned:
             self.held._consume()  # its memory now belongs to (and may hold) the new version
         return decoded
@@ -766,6 +767,7 @@ class UpdateDecoder:
         self._closed = True
         if self.held is not None:
             _undo(self.held, self._outcomes)
+        self._outcomes.clear()
 
     def _add(self, blob: bytes | bytearray | memoryview) -> None:
         header, start = _read_header(blob)
@@ -783,7 +785,7 @@ class UpdateDecoder:
             self._start(identity)
         elif identity != self._identity:
             raise CorruptUpdateError(f"part {part} belongs to another update than part 0")
-        if part != self.parts:
+        if part != self.parts or part >= parts:
             raise CorruptUpdateError(f"part {part} arrived where part {self.parts} of {parts} was due")
         last = part == parts - 1
         if ("set_digest" in metadata) != last:
@@ -861,8 +863,8 @@ class UpdateDecoder:
         ]
         work = [(target, i) for target in targets for i in range(len(target.chunks))]
         work.sort(key=lambda w: w[0].spans[w[1]][0] - w[0].spans[w[1]][1])  # big first: balanced threads
-        outcomes, interrupted = _settled(lambda w: _unpack_chunk(*w), work)
-        self._outcomes += outcomes  # (undone by abort, whatever happens next)
+        # Each outcome is recorded (for abort's undo) by the thread that applied it, as soon as it did.
+        outcomes, interrupted = _settled(lambda w: _unpack_chunk(*w), work, self._outcomes)
         if interrupted is not None:
             raise interrupted
         hashed: dict[tuple[str, int], bytes] = {}
@@ -880,7 +882,7 @@ class UpdateDecoder:
 
     def _finish(self) -> DecodedUpdate:
         metadata, identity = self._last, self._identity
-        if metadata is None or identity is None:
+        if metadata is None or identity is None or self.parts != int(metadata["parts"]):
             raise CorruptUpdateError(f"truncated update: {self.parts} parts arrived, the last did not")
         version = int(metadata["version"])
         weight_format = cast(WeightFormat, metadata["format"])
@@ -891,8 +893,14 @@ class UpdateDecoder:
         held = self.held
         assert held is not None  # checked by _start
         removed = _json_field(metadata, "removed")
-        if not isinstance(removed, list):
-            raise CorruptUpdateError("delta removed list is malformed")
+        if (
+            not isinstance(removed, list)
+            or not all(isinstance(name, str) for name in removed)
+            or not set(removed) <= held.tensors.keys()
+            or set(removed) & self._tensors.keys()
+            or len(set(removed)) != len(removed)
+        ):
+            raise CorruptUpdateError("delta removed list names tensors not held, or ones it updates")
         new = {name: t for name, t in held.tensors.items() if name not in removed} | self._tensors
         digests = {name: d for name, d in held.tensor_digests.items() if name not in removed} | self._digests
         weights = _checked_set(held.format, new, digests, metadata, held.owned)
@@ -1058,18 +1066,22 @@ def _unshared(tensors: Mapping[str, torch.Tensor]) -> set[str]:
 
 
 def _settled(
-    fn: Callable[[T], R], items: Sequence[T]
+    fn: Callable[[T], R], items: Sequence[T], sink: list[R | BaseException]
 ) -> tuple[list[R | BaseException], BaseException | None]:
     """``fn`` over ``items`` on the pool, each outcome a result or the exception it raised, every call
     run to its end even when this thread is interrupted meanwhile (the interrupt is returned second, with
     the outcomes of the calls it let start): nothing is undone while a chunk may still be writing. The
-    calls always run on the pool, where no signal lands; this thread only waits."""
+    calls always run on the pool, where no signal lands; this thread only waits. Each outcome is also
+    appended to ``sink`` by the pool thread that made it, so that an interrupt landing anywhere on this
+    thread loses none."""
 
     def attempt(item: T) -> R | BaseException:
         try:
-            return fn(item)
+            outcome: R | BaseException = fn(item)
         except BaseException as exc:
-            return exc
+            outcome = exc
+        sink.append(outcome)
+        return outcome
 
     pool, futures = _pool(), list[Future[R | BaseException]]()
     interrupted: BaseException | None = None
@@ -1121,9 +1133,9 @@ def _xor_changes(out: np.ndarray, packed: np.ndarray, word: np.dtype, changes: i
 def _xor_stream(out: np.ndarray, packed: np.ndarray) -> Callable[[], None]:
     """XOR the decompressed stream into ``out`` a cache-sized block at a time; returns what undoes it. A
     stream that fails part-way is undone as far as it got before the error propagates."""
-    scratch = np.empty(min(_BLOCK, out.size), dtype=np.uint8)
 
     def xor(upto: int, done: list[int], whole: bool) -> None:
+        scratch = np.empty(min(_BLOCK, out.size), dtype=np.uint8)  # (not kept alive by the undo)
         with zstandard.ZstdDecompressor().stream_reader(packed.data) as reader:
             while done[0] < upto:
                 got = reader.readinto(scratch[: min(_BLOCK, upto - done[0])].data)

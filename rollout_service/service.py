@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fp8rl.errors import InvalidRequest, PreconditionFailed
+from fp8rl.errors import InvalidRequest, Overloaded, PreconditionFailed
 from fp8rl.prometheus import Sample
 from fp8rl.recipes import WeightFormat, get_recipe, is_fp8, weight_scale_format
 from fp8rl.security import registration_proof
@@ -36,6 +36,7 @@ from rollout_service.generation import GenerationLoop, Ticket
 from rollout_service.validation import Limits, Slot, Tokenizer, parse_generate, required_version
 
 log = logging.getLogger(__name__)
+UPDATE_WAIT_S = 120.0  # how long an update waits for the one being applied before it is refused
 
 
 Schema = dict[str, tuple[tuple[int, ...], bool]]  # name -> (shape, is FP8)
@@ -183,7 +184,7 @@ class RolloutService:
         self._update_lock = threading.Lock()
         self.started = time.time()
         self.requests_admitted = 0
-        self.updates_applied, self.update_seconds = 0, 0.0  # decode and load, for /metrics
+        self.updates_applied, self.update_seconds = 0, 0.0  # first part to engine loaded, for /metrics
 
     @property
     def version(self) -> int:
@@ -211,53 +212,65 @@ class RolloutService:
         """
         stream = iter(parts)
         header, blob = next(stream)  # (receive_parts raises on an empty stream)
-        with self._update_lock:
-            if header.format != self.recipe.rollout_weights:
-                raise PreconditionFailed(
-                    f"replica serves {self.recipe.rollout_weights} weights, got {header.format}"
-                )
-            if header.version < 0 or header.epoch < 0:
-                raise InvalidRequest(
-                    "header.version", f"version {header.version} and epoch {header.epoch} must be >= 0"
-                )
-            self._check_forward(header)
-            if header.encoding == "delta" and (self.held is None or header.base_version != self.version):
-                holds = "no weight set (needs keyframe)" if self.held is None else f"version {self.version}"
-                raise PreconditionFailed(
-                    f"delta against version {header.base_version}, but replica holds {holds}"
-                )
-            started = time.perf_counter()
-            held = self.held
+        # The lock is held while the later parts arrive (each is applied as it comes): another update
+        # waits at most UPDATE_WAIT_S for it (a silent stream is cut after stream_idle_s).
+        if not self._update_lock.acquire(timeout=UPDATE_WAIT_S):
+            raise Overloaded(f"another weight update held this replica for {UPDATE_WAIT_S:g} s; retry later")
+        try:
+            return self._apply_update(header, blob, stream)
+        finally:
+            self._update_lock.release()
 
-            def acceptable(decoded: DecodedUpdate) -> None:
-                if decoded.version != header.version:
-                    raise PreconditionFailed(
-                        f"header says version {header.version}, payload {decoded.version}"
-                    )
-                check_schema(decoded.weights, self.schema, held)
+    def _apply_update(
+        self,
+        header: weights_pb2.WeightHeader,
+        blob: bytearray,
+        stream: Iterator[tuple[weights_pb2.WeightHeader, bytearray]],
+    ) -> UpdateResult:
+        if header.format != self.recipe.rollout_weights:
+            raise PreconditionFailed(
+                f"replica serves {self.recipe.rollout_weights} weights, got {header.format}"
+            )
+        if header.version < 0 or header.epoch < 0:
+            raise InvalidRequest(
+                "header.version", f"version {header.version} and epoch {header.epoch} must be >= 0"
+            )
+        self._check_forward(header)
+        if header.encoding == "delta" and (self.held is None or header.base_version != self.version):
+            holds = "no weight set (needs keyframe)" if self.held is None else f"version {self.version}"
+            raise PreconditionFailed(
+                f"delta against version {header.base_version}, but replica holds {holds}"
+            )
+        started = time.perf_counter()
+        held = self.held
 
-            # A delta rewrites the held set's tensors in place, and puts them back if anything refuses it.
-            decoded, received = decode_parts(
-                itertools.chain([(header, blob)], stream),
-                held,
-                self.version if held is not None else None,
-                functools.partial(admit_tensor, self.schema),
-                acceptable,
-            )
-            self.held = None  # rewritten: the decoded set (or, if the engine fails, none) replaces it
-            start = time.perf_counter()
-            self.loop.run_exclusive(lambda: self._apply(decoded.weights, decoded.version))
-            self.held, self.held_epoch = decoded.weights, header.epoch
-            self.newest = max(self.newest, (header.epoch, header.version))
-            self.updates_applied += 1
-            self.update_seconds += time.perf_counter() - started
-            return UpdateResult(
-                decoded.version,
-                decoded.encoding,
-                decoded.tensors_updated,
-                time.perf_counter() - start,
-                received,
-            )
+        def acceptable(decoded: DecodedUpdate) -> None:
+            if decoded.version != header.version:
+                raise PreconditionFailed(f"header says version {header.version}, payload {decoded.version}")
+            check_schema(decoded.weights, self.schema, held)
+
+        # A delta rewrites the held set's tensors in place, and puts them back if anything refuses it.
+        decoded, received = decode_parts(
+            itertools.chain([(header, blob)], stream),
+            held,
+            self.version if held is not None else None,
+            functools.partial(admit_tensor, self.schema),
+            acceptable,
+        )
+        self.held = None  # rewritten: the decoded set (or, if the engine fails, none) replaces it
+        start = time.perf_counter()
+        self.loop.run_exclusive(lambda: self._apply(decoded.weights, decoded.version))
+        self.held, self.held_epoch = decoded.weights, header.epoch
+        self.newest = max(self.newest, (header.epoch, header.version))
+        self.updates_applied += 1
+        self.update_seconds += time.perf_counter() - started
+        return UpdateResult(
+            decoded.version,
+            decoded.encoding,
+            decoded.tensors_updated,
+            time.perf_counter() - start,
+            received,
+        )
 
     def _check_forward(self, header: weights_pb2.WeightHeader) -> None:
         """With the run's key, (epoch, version) never goes back. The healing cases, signed like any update:
@@ -307,7 +320,7 @@ class RolloutService:
             Sample(
                 "rollout_update_apply_seconds",
                 "summary",
-                "weight update decode and load time",
+                "weight update time from its first part received to the engine serving it",
                 self.updates_applied,
                 self.update_seconds,
             ),

@@ -305,11 +305,24 @@ def test_an_update_streamed_in_parts_is_applied_whole_or_not_at_all(rollout_fp8:
     publisher.last = (41, new)
     try:
         [delivery] = publisher.publish(42, dict, [Target(rollout_fp8.server.address, 41)], built=newer)
-    finally:
+    except BaseException:
         publisher.close()
+        raise
     assert delivery.ok and delivery.encoding == "delta", delivery.error
     assert 0 < delivery.wire_bytes < newer.nbytes and 0 < delivery.density <= 1
     assert_engine_holds(rollout_fp8, newer)
+
+    # The trainer's encoder fails at the last part, after the replica applied the others: the publish
+    # fails (no keyframe can be made of that set either), and the replica puts every part back.
+    unencodable = WeightSet(newer.format, {**new.tensors, "zz.unknown": torch.zeros(4, dtype=torch.int16)})
+    publisher.last = (42, newer)
+    with pytest.raises(RuntimeError, match="encoding the delta failed"):
+        publisher.publish(43, dict, [Target(rollout_fp8.server.address, 42)], built=unencodable)
+    publisher.close()
+    assert stub.GetStatus(common_pb2.GetStatusRequest()).weight_version == 42
+    assert_engine_holds(rollout_fp8, newer)
+    assert stub.UpdateWeights(parts_to_chunks(delta_parts(new, newer, 43, 42)), timeout=60).version == 43
+    assert_engine_holds(rollout_fp8, new)
 
 
 def test_no_completion_mixes_weight_versions(rollout_fp8: InProcessRollout) -> None:

@@ -322,6 +322,24 @@ def test_an_update_in_parts_is_applied_as_they_come_and_put_back_whole_if_any_fa
             case()
         assert snapshot(v0) == before and v0.digest == digest, name
 
+    # Parts crafted by someone holding no secret (every digest recomputed): refused all the same.
+    last = parts[-1]
+    removing_updated = resealed(last, lambda m: m.update(removed=json.dumps(sorted(entries_of(parts[0])))))
+    beyond = resealed(parts[0], lambda m: m.update(part=str(len(parts)), tensors="{}"), keep_tensors=False)
+    for name, crafted, message in (
+        ("a tensor in two parts", [resealed(parts[0], lambda m: m.update(part="1"))], "two parts"),
+        ("a removed tensor updated", [*parts[1:-1], removing_updated], "removed"),
+        (
+            "removed, not names",
+            [*parts[1:-1], resealed(last, lambda m: m.update(removed="[[1]]"))],
+            "removed",
+        ),
+        ("a part after the last", [*parts[1:], beyond], "was due"),
+    ):
+        with pytest.raises(CorruptUpdateError, match=message):
+            fails_after(crafted)
+        assert snapshot(v0) == before, name
+
     with UpdateDecoder(v0, 0) as decoder:  # the stream broke after two parts: the caller aborts
         decoder.add(parts[0])
         decoder.add(parts[1])
@@ -344,6 +362,27 @@ def test_an_update_in_parts_is_applied_as_they_come_and_put_back_whole_if_any_fa
     assert v0.consumed
     whole = encode_delta(v1, build_weight_set(sd, fmt), 1, 0)  # type: ignore[arg-type]
     assert sum(len(b) for b in parts) > whole.wire_bytes > 0  # parts cost a header each, nothing else
+
+
+def entries_of(blob: bytes) -> dict[str, Any]:
+    return json.loads(read_metadata(blob)["tensors"])
+
+
+def resealed(blob: bytes, edit: Callable[[dict[str, str]], None], keep_tensors: bool = True) -> bytes:
+    """``blob`` with its metadata edited and sealed again (as anyone could), its tensors kept or dropped."""
+    from fp8rl.weights import _layout, sealed
+
+    header_len = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8 : 8 + header_len])
+    metadata = {k: v for k, v in header.pop("__metadata__").items() if k != "metadata_digest"}
+    edit(metadata)
+    if not keep_tensors:
+        return _layout({}, sealed(metadata))
+    layout = {
+        n: (torch.uint8, spec["shape"], spec["data_offsets"][1] - spec["data_offsets"][0])
+        for n, spec in header.items()
+    }
+    return _layout(layout, sealed(metadata)) + blob[8 + header_len :]
 
 
 def test_big_tensors_are_cut_into_chunks_each_encoded_its_own_way(gen: torch.Generator) -> None:

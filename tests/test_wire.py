@@ -6,6 +6,8 @@ from __future__ import annotations
 import filecmp
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from fp8rl.errors import CorruptUpdateError
-from fp8rl.serving import start_server
+from fp8rl.serving import read_ahead, start_server
 from fp8rl.v1 import rollout_pb2, rollout_pb2_grpc, trainer_pb2_grpc, weights_pb2
 from fp8rl.weight_stream import decode_parts, parts_to_chunks, receive_parts, update_to_chunks
 from fp8rl.weights import WeightSet, decode_update, delta_parts, encode_keyframe, keyframe_parts
@@ -77,7 +79,8 @@ def test_weight_stream_round_trip_within_message_limit(gen: torch.Generator) -> 
 
 
 def test_an_update_streams_in_parts_each_applied_as_it_arrives(gen: torch.Generator) -> None:
-    """Parts of about 2 MiB: each is whole (and decoded) before the next one's bytes are read."""
+    """Parts of about 2 MiB: each is handed on as soon as it is whole (when the next part's header
+    arrives), not when the stream ends."""
     ws = big_weight_set(gen)  # five 2 MiB tensors
     chunks = list(parts_to_chunks(keyframe_parts(ws, version=3, part_bytes=2 << 20), epoch=2))
     headers = [c.header for c in chunks if c.WhichOneof("part") == "header"]
@@ -107,6 +110,39 @@ def test_an_update_streams_in_parts_each_applied_as_it_arrives(gen: torch.Genera
     delta = list(parts_to_chunks(delta_parts(new, ws, 4, 3, part_bytes=2 << 20)))
     decoded, _ = decode_parts(receive_parts(delta), base, 3)
     assert decoded.weights.digest == new.digest and decoded.tensors_updated == 2
+
+
+def test_read_ahead_reads_one_item_ahead_raises_in_turn_and_stops_when_closed() -> None:
+    read: list[int] = []
+
+    def items(fail_at: int | None = None) -> Iterator[int]:
+        for i in range(100):
+            if i == fail_at:
+                raise ConnectionError("stream broke")
+            read.append(i)
+            yield i
+
+    def readers() -> int:
+        return sum(t.name == "read-ahead" and t.is_alive() for t in threading.enumerate())
+
+    others = readers()
+    ahead = read_ahead(items())
+    assert next(ahead) == 0
+    deadline = time.monotonic() + 10
+    while len(read) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)
+    assert read == [0, 1, 2] and readers() == others + 1  # 1 waits in the queue, 2 to be put: no further
+    ahead.close()
+    deadline = time.monotonic() + 5
+    while readers() > others and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert readers() == others and read == [0, 1, 2]
+    read.clear()
+    failing = read_ahead(items(fail_at=2))
+    assert [next(failing), next(failing)] == [0, 1]
+    with pytest.raises(ConnectionError, match="stream broke"):
+        next(failing)
 
 
 def test_weight_stream_rejects_malformed_streams(gen: torch.Generator) -> None:

@@ -87,8 +87,11 @@ class Publisher:
             else:
                 weights = built or build_weight_set(master(), self.weight_format, self.hp_dtype)
             updates = _Updates(weights, version, base, self.recipe, epoch, self.update_key, self.part_bytes)
-            with ThreadPoolExecutor(max_workers=max(1, len(targets))) as pool:
-                deliveries = list(pool.map(lambda t: self._deliver(t, updates), targets))
+            try:
+                with ThreadPoolExecutor(max_workers=max(1, len(targets))) as pool:
+                    deliveries = list(pool.map(lambda t: self._deliver(t, updates), targets))
+            finally:
+                updates.close()
             self.last = (version, weights)
             return deliveries
 
@@ -163,13 +166,23 @@ class _Streamed:
         self._done = False
         self.error: BaseException | None = None
         self._ready = threading.Condition()
-        threading.Thread(
+        self._cancelled = threading.Event()
+        self._encoder = threading.Thread(
             target=self._encode, args=(parts, epoch, key), name=f"encode-{encoding}", daemon=True
-        ).start()
+        )
+        self._encoder.start()
+
+    def cancel(self) -> None:
+        """Stop encoding (after the part under way) and wait for the encoder: nobody needs the rest."""
+        self._cancelled.set()
+        self._encoder.join()
 
     def _encode(self, parts: Iterator[EncodedUpdate], epoch: int, key: bytes | None) -> None:
         try:
             for part in parts:
+                if self._cancelled.is_set():
+                    self.error = RuntimeError(f"the {self.encoding} was cancelled: its publish ended")
+                    return
                 signed = (part, header_of(part, epoch, key))
                 with self._ready:
                     self._parts.append(signed)
@@ -245,6 +258,12 @@ class _Updates:
         return self._get(
             "keyframe", lambda: keyframe_parts(self.weights, self.version, self.recipe, self.part_bytes)
         )
+
+    def close(self) -> None:
+        """Stop encoders no target reads any more (every target's stream failed early)."""
+        with self._lock:
+            for streamed in self._cache.values():
+                streamed.cancel()
 
     def _get(self, kind: str, parts: Callable[[], Iterator[EncodedUpdate]]) -> _Streamed:
         with self._lock:

@@ -77,7 +77,7 @@ class RolloutServicer:
         raise NotImplementedError('Method not implemented!')
 
     def UpdateWeights(self, request_iterator, context):
-        """Header first, then data chunks; see weights.proto.
+        """Each part's header, then its data chunks, part after part; see weights.proto.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
