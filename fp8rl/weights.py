@@ -391,8 +391,8 @@ class EncodedUpdate:
 
     @functools.cached_property
     def digest(self) -> str:
-        """Digest of the header segment, which seals the rest: it holds every tensor's digest and, through
-        the set digest, every name, dtype and shape."""
+        """Digest of the part's header segment, which seals the rest of the part: it holds its tensors'
+        digests (and in the last part the set digest, which covers every name, dtype and shape)."""
         return bytes_digest(self.segments[0])
 
     @property
@@ -943,8 +943,8 @@ def _undo(
     held: WeightSet, outcomes: Sequence[tuple[bytes, Callable[[], None] | None] | BaseException]
 ) -> None:
     """XOR every rewritten chunk back (XOR is its own inverse): the held set is back, bit for bit. Should
-    that itself be cut short, the set is consumed: it must not pass for a version its bytes no longer
-    are."""
+    that itself be cut short, or a chunk have failed to put itself back, the set is consumed: it must not
+    pass for a version its bytes no longer are."""
     try:
         for outcome in outcomes:
             if isinstance(outcome, tuple) and outcome[1] is not None:
@@ -952,6 +952,12 @@ def _undo(
     except BaseException:
         held._consume()
         raise
+    if any(isinstance(outcome, _Unrestorable) for outcome in outcomes):
+        held._consume()
+
+
+class _Unrestorable(CorruptUpdateError):
+    """A chunk that failed part-way could not be put back (e.g. out of memory): its set is consumed."""
 
 
 def _extent(t: torch.Tensor) -> tuple[int, int]:
@@ -1041,6 +1047,8 @@ def _unpack_chunk(target: _Target, i: int) -> tuple[bytes, Callable[[], None] | 
             undo = _xor_changes(out, packed, target.word, pairs)
         elif encoding == "xor-zstd":
             undo = _xor_stream(out, packed)
+    except _Unrestorable:
+        raise
     except Exception as exc:
         raise CorruptUpdateError(f"cannot decode tensor {target.name!r}: {exc}") from exc
     return xxhash.xxh3_128_digest(out.data), undo
@@ -1069,21 +1077,30 @@ def _settled(
     fn: Callable[[T], R], items: Sequence[T], sink: list[R | BaseException]
 ) -> tuple[list[R | BaseException], BaseException | None]:
     """``fn`` over ``items`` on the pool, each outcome a result or the exception it raised, every call
-    run to its end even when this thread is interrupted meanwhile (the interrupt is returned second, with
-    the outcomes of the calls it let start): nothing is undone while a chunk may still be writing. The
-    calls always run on the pool, where no signal lands; this thread only waits. Each outcome is also
-    appended to ``sink`` by the pool thread that made it, so that an interrupt landing anywhere on this
-    thread loses none."""
+    run to its end even when this thread is interrupted meanwhile (the interrupt is returned second, and
+    calls not yet started then never start): nothing is undone while a chunk may still be writing. The
+    calls always run on the pool, where no signal lands; this thread only waits. Each outcome is appended
+    to ``sink`` by the pool thread that made it, so that an interrupt landing anywhere on this thread
+    loses none."""
+    state = threading.Condition()
+    running, stopped = [0], [False]
 
-    def attempt(item: T) -> R | BaseException:
+    def attempt(item: T) -> R | BaseException | None:
+        with state:
+            if stopped[0]:
+                return None
+            running[0] += 1
         try:
             outcome: R | BaseException = fn(item)
         except BaseException as exc:
             outcome = exc
         sink.append(outcome)
+        with state:
+            running[0] -= 1
+            state.notify_all()
         return outcome
 
-    pool, futures = _pool(), list[Future[R | BaseException]]()
+    pool, futures = _pool(), list[Future[R | BaseException | None]]()
     interrupted: BaseException | None = None
     try:
         for item in items:
@@ -1092,11 +1109,19 @@ def _settled(
         interrupted = exc
     while True:
         try:
-            wait(futures)
+            if interrupted is None:
+                wait(futures)
+            else:  # start nothing more (a call may have been submitted unrecorded); let the writers finish
+                with state:
+                    stopped[0] = True
+                    while running[0]:
+                        state.wait()
             break
-        except BaseException as exc:  # let the writers finish, then undo
+        except BaseException as exc:
             interrupted = interrupted or exc
-    return [f.result() for f in futures], interrupted
+    if interrupted is not None:
+        return [], interrupted
+    return [cast("R | BaseException", f.result()) for f in futures], None
 
 
 def _decompress_exactly(packed: np.ndarray, out: np.ndarray) -> None:
@@ -1133,9 +1158,11 @@ def _xor_changes(out: np.ndarray, packed: np.ndarray, word: np.dtype, changes: i
 def _xor_stream(out: np.ndarray, packed: np.ndarray) -> Callable[[], None]:
     """XOR the decompressed stream into ``out`` a cache-sized block at a time; returns what undoes it. A
     stream that fails part-way is undone as far as it got before the error propagates."""
+    first_scratch = np.empty(min(_BLOCK, out.size), dtype=np.uint8)  # the undo allocates its own
 
-    def xor(upto: int, done: list[int], whole: bool) -> None:
-        scratch = np.empty(min(_BLOCK, out.size), dtype=np.uint8)  # (not kept alive by the undo)
+    def xor(upto: int, done: list[int], whole: bool, scratch: np.ndarray | None = None) -> None:
+        if scratch is None:
+            scratch = np.empty(min(_BLOCK, out.size), dtype=np.uint8)
         with zstandard.ZstdDecompressor().stream_reader(packed.data) as reader:
             while done[0] < upto:
                 got = reader.readinto(scratch[: min(_BLOCK, upto - done[0])].data)
@@ -1149,9 +1176,12 @@ def _xor_stream(out: np.ndarray, packed: np.ndarray) -> Callable[[], None]:
 
     progress = [0]
     try:
-        xor(out.size, progress, whole=True)
-    except BaseException:
-        xor(progress[0], [0], whole=False)  # the same bytes again: undone as far as it got
+        xor(out.size, progress, True, first_scratch)
+    except BaseException as failure:
+        try:
+            xor(progress[0], [0], False, first_scratch)  # the same bytes again: undone as far as it got
+        except BaseException as exc:
+            raise _Unrestorable(f"a chunk could not be put back ({exc!r}) after: {failure!r}") from exc
         raise
     return lambda: xor(out.size, [0], whole=False)
 

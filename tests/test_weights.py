@@ -266,8 +266,7 @@ def test_a_delta_is_applied_in_place_and_any_refusal_puts_every_byte_back(
     ):
         with pytest.raises(error):
             decode_update(bad, v0, held_version=0, accept=refuse if bad is delta else None)
-        assert snapshot(v0) == before and v0.digest == digest
-    assert WeightSet(v0.format, dict(v0.tensors)).digest == digest  # the bytes, hashed afresh
+        assert snapshot(v0) == before and fresh_digest(v0) == digest
 
     seen: list[int] = []
     out = decode_update(delta, v0, held_version=0, accept=lambda d: seen.append(d.version))
@@ -309,18 +308,21 @@ def test_an_update_in_parts_is_applied_as_they_come_and_put_back_whole_if_any_fa
         if finish:
             decoder.finish()
 
-    cases: dict[str, Callable[[], None]] = {
-        "a corrupt part": lambda: fails_after([*parts[1:with_data], bytes(flipped)]),
-        "the last part missing": lambda: fails_after(parts[1:-1]),
-        "a part skipped": lambda: fails_after(parts[2:]),
-        "a part twice": lambda: fails_after(parts[:2]),
-        "a part of another version": lambda: fails_after([other_version[1]]),
-        "a part of another cut": lambda: fails_after([other_cut[1]]),
+    cases: dict[str, tuple[Callable[[], None], str]] = {
+        "a corrupt part": (lambda: fails_after([*parts[1:with_data], bytes(flipped)]), "digest mismatch"),
+        "the last part missing": (lambda: fails_after(parts[1:-1]), "truncated"),
+        "a part skipped": (lambda: fails_after(parts[2:3], finish=False), "was due"),
+        "a part twice": (lambda: fails_after(parts[:1], finish=False), "was due"),
+        "a part of another version": (
+            lambda: fails_after([other_version[1]], finish=False),
+            "another update",
+        ),
+        "a part of another cut": (lambda: fails_after([other_cut[1]], finish=False), "another update"),
     }
-    for name, case in cases.items():
-        with pytest.raises(CorruptUpdateError):
+    for name, (case, message) in cases.items():
+        with pytest.raises(CorruptUpdateError, match=message):
             case()
-        assert snapshot(v0) == before and v0.digest == digest, name
+        assert snapshot(v0) == before and fresh_digest(v0) == digest, name
 
     # Parts crafted by someone holding no secret (every digest recomputed): refused all the same.
     last = parts[-1]
@@ -338,7 +340,7 @@ def test_an_update_in_parts_is_applied_as_they_come_and_put_back_whole_if_any_fa
     ):
         with pytest.raises(CorruptUpdateError, match=message):
             fails_after(crafted)
-        assert snapshot(v0) == before, name
+        assert snapshot(v0) == before and fresh_digest(v0) == digest, name
 
     with UpdateDecoder(v0, 0) as decoder:  # the stream broke after two parts: the caller aborts
         decoder.add(parts[0])
@@ -347,7 +349,7 @@ def test_an_update_in_parts_is_applied_as_they_come_and_put_back_whole_if_any_fa
     with pytest.raises(KeyboardInterrupt), UpdateDecoder(v0, 0) as decoder:
         decoder.add(parts[0])
         raise KeyboardInterrupt
-    assert snapshot(v0) == before and WeightSet(v0.format, dict(v0.tensors)).digest == digest
+    assert snapshot(v0) == before and fresh_digest(v0) == digest
 
     keyframe = UpdateDecoder()
     for part in keyframe_parts(v0, 0, part_bytes=small):
@@ -362,6 +364,11 @@ def test_an_update_in_parts_is_applied_as_they_come_and_put_back_whole_if_any_fa
     assert v0.consumed
     whole = encode_delta(v1, build_weight_set(sd, fmt), 1, 0)  # type: ignore[arg-type]
     assert sum(len(b) for b in parts) > whole.wire_bytes > 0  # parts cost a header each, nothing else
+
+
+def fresh_digest(ws: WeightSet) -> str:
+    """The set's digest from its bytes, hashed afresh (``ws.digest`` is cached)."""
+    return WeightSet(ws.format, dict(ws.tensors)).digest
 
 
 def entries_of(blob: bytes) -> dict[str, Any]:
@@ -483,7 +490,32 @@ def test_an_interrupt_while_chunks_are_applied_leaves_the_held_set_as_it_was(
     monkeypatch.setattr(codec, "_unpack_chunk", interrupted)
     with pytest.raises(KeyboardInterrupt):
         decode_update(delta, v0, held_version=0)
-    assert len(calls) > 5 and snapshot(v0) == before and v0.digest == digest and not v0.consumed
+    assert len(calls) > 5 and snapshot(v0) == before and fresh_digest(v0) == digest and not v0.consumed
+
+
+def test_a_chunk_that_cannot_be_put_back_consumes_the_held_set(
+    gen: torch.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dense chunk that fails part-way and then fails to undo itself (out of memory): the held set is
+    consumed, so that it can no longer pass for its version; the replica then needs a keyframe."""
+    import fp8rl.weights as codec
+
+    sd = model_like_state_dict(gen)
+    v0, v1 = build_weight_set(sd, "bf16"), build_weight_set(mixed_step(sd, gen), "bf16")
+    real, calls = codec._unpack_chunk, []
+
+    def unrestorable(target: Any, i: int) -> Any:
+        calls.append(i)
+        if len(calls) == 3:
+            raise codec._Unrestorable("a chunk could not be put back")
+        return real(target, i)
+
+    monkeypatch.setattr(codec, "_unpack_chunk", unrestorable)
+    with pytest.raises(CorruptUpdateError, match="could not be put back"):
+        decode_update(encode_delta(v1, v0, 1, 0).blob, v0, held_version=0)
+    assert v0.consumed
+    with pytest.raises(BaseMismatchError, match="consumed"):
+        decode_update(encode_delta(v1, build_weight_set(sd, "bf16"), 1, 0).blob, v0, held_version=0)
 
 
 def test_every_bit_of_the_header_is_covered(gen: torch.Generator) -> None:

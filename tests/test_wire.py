@@ -122,22 +122,18 @@ def test_read_ahead_reads_one_item_ahead_raises_in_turn_and_stops_when_closed() 
             read.append(i)
             yield i
 
-    def readers() -> int:
-        return sum(t.name == "read-ahead" and t.is_alive() for t in threading.enumerate())
-
-    others = readers()
+    others = set(threading.enumerate())
     ahead = read_ahead(items())
     assert next(ahead) == 0
+    (reader,) = [t for t in threading.enumerate() if t not in others and t.name == "read-ahead"]
     deadline = time.monotonic() + 10
     while len(read) < 3 and time.monotonic() < deadline:
         time.sleep(0.01)
     time.sleep(0.2)
-    assert read == [0, 1, 2] and readers() == others + 1  # 1 waits in the queue, 2 to be put: no further
+    assert read == [0, 1, 2] and reader.is_alive()  # 1 waits in the queue, 2 to be put: no further
     ahead.close()
-    deadline = time.monotonic() + 5
-    while readers() > others and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert readers() == others and read == [0, 1, 2]
+    reader.join(timeout=5)
+    assert not reader.is_alive() and read == [0, 1, 2]
     read.clear()
     failing = read_ahead(items(fail_at=2))
     assert [next(failing), next(failing)] == [0, 1]

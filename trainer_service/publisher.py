@@ -30,6 +30,15 @@ from fp8rl.weights import (
 
 log = logging.getLogger(__name__)
 UPDATE_DEADLINE_S = 600.0
+# A refused delta is followed by a keyframe, except where the target is busy, away or refuses the caller:
+# a bigger update would fare no better.
+_NOT_HEALED = (
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.PERMISSION_DENIED,
+)
 
 
 @dataclass(frozen=True)
@@ -112,10 +121,10 @@ class Publisher:
             try:
                 self._send(target.address, update)
             except grpc.RpcError as exc:
-                if update.encoding == "keyframe" or update.error is not None:
+                if update.encoding == "keyframe" or update.error is not None or exc.code() in _NOT_HEALED:
                     raise
-                # FAILED_PRECONDITION: the target holds another version. Anything else: the delta did not
-                # apply. Either way nothing changed there, and a keyframe heals it.
+                # FAILED_PRECONDITION: the target holds another version. Anything else (but _NOT_HEALED):
+                # the delta did not apply. Either way nothing changed there, and a keyframe heals it.
                 log.warning(
                     "delta to %s refused (%s: %s); sending a keyframe",
                     target.address,
@@ -180,8 +189,7 @@ class _Streamed:
     def _encode(self, parts: Iterator[EncodedUpdate], epoch: int, key: bytes | None) -> None:
         try:
             for part in parts:
-                if self._cancelled.is_set():
-                    self.error = RuntimeError(f"the {self.encoding} was cancelled: its publish ended")
+                if self._cancelled.is_set():  # (a stream still reading ends short: refused whole)
                     return
                 signed = (part, header_of(part, epoch, key))
                 with self._ready:
