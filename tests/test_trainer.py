@@ -12,10 +12,11 @@ import torch
 
 from fp8rl.errors import InvalidRequest, PreconditionFailed
 from fp8rl.serving import start_server
-from fp8rl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
-from fp8rl.weights import raw_bytes
+from fp8rl.v1 import common_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc, weights_pb2
+from fp8rl.weights import build_weight_set, raw_bytes
 from tests.support import load_reference, reference_logprobs
 from trainer_service.config import TrainerConfig
+from trainer_service.publisher import Publisher, Target
 from trainer_service.service import TrainerService, parse_samples
 from trainer_service.servicer import SERVICE_NAME, TrainerServicer
 
@@ -360,3 +361,42 @@ def test_a_stale_fencing_token_is_refused(trainer) -> None:  # type: ignore[no-u
         ).weight_version
         == step + 2
     )
+
+
+class RefusingReplica(rollout_pb2_grpc.RolloutServicer):
+    """A stand-in replica that refuses every update with one status code, after reading its first header."""
+
+    def __init__(self, code: grpc.StatusCode) -> None:
+        self.code, self.encodings = code, list[str]()
+
+    def UpdateWeights(
+        self, request_iterator: Iterator[weights_pb2.WeightChunk], context: grpc.ServicerContext
+    ) -> weights_pb2.UpdateWeightsResponse:
+        self.encodings.append(next(iter(request_iterator)).header.encoding)
+        context.abort(self.code, "refused by the stand-in")
+        raise AssertionError("unreachable")
+
+
+@pytest.mark.parametrize(
+    "code, healed",
+    [
+        (grpc.StatusCode.FAILED_PRECONDITION, True),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, False),
+        (grpc.StatusCode.UNAVAILABLE, False),
+    ],
+)
+def test_a_refused_delta_is_followed_by_a_keyframe_unless_the_replica_is_busy_or_away(
+    code: grpc.StatusCode, healed: bool, gen: torch.Generator
+) -> None:
+    replica = RefusingReplica(code)
+    running = start_server(lambda s: rollout_pb2_grpc.add_RolloutServicer_to_server(replica, s), [])
+    publisher = Publisher("bf16", torch.float32, "bf16")
+    try:
+        state = {"w": torch.randn(8, 8, generator=gen)}
+        publisher.last = (1, build_weight_set(state, "bf16", torch.float32))
+        [delivery] = publisher.publish(2, lambda: {"w": state["w"] + 1}, [Target(running.address, 1)])
+    finally:
+        publisher.close()
+        running.stop(0)
+    assert not delivery.ok and code.name in delivery.error
+    assert replica.encodings == (["delta", "keyframe"] if healed else ["delta"])
