@@ -383,11 +383,7 @@ class EncodedUpdate:
     @property
     def density(self) -> float:
         """Fraction of the covered tensor bytes that changed (1.0 for a keyframe)."""
-        return (
-            self.changed_bytes / self.tensor_bytes
-            if self.tensor_bytes
-            else float(self.encoding == "keyframe")
-        )
+        return changed_fraction(self.encoding, self.changed_bytes, self.tensor_bytes)
 
     @functools.cached_property
     def digest(self) -> str:
@@ -419,6 +415,11 @@ class EncodedUpdate:
                     pending, filled = [], 0
         if filled:
             yield b"".join(pending)
+
+
+def changed_fraction(encoding: Encoding, changed_bytes: int, tensor_bytes: int) -> float:
+    """Fraction of ``tensor_bytes`` that changed (an update's density); an empty keyframe counts as all."""
+    return changed_bytes / tensor_bytes if tensor_bytes else float(encoding == "keyframe")
 
 
 def _view(t: torch.Tensor) -> memoryview:
@@ -467,9 +468,7 @@ def keyframe_parts(
             "digests": json.dumps(part_digests, sort_keys=True),
         }
         if i == len(groups) - 1:
-            if known is None:
-                weights.__dict__["tensor_digests"] = digests
-            metadata["set_digest"] = weights.digest
+            metadata["set_digest"] = _set_digest(weights, digests)
         layout = {n: (t.dtype, t.shape, t.numel() * t.element_size()) for n, t in part.items()}
         nbytes = sum(size for _, _, size in layout.values())
         yield EncodedUpdate(
@@ -485,6 +484,13 @@ def keyframe_parts(
             part=i,
             parts=len(groups),
         )
+
+
+def _set_digest(weights: WeightSet, digests: dict[str, str]) -> str:
+    """The set's digest; ``digests`` (every tensor's, just computed from its bytes) are kept on the set
+    unless it had them already, so that nothing is hashed twice."""
+    weights.__dict__.setdefault("tensor_digests", digests)
+    return weights.digest
 
 
 def _grouped(sizes: Mapping[str, int], part_bytes: int) -> list[list[str]]:
@@ -649,9 +655,7 @@ def delta_parts(
         }
         last = i == len(groups) - 1
         if last:
-            if "tensor_digests" not in new.__dict__:
-                new.__dict__["tensor_digests"] = digests
-            metadata |= {"removed": json.dumps(removed), "set_digest": new.digest}
+            metadata |= {"removed": json.dumps(removed), "set_digest": _set_digest(new, digests)}
         sizes = {name: sum(len(c.packed) for c in cs) for name, cs in changed.items()}
         layout = {name: (torch.uint8, [size], size) for name, size in sizes.items()}
         yield EncodedUpdate(
@@ -882,7 +886,7 @@ class UpdateDecoder:
 
     def _finish(self) -> DecodedUpdate:
         metadata, identity = self._last, self._identity
-        if metadata is None or identity is None or self.parts != int(metadata["parts"]):
+        if metadata is None or identity is None:  # (parts come in order: the last one came last)
             raise CorruptUpdateError(f"truncated update: {self.parts} parts arrived, the last did not")
         version = int(metadata["version"])
         weight_format = cast(WeightFormat, metadata["format"])

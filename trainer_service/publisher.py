@@ -24,6 +24,7 @@ from fp8rl.weights import (
     EncodedUpdate,
     WeightSet,
     build_weight_set,
+    changed_fraction,
     delta_parts,
     keyframe_parts,
 )
@@ -226,11 +227,8 @@ class _Streamed:
     def totals(self) -> tuple[int, float]:
         """(wire bytes, density) of the whole update, once it is encoded."""
         parts = [part for part, _ in self._signed()]
-        covered = sum(p.tensor_bytes for p in parts)
-        changed = sum(p.changed_bytes for p in parts)
-        return sum(p.wire_bytes for p in parts), changed / covered if covered else float(
-            self.encoding == "keyframe"
-        )
+        changed, covered = sum(p.changed_bytes for p in parts), sum(p.tensor_bytes for p in parts)
+        return sum(p.wire_bytes for p in parts), changed_fraction(parts[0].encoding, changed, covered)
 
 
 class _Updates:
