@@ -235,6 +235,31 @@ def fake_quantize_activation(
     return dequantize_activation(q, scale_inv, group=group, dtype=x.dtype)
 
 
+def kv_cache_scale(amax: torch.Tensor, scale_format: ScaleFormat = "fp32") -> torch.Tensor:
+    """The per-tensor scale of an FP8 KV cache (vLLM's ``k_scale`` / ``v_scale``, float32) that maps
+    ``amax`` onto E4M3's largest value: ``amax / 448``, or under ``pow2`` the power of two at or above it
+    (no value then saturates). 1.0, vLLM's scale for a checkpoint without one, where ``amax`` is zero or
+    not finite (nothing was measured)."""
+    if scale_format not in SCALE_FORMATS:
+        raise ValueError(f"unknown scale format {scale_format!r}; expected one of {SCALE_FORMATS}")
+    amax = amax.float()
+    measured = torch.isfinite(amax) & (amax > 0)
+    scale = torch.where(measured, amax, FP8_MAX) / torch.full_like(amax, FP8_MAX)
+    scale = scale.clamp(min=torch.finfo(torch.float32).tiny)  # (a subnormal amax: still a usable scale)
+    if scale_format == "pow2":
+        down = round_down_pow2(scale)
+        scale = torch.where(down == scale, down, down * 2)
+    return scale
+
+
+def fake_quantize_kv(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """What an FP8 (E4M3) KV cache gives back of ``x`` (keys after RoPE, or values): vLLM's cache write
+    ``code = sat(x / scale)`` in float32, then the attention's read ``code * scale``; in ``x``'s dtype.
+    ``scale``: the layer's float32 scale as a tensor (a true division, as vLLM's kernels do)."""
+    scale = scale.float()
+    return (_cast(x.float() / scale).float() * scale).to(x.dtype)
+
+
 def fake_quantize_columnwise(
     x: torch.Tensor, group: int = ACTIVATION_GROUP, scale_format: ScaleFormat = "fp32"
 ) -> torch.Tensor:

@@ -74,24 +74,16 @@ class Platform:
     """What the machine offers that a recipe may need."""
 
     cuda_capability: tuple[int, int] | None  # None: no CUDA device
-    cpu_fp8_kv_cache: bool  # x86 with AVX-512 or AMX: vLLM's CPU attention has FP8-cache kernels
 
     @classmethod
     def here(cls) -> Platform:
-        cuda = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
-        fp8_kv = torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()
-        return cls(cuda, fp8_kv)
+        return cls(torch.cuda.get_device_capability() if torch.cuda.is_available() else None)
 
 
 def unsupported_reason(config: RolloutConfig, platform: Platform) -> str | None:
     """Why ``platform`` cannot serve ``config`` as its recipe says (checked before vLLM loads), or None."""
     recipe = get_recipe(config.recipe)
-    if platform.cuda_capability is None:
-        if recipe.kv_cache_dtype == "fp8" and not platform.cpu_fp8_kv_cache:
-            return (
-                f"recipe {recipe.name}: vLLM's FP8 KV cache on CPU needs x86 with AVX-512 or AMX, which this "
-                "CPU lacks; run it on a CUDA host or an AVX-512 machine, or pick a recipe without -kv"
-            )
+    if platform.cuda_capability is None:  # (CPU: FP8 GEMMs and FP8 KV cache are emulated)
         return None
     if recipe.fp8_rollout:
         dtype: str = config.dtype
@@ -161,6 +153,16 @@ def _named_parameters(worker: Any) -> dict[str, torch.Tensor]:
     return {n: p.detach().cpu().clone() for n, p in worker.model_runner.model.named_parameters()}
 
 
+def _kv_cache_scales(worker: Any) -> dict[str, tuple[float, float]]:
+    from vllm.model_executor.layers.attention import Attention
+
+    return {
+        n: (float(m._k_scale_float), float(m._v_scale_float))  # type: ignore[arg-type]
+        for n, m in worker.model_runner.model.named_modules()
+        if isinstance(m, Attention)
+    }
+
+
 class VllmEngine:
     def __init__(self, config: RolloutConfig) -> None:
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -186,20 +188,22 @@ class VllmEngine:
         check_refit_api()
 
         model_dir, quantization, overrides = str(config.model), cast(Any, None), None
+        kv_cache_dtype = recipe.kv_cache_dtype
         if recipe.fp8_rollout:
             if self.device == "cuda":
                 pin_vllm_fp8_environment(recipe.scale_format)
                 model_dir = str(fp8_checkpoint(config.model, recipe.scale_format))
-            else:
+            else:  # FP8 GEMMs, and an FP8 KV cache, emulated (rollout_service/vllm_fp8.py)
                 quantization = NAME
-                overrides = {"quantization_config": quantization_config(recipe.scale_format)}
+                overrides = {"quantization_config": quantization_config(recipe.scale_format, kv_cache_dtype)}
+                kv_cache_dtype = "auto"
         self._llm_args: dict[str, Any] = dict(
             model=model_dir,
             tokenizer=str(config.model),
             dtype=config.dtype,
             quantization=quantization,
             hf_overrides=overrides,
-            kv_cache_dtype=recipe.kv_cache_dtype,
+            kv_cache_dtype=kv_cache_dtype,
             max_model_len=config.max_model_len,
             seed=config.seed,
             # The logprob of each sampled token under the distribution actually sampled from:
@@ -323,6 +327,10 @@ class VllmEngine:
         """The weights the first worker computes with, in vLLM's (fused) names. For inspection and tests:
         it sends a Python function, which only an in-process engine (tensor parallel 1) accepts."""
         return self.llm.collective_rpc(_named_parameters)[0]
+
+    def kv_cache_scales(self) -> dict[str, tuple[float, float]]:
+        """Each attention layer's (k_scale, v_scale) in force, as :meth:`named_parameters` (inspection)."""
+        return self.llm.collective_rpc(_kv_cache_scales)[0]
 
 
 REFIT_PREFIX = "fp8rl-refit-"

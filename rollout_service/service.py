@@ -28,6 +28,7 @@ from fp8rl.weights import (
     DecodedUpdate,
     WeightSet,
     is_block_linear,
+    is_kv_cache_scale,
     scale_name,
 )
 from rollout_service.config import RolloutConfig
@@ -42,8 +43,9 @@ UPDATE_WAIT_S = 120.0  # how long an update waits for the one being applied befo
 Schema = dict[str, tuple[tuple[int, ...], bool]]  # name -> (shape, is FP8)
 
 
-def expected_schema(model_dir: Path, weight_format: WeightFormat) -> Schema:
-    """Names and shapes a WeightSet for this checkpoint must have (read from the safetensors headers)."""
+def expected_schema(model_dir: Path, weight_format: WeightFormat, kv_cache_scales: bool = False) -> Schema:
+    """Names and shapes a WeightSet for this checkpoint must have (read from the safetensors headers);
+    ``kv_cache_scales``: and each attention layer's FP8 KV-cache scales (float32 scalars)."""
     from safetensors import safe_open
 
     schema: Schema = {}
@@ -55,6 +57,9 @@ def expected_schema(model_dir: Path, weight_format: WeightFormat) -> Schema:
                 schema[name] = (shape, fp8)
                 if fp8:
                     schema[scale_name(name)] = (tuple(-(-d // 128) for d in shape), False)
+                if kv_cache_scales and name.endswith(".self_attn.k_proj.weight"):
+                    attention = name.removesuffix(".k_proj.weight")
+                    schema |= {f"{attention}.k_scale": ((), False), f"{attention}.v_scale": ((), False)}
     return schema
 
 
@@ -80,7 +85,7 @@ def check_schema(weights: WeightSet, schema: Schema, checked: WeightSet | None =
             continue
         if not finite(t):
             raise InvalidRequest("weights", f"{name} holds NaN or inf")
-        if name.endswith(SCALE_SUFFIX):
+        if name.endswith(SCALE_SUFFIX) or is_kv_cache_scale(name):
             if not bool((t > 0).all()):  # (finite already)
                 raise InvalidRequest("weights", f"{name} holds a scale that is not positive and finite")
             if pow2 and not bool((torch.frexp(t).mantissa == 0.5).all()):
@@ -101,7 +106,8 @@ def admit_tensor(schema: Schema, name: str, dtype: torch.dtype, shape: tuple[int
     wanted_shape, fp8 = schema[name]
     if shape != wanted_shape:
         raise InvalidRequest("weights", f"{name} has shape {shape}, the model needs {wanted_shape}")
-    wants = torch.float8_e4m3fn if fp8 else (torch.float32 if name.endswith(SCALE_SUFFIX) else None)
+    scale = name.endswith(SCALE_SUFFIX) or is_kv_cache_scale(name)
+    wants = torch.float8_e4m3fn if fp8 else (torch.float32 if scale else None)
     if (wants is not None and dtype != wants) or (wants is None and not dtype.is_floating_point):
         raise InvalidRequest("weights", f"{name} has dtype {dtype}")
 
@@ -179,7 +185,9 @@ class RolloutService:
         self.registration_proof = (
             registration_proof(self.update_key, address) if self.update_key and address else ""
         )
-        self.schema = expected_schema(config.model, self.recipe.rollout_weights)
+        self.schema = expected_schema(
+            config.model, self.recipe.rollout_weights, kv_cache_scales=self.recipe.kv_cache_dtype == "fp8"
+        )
         self.max_update_bytes = max_update_bytes(self.schema)
         self._update_lock = threading.Lock()
         self.started = time.time()

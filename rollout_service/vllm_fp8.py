@@ -12,18 +12,26 @@ on CPU as on GPU. Three differences from vLLM's ``Fp8LinearMethod``:
 * ``apply`` fake-quantizes activations per token in 1x128 groups with vLLM's own arithmetic (that of
   its CUDA per-token-group quantizer), then runs a plain GEMM.
 
+With ``kv_cache: fp8`` attention layers emulate an FP8 (E4M3) KV cache the same way: they take
+vLLM's per-layer ``k_scale`` / ``v_scale`` from the checkpoint or a refit (1.0 where none came, as
+vLLM), and round keys (after RoPE) and values through E4M3 with them as they enter the attention
+(:func:`fp8rl.quant.fake_quantize_kv`, vLLM's cache arithmetic), so that what is cached and attended to
+is what an FP8 cache would give back. vLLM's own cache stays in the compute dtype: its CPU FP8-cache
+kernels need AVX-512 or AMX, this emulation runs on any CPU.
+
 The numerics are those of the FP8 recipe, computed in the compute dtype. The scale format (``fp32`` or
-``pow2``) comes with the quantization config: ``{"quant_method": NAME, "scale_format": ...}``, which the
-engine passes through ``hf_overrides``. Registered in-process by
+``pow2``) and the cache come with the quantization config: ``{"quant_method": NAME, "scale_format": ...,
+"kv_cache": "auto" | "fp8"}``, which the engine passes through ``hf_overrides``. Registered in-process by
 :func:`register` and, for engine worker processes, through the ``vllm.general_plugins`` entry point.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
+from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.linear import (
     LinearBase,
     LinearMethodBase,
@@ -31,6 +39,7 @@ from vllm.model_executor.layers.linear import (
 )
 from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
 from vllm.model_executor.layers.quantization.utils.fp8_utils import (
     create_fp8_scale_parameter,
     create_fp8_weight_parameter,
@@ -47,10 +56,11 @@ BLOCK = list(quant.WEIGHT_BLOCK)
 class EmulatedBlockFP8Config(QuantizationConfig):
     """Block-FP8 (128x128 weights, dynamic 1x128 activations) for every linear layer."""
 
-    def __init__(self, scale_format: ScaleFormat = "fp32") -> None:
+    def __init__(self, scale_format: ScaleFormat = "fp32", kv_cache: KVCacheDtype = "auto") -> None:
         super().__init__()
         self.weight_block_size = BLOCK
         self.scale_format = scale_format
+        self.kv_cache = kv_cache
 
     def get_name(self) -> str:  # type: ignore[override]
         return NAME
@@ -72,17 +82,52 @@ class EmulatedBlockFP8Config(QuantizationConfig):
         scale_format = config.get("scale_format", "fp32")
         if scale_format not in SCALE_FORMATS:
             raise ValueError(f"{NAME}: scale_format {scale_format!r} is not one of {SCALE_FORMATS}")
-        return cls(scale_format)
+        kv_cache = config.get("kv_cache", "auto")
+        if kv_cache not in ("auto", "fp8"):
+            raise ValueError(f"{NAME}: kv_cache {kv_cache!r} is not auto or fp8")
+        return cls(scale_format, kv_cache)
 
     def get_quant_method(self, layer: Any, prefix: str) -> QuantizeMethodBase | None:
         if isinstance(layer, LinearBase):
             return EmulatedBlockFP8LinearMethod(self.scale_format)
+        if isinstance(layer, Attention) and self.kv_cache == "fp8":
+            return EmulatedFP8KVCacheMethod(self)
         return None
 
 
-def quantization_config(scale_format: ScaleFormat) -> dict[str, str]:
-    """The model config's ``quantization_config`` that selects this method in ``scale_format``."""
-    return {"quant_method": NAME, "scale_format": scale_format}
+KVCacheDtype = Literal["auto", "fp8"]
+
+
+def quantization_config(scale_format: ScaleFormat, kv_cache: KVCacheDtype = "auto") -> dict[str, str]:
+    """The model config's ``quantization_config`` that selects this method in ``scale_format``, with an
+    emulated FP8 KV cache if ``kv_cache`` is ``fp8``."""
+    return {"quant_method": NAME, "scale_format": scale_format, "kv_cache": kv_cache}
+
+
+class EmulatedFP8KVCacheMethod(BaseKVCacheMethod):
+    """Loads ``k_scale`` / ``v_scale`` as vLLM's FP8 cache does (vLLM's loaders and in-place reload
+    handle them: its parameters), then rounds keys and values through E4M3 with them on their way into
+    the attention layer."""
+
+    def process_weights_after_loading(self, layer: Any) -> None:
+        if not hasattr(layer, "k_scale"):  # a reload that brought no scales: those in force stay
+            return
+        k_scale, v_scale = (float(s) if float(s) > 0 else 1.0 for s in (layer.k_scale, layer.v_scale))
+        layer._k_scale.fill_(k_scale)
+        layer._v_scale.fill_(v_scale)
+        layer._k_scale_float, layer._v_scale_float = k_scale, v_scale
+        for name in ("k_scale", "v_scale", "q_scale", "prob_scale"):  # (as vLLM: a reload makes them anew)
+            delattr(layer, name)
+        if not getattr(layer, "fp8rl_kv_cache_hook", None):
+            layer.fp8rl_kv_cache_hook = layer.register_forward_pre_hook(_through_fp8_cache)
+
+
+def _through_fp8_cache(layer: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``Attention.forward(query, key, value, ...)``'s key and value as an FP8 cache gives them back."""
+    query, key, value, *rest = args
+    key = quant.fake_quantize_kv(key, torch.tensor(layer._k_scale_float, dtype=torch.float32))
+    value = quant.fake_quantize_kv(value, torch.tensor(layer._v_scale_float, dtype=torch.float32))
+    return (query, key, value, *rest)
 
 
 class EmulatedBlockFP8LinearMethod(LinearMethodBase):

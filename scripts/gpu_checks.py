@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from fp8rl import quant  # noqa: E402
-from fp8rl.recipes import WeightFormat  # noqa: E402
+from fp8rl.recipes import WeightFormat, get_recipe  # noqa: E402
+from trainer_service.kv_cache import scale_names  # noqa: E402
 
 results: list[str] = []
 
@@ -101,6 +102,8 @@ def rollout_refits(recipe: str) -> Callable[[], str]:
                 k: v + 0.01 * v.float().std() * torch.randn(v.shape, generator=g) if v.ndim == 2 else v
                 for k, v in state.items()
             }
+            if get_recipe(recipe).kv_cache_dtype == "fp8":  # calibrated-looking k/v scales ride along
+                state |= {n: torch.rand((), generator=g) / 100 + 1e-3 for n in scale_names(num_layers(state))}
             sent = build_weight_set(state, get_format(recipe), torch.bfloat16).tensors
             engine.load_weights(sent)
         held = engine.named_parameters()
@@ -109,6 +112,11 @@ def rollout_refits(recipe: str) -> Callable[[], str]:
         assert torch.equal(codes.view(torch.uint8), sent[name].view(torch.uint8)), (
             "held codes differ from sent"
         )
+        if get_recipe(recipe).kv_cache_dtype == "fp8":  # vLLM's FP8 cache took the scales shipped
+            for layer, (k, v) in engine.kv_cache_scales().items():
+                prefix = layer.removesuffix(".attn")
+                want = (float(sent[f"{prefix}.k_scale"]), float(sent[f"{prefix}.v_scale"]))
+                assert (k, v) == want, f"{layer}: k/v scales {(k, v)}, sent {want}"
         free = []
         for _ in range(2):
             engine.restart()
@@ -119,9 +127,11 @@ def rollout_refits(recipe: str) -> Callable[[], str]:
 
 
 def get_format(recipe: str) -> WeightFormat:
-    from fp8rl.recipes import get_recipe
-
     return get_recipe(recipe).rollout_weights
+
+
+def num_layers(state: dict[str, torch.Tensor]) -> int:
+    return 1 + max(int(n.split(".")[2]) for n in state if n.startswith("model.layers."))
 
 
 def short_run() -> str:

@@ -151,5 +151,12 @@ def all_sum(value: float) -> float:
     return float(t.item())
 
 
+def all_max(t: torch.Tensor) -> torch.Tensor:
+    """The elementwise maximum of ``t`` over ranks (a collective every rank calls)."""
+    out = t.detach().to(_device(), copy=True)
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return out.to(t.device)
+
+
 def barrier() -> None:
     dist.barrier()

@@ -23,8 +23,9 @@ from fp8rl.logprobs import token_logprobs
 from fp8rl.recipes import ImportanceSampling, Recipe
 from fp8rl.sampling import SamplingSettings
 from trainer_service.config import TrainerConfig
-from trainer_service.distributed import Ranks, all_sum, gather_rows
+from trainer_service.distributed import Ranks, all_max, all_sum, gather_rows
 from trainer_service.fp8_linear import Backend, convert_linears, fp8_context, resolve_backend
+from trainer_service.kv_cache import KVCache
 
 T = TypeVar("T")
 
@@ -113,6 +114,16 @@ class Learner:
         # Transformer Engine's FP8 GEMMs need the flattened token count to be a multiple of 8 (16 to be
         # safe): with `te`, sequences are padded to 16 positions (masked: nothing sees the padding).
         self.token_multiple = TE_TOKEN_MULTIPLE if self.backend == "te" else 1
+        self.kv_cache: KVCache | None = None  # under a -kv recipe: the rollout's FP8 KV cache, emulated
+        if recipe.kv_cache_dtype == "fp8":
+            self.kv_cache = KVCache(
+                self.model.config.num_hidden_layers,
+                recipe.scale_format,
+                calibrate=config.kv_scales == "calibrated",
+                emulate=config.emulate_kv_cache,
+                device=self.device,
+            )
+            self.kv_cache.install(self.model)
         self.reference = None
         if config.loss.kl_coef > 0:
             if ranks is not None:
@@ -144,13 +155,23 @@ class Learner:
         return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
     def logprobs(
-        self, batch: Batch, sampling: SamplingSettings, model: torch.nn.Module | None = None
+        self,
+        batch: Batch,
+        sampling: SamplingSettings,
+        model: torch.nn.Module | None = None,
+        calibrate: bool = False,
     ) -> torch.Tensor:
-        """Processed logprobs of ``batch.targets`` [B, L-1] (grad flows when enabled by the caller)."""
+        """Processed logprobs of ``batch.targets`` [B, L-1] (grad flows when enabled by the caller).
+        ``calibrate``: the batch's keys and values count towards the next version's KV-cache scales."""
         # Across ranks NaN must not raise on one rank while the others wait in a collective: it flows
         # into the global gradient norm, which every rank refuses alike.
         passes = quant.nonfinite_passes() if self.ranks is not None else contextlib.nullcontext()
-        with self.autocast(), fp8_context(self.backend, self.recipe.scale_format), passes:
+        recording = (
+            self.kv_cache.recording(batch.attention_mask)
+            if calibrate and self.kv_cache is not None
+            else contextlib.nullcontext()
+        )
+        with self.autocast(), fp8_context(self.backend, self.recipe.scale_format), passes, recording:
             logits = (model or self.model)(
                 input_ids=batch.input_ids, attention_mask=batch.attention_mask
             ).logits
@@ -159,13 +180,16 @@ class Learner:
         )
 
     @torch.no_grad()
-    def score(self, batch: Batch, sampling: SamplingSettings) -> torch.Tensor:
+    def score(self, batch: Batch, sampling: SamplingSettings, calibrate: bool = False) -> torch.Tensor:
         """``logprobs`` without grad, in micro-batches; across ranks each scores its share of them and
         every rank gets them all."""
         micros = list(torch.arange(len(batch.input_ids)).split(self.config.micro_batch_size))
         if self.ranks is None:
-            return torch.cat([self.logprobs(batch.rows(m), sampling) for m in micros])
-        scored = [(self.logprobs(batch.rows(m), sampling), real) for m, real in self._share(micros)]
+            return torch.cat([self.logprobs(batch.rows(m), sampling, calibrate=calibrate) for m in micros])
+        scored = [
+            (self.logprobs(batch.rows(m), sampling, calibrate=calibrate), real)
+            for m, real in self._share(micros)
+        ]
         local = torch.cat([s for s, real in scored if real] or [scored[0][0][:0]])  # stand-ins dropped
         owners = [
             torch.cat(micros[r :: self.ranks.world] or [micros[0][:0]]) for r in range(self.ranks.world)
@@ -190,7 +214,7 @@ class Learner:
         """One GRPO step on ``samples``; afterwards the weights are version ``step + 1``."""
         start = time.perf_counter()
         batch = self.collate(samples)
-        prev = self.score(batch, sampling)
+        prev = self.score(batch, sampling, calibrate=True)  # (the step's sequences set the next KV scales)
         support = grpo.sampling_support(prev, batch.mask)  # the tokens the loss and metrics cover
         weights = grpo.importance_weights(prev, batch.gen, support, self.is_config)
         metrics: dict[str, Any] = grpo.divergence_metrics(prev, batch.gen, support, weights)
@@ -247,6 +271,8 @@ class Learner:
                 self.optimizer.step()
                 losses.append(loss_sum)
         except NonFiniteGradient as exc:
+            if self.kv_cache is not None:
+                self.kv_cache.amax.zero_()
             self.optimizer.zero_grad(set_to_none=True)
             if before is not None:
                 self._restore(before)
@@ -254,6 +280,8 @@ class Learner:
                 f"step {self.step}: non-finite gradient: {exc} (rewards or advantages too large?); "
                 f"the update was skipped, the weights stay at version {self.step}"
             ) from None
+        if self.kv_cache is not None:
+            self.kv_cache.calibrate(None if self.ranks is None else all_max)
         self.step += 1
         seconds = time.perf_counter() - start
         tokens = int(batch.mask.sum().item())
@@ -302,6 +330,12 @@ class Learner:
         with torch.no_grad():
             return self.logprobs(batch, sampling, self.reference)
 
+    def published_weights(self) -> Mapping[str, torch.Tensor]:
+        """What the rollout's weight set is built from: the master weights, then (under a -kv recipe) the
+        KV-cache scales of this version; read like :meth:`master_weights`."""
+        weights = self.master_weights()
+        return weights if self.kv_cache is None else Joined(weights, self.kv_cache.tensors())
+
     def master_weights(self) -> Mapping[str, torch.Tensor]:
         """float32 master weights under HF names (detached views; copy before mutating). Sharded, a view
         that gathers each whole as it is read, one at a time, on every rank: all ranks must read the same
@@ -325,6 +359,23 @@ class Gathered(Mapping[str, torch.Tensor]):
 
     def __len__(self) -> int:
         return len(self.params)
+
+
+class Joined(Mapping[str, torch.Tensor]):
+    """Two mappings read as one, ``first``'s names first (each read from where it lives)."""
+
+    def __init__(self, first: Mapping[str, torch.Tensor], then: Mapping[str, torch.Tensor]) -> None:
+        self.first, self.then = first, then
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.first[name] if name in self.first else self.then[name]
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self.first
+        yield from self.then
+
+    def __len__(self) -> int:
+        return len(self.first) + len(self.then)
 
 
 def shard(model: torch.nn.Module) -> None:

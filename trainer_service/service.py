@@ -285,12 +285,12 @@ class TrainerService:
             built = None
             if self.ranks is not None:  # every rank takes part in gathering each tensor whole
                 with self._collective("publish", request):
-                    built = self.publisher.build(self.learner.master_weights(), keep=self.ranks.is_root)
+                    built = self.publisher.build(self.learner.published_weights(), keep=self.ranks.is_root)
                 if not self.ranks.is_root:
                     return trainer_pb2.PublishWeightsResponse(version=request.version)
             deliveries = self.publisher.publish(
                 request.version,
-                self.learner.master_weights,
+                self.learner.published_weights,
                 [Target(t.address, t.held_version) for t in allowed],
                 epoch=self.fence,
                 built=built,
@@ -350,7 +350,10 @@ class TrainerService:
         if self.ranks is not None:
             return self._save_sharded(self.config.checkpoint_dir)
         optimizer_tensors, optimizer_rest = checkpoint.flatten_optimizer(self.learner.optimizer.state_dict())
-        tensors = {"model": self.learner.master_weights(), "optimizer": optimizer_tensors, "rng": self._rng()}
+        tensors = {
+            "model": self.learner.master_weights(),
+            "optimizer": optimizer_tensors,
+        } | self._replicated()
         path = checkpoint.save(
             self.config.checkpoint_dir,
             self.step,
@@ -381,7 +384,7 @@ class TrainerService:
         if self.ranks.is_root:
             meta = self._meta() | {"ranks": self.ranks.world, "optimizer_saved": with_optimizer}
             path = checkpoint.save(
-                root, self.step, {"rng": self._rng()}, meta, self.config.keep_checkpoints, staged
+                root, self.step, self._replicated(), meta, self.config.keep_checkpoints, staged
             )
             log.info("checkpoint %s written by %d ranks", path, self.ranks.world)
         distributed.barrier()
@@ -396,6 +399,11 @@ class TrainerService:
         if with_optimizer:
             state["optimizer"] = get_optimizer_state_dict(self.learner.model, self.learner.optimizer)
         return state
+
+    def _replicated(self) -> dict[str, dict[str, torch.Tensor]]:
+        """What every rank holds alike: the RNG states and, under a -kv recipe, the KV-cache scales."""
+        kv = self.learner.kv_cache
+        return {"rng": self._rng()} | ({} if kv is None else {"kv_cache": {"scales": kv.scales}})
 
     def _rng(self) -> dict[str, torch.Tensor]:
         rng = {"torch": torch.get_rng_state()}
@@ -453,6 +461,12 @@ class TrainerService:
             learner.optimizer.load_state_dict(
                 checkpoint.unflatten_optimizer(tensors["optimizer"], meta["optimizer"])
             )
+        if learner.kv_cache is not None:
+            if "kv_cache" not in tensors:
+                raise RuntimeError(
+                    f"{path} holds no KV-cache scales: it was not written under {self.recipe.name}"
+                )
+            learner.kv_cache.load(tensors["kv_cache"]["scales"])
         torch.set_rng_state(tensors["rng"]["torch"])
         if "cuda" in tensors["rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state(tensors["rng"]["cuda"])

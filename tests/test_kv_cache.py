@@ -1,0 +1,210 @@
+"""The FP8 KV cache of the `-kv` recipes: its scale and rounding against float32 references, the trainer's
+emulation and calibration against K and V recomputed here, and its scales surviving a checkpoint.
+(The rollout's emulation against real vLLM, and the two engines' agreement: tests/test_consistency.py.)"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fp8rl import quant
+from fp8rl.recipes import get_recipe
+from fp8rl.sampling import SamplingSettings
+from trainer_service.config import TrainerConfig
+from trainer_service.learner import Learner, SampleData
+
+F32 = np.float32
+
+
+def test_kv_cache_scale_is_amax_over_448_or_the_power_of_two_above() -> None:
+    gen = torch.Generator().manual_seed(1)
+    amax = torch.rand(5000, generator=gen) * torch.logspace(-30, 30, 5000)
+    got = quant.kv_cache_scale(amax)
+    want = torch.from_numpy(np.array([F32(a) / F32(448.0) for a in amax.numpy()], dtype=F32))
+    assert torch.equal(got, want)  # (IEEE float32 division: one rounding)
+    pow2 = quant.kv_cache_scale(amax, "pow2")
+    for a, s in zip(amax.tolist(), pow2.tolist(), strict=True):
+        assert s == 2.0 ** math.ceil(math.log2(float(F32(a) / F32(448.0)))) or (
+            math.frexp(float(F32(a) / F32(448.0)))[0] == 0.5 and s == float(F32(a) / F32(448.0))
+        )
+    # Nothing measured (zero, NaN, inf): vLLM's 1.0; a subnormal amax still gives a positive scale.
+    edge = quant.kv_cache_scale(torch.tensor([0.0, math.nan, math.inf, -math.inf, 1e-44]))
+    assert edge[:4].tolist() == [1.0] * 4 and edge[4] > 0
+    with pytest.raises(ValueError, match="scale format"):
+        quant.kv_cache_scale(amax, "ue8m0")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fake_quantize_kv_is_vllms_cache_write_then_read(dtype: torch.dtype) -> None:
+    """``code = sat(x / scale)`` in float32, then ``code * scale``, bit for bit; ties and saturation
+    included."""
+    gen = torch.Generator().manual_seed(2)
+    scale = torch.tensor(0.0137, dtype=torch.float32)
+    x = torch.randn(4, 2, 33, 64, generator=gen) * 3
+    x.view(-1)[:8] = torch.tensor([1e4, -1e4, 0.0, -0.0, 448 * 0.0137 * 2, 1e-30, 7.0, -7.0])
+    # Exact midpoints between neighbouring E4M3 values (times the scale): rounding ties.
+    grid = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    mids = (grid[:-1] + grid[1:]) / 2 * scale
+    x.view(-1)[8 : 8 + len(mids)] = mids
+    x = x.to(dtype)
+    got = quant.fake_quantize_kv(x, scale)
+    a = x.float().numpy()
+    codes = torch.from_numpy(np.clip(a / F32(scale.item()), -448.0, 448.0)).to(torch.float8_e4m3fn)
+    want = torch.from_numpy(codes.float().numpy() * F32(scale.item())).to(dtype)
+    assert got.dtype == dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert (got.float().abs() <= 448 * scale + 1e-6).all()
+
+
+def learner(model: Path, recipe: str = "fp8-kv", **overrides: object) -> Learner:
+    config = TrainerConfig(
+        model=model, recipe=recipe, compute_dtype="float32", port=0, micro_batch_size=2, **overrides
+    )  # type: ignore[arg-type]
+    return Learner(config, get_recipe(recipe))
+
+
+def samples() -> list[SampleData]:
+    """Six sequences of different lengths (the shorter ones padded in a batch), two groups."""
+    gen = torch.Generator().manual_seed(3)
+    out = []
+    for i in range(6):
+        prompt = torch.randint(4, 200, (3 + i,), generator=gen).tolist()
+        completion = torch.randint(4, 200, (2 + 2 * (i % 3),), generator=gen).tolist()
+        out.append(SampleData(prompt, completion, [-5.0] * len(completion), float(i % 2), str(i // 3)))
+    return out
+
+
+def keys_and_values(learn: Learner, batch_samples: list[SampleData]) -> list[tuple[torch.Tensor, ...]]:
+    """Per layer: K after RoPE and V, [B, kv heads, L, head dim], recomputed from the projections' outputs
+    in a forward of the learner's model, and the batch's real-token mask."""
+    from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
+
+    model = learn.model
+    batch = learn.collate(batch_samples)
+    cfg = model.config
+    heads, dim = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    captured: dict[str, list[torch.Tensor]] = {}  # per projection, its outputs micro-batch by micro-batch
+    hooks = [
+        getattr(layer.self_attn, proj).register_forward_hook(
+            lambda _m, _i, out, key=f"{i}.{proj}": captured.setdefault(key, []).append(out.detach())
+        )
+        for i, layer in enumerate(model.model.layers)
+        for proj in ("k_proj", "v_proj")
+    ]
+    try:
+        learn.score(batch, SamplingSettings())
+    finally:
+        for hook in hooks:
+            hook.remove()
+    b, length = batch.input_ids.shape
+    positions = torch.arange(length)[None].expand(b, length)
+    outputs = {key: torch.cat(parts) for key, parts in captured.items()}
+    cos, sin = model.model.rotary_emb(outputs["0.k_proj"], positions)
+    out = []
+    for i in range(cfg.num_hidden_layers):
+        k, v = (outputs[f"{i}.{p}"].view(b, length, heads, dim).transpose(1, 2) for p in ("k_proj", "v_proj"))
+        _, k = apply_rotary_pos_emb(k, k, cos, sin)
+        out.append((k, v, batch.attention_mask.bool()[:, None, :, None]))
+    return out
+
+
+def test_trainer_calibrates_next_scales_on_the_steps_real_tokens(tiny_model_dir_f32: Path) -> None:
+    """After a step, each layer's k/v scale is amax(|K|) / 448 and amax(|V|) / 448 over the real tokens of
+    the step's sequences (K after RoPE, as the rollout caches it), computed with the weights that scored
+    them; padding does not count. Version 0's scales are 1.0. Under pow2 they are powers of two."""
+    data = samples()
+    for recipe in ("fp8-kv", "fp8-kv-pow2"):
+        learn = learner(tiny_model_dir_f32, recipe)
+        assert learn.kv_cache is not None and torch.equal(learn.kv_cache.scales, torch.ones(2, 2))
+        want_amax, padded_amax = [], []
+        for k, v, real in keys_and_values(learn, data):
+            want_amax.append([x.abs().masked_fill(~real, 0).amax() for x in (k, v)])
+            padded_amax.append([x.abs().amax() for x in (k, v)])
+        want_amax_t, padded_t = torch.tensor(want_amax), torch.tensor(padded_amax)
+        # The batch is one where padding would change the amax: counting it is caught.
+        assert not torch.equal(want_amax_t, padded_t)
+        learn.train(data, SamplingSettings())
+        scale_format = get_recipe(recipe).scale_format
+        assert torch.equal(learn.kv_cache.scales, quant.kv_cache_scale(want_amax_t, scale_format))
+        if scale_format == "fp32":  # (pow2 rounds both amaxes to one power of two)
+            assert not torch.equal(learn.kv_cache.scales, quant.kv_cache_scale(padded_t, scale_format))
+        assert torch.equal(learn.kv_cache.amax, torch.zeros(2, 2))  # the next step measures afresh
+        published = dict(learn.published_weights())
+        assert published["model.layers.1.self_attn.v_scale"] == learn.kv_cache.scales[1, 1]
+        assert published["model.layers.0.self_attn.k_scale"].dtype == torch.float32
+    unit = learner(tiny_model_dir_f32, kv_scales="unit")
+    unit.train(data, SamplingSettings())
+    assert unit.kv_cache is not None and torch.equal(unit.kv_cache.scales, torch.ones(2, 2))
+    assert "model.layers.0.self_attn.k_scale" not in dict(
+        learner(tiny_model_dir_f32, "fp8").published_weights()
+    )
+
+
+def test_trainer_attends_through_the_cache_with_the_held_scales(tiny_model_dir_f32: Path) -> None:
+    """With the emulation the trainer's logprobs are those of attention over E4M3-rounded K and V: equal to
+    a forward whose attention is fed K and V rounded here; without it, they are not; gradients pass
+    straight through the rounding."""
+    data = samples()
+    emulated, plain = learner(tiny_model_dir_f32), learner(tiny_model_dir_f32, emulate_kv_cache=False)
+    assert emulated.kv_cache is not None and plain.kv_cache is not None
+    scales = torch.tensor([[0.004, 0.002], [0.003, 0.005]])  # small: K and V saturate, visibly
+    emulated.kv_cache.load(scales)
+    plain.kv_cache.load(scales)
+    batch, sampling = emulated.collate(data), SamplingSettings()
+    with_cache, without = emulated.score(batch, sampling), plain.score(batch, sampling)
+    support = batch.mask.bool()
+    assert (with_cache - without)[support].abs().max() > 1e-3
+
+    # The same attention, K and V rounded by a hook here (the reference), in the plain learner.
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def rounded(module, query, key, value, mask, **kwargs):  # type: ignore[no-untyped-def]
+        i = module.layer_idx
+        key = quant.fake_quantize_kv(key, scales[i, 0])
+        value = quant.fake_quantize_kv(value, scales[i, 1])
+        return sdpa_attention_forward(module, query, key, value, mask, **kwargs)
+
+    AttentionInterface.register("test_rounded_kv", rounded)
+    plain.model.set_attn_implementation("test_rounded_kv")
+    reference = plain.score(batch, sampling)
+    assert torch.equal(with_cache[support], reference[support])
+
+    emulated.model.zero_grad()
+    emulated.logprobs(batch, sampling)[support].sum().backward()
+    grads = [layer.self_attn.k_proj.weight.grad for layer in emulated.model.model.layers]
+    assert all(g is not None and torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads)
+
+
+def test_kv_scales_survive_a_checkpoint(tiny_model_dir_f32: Path, tmp_path: Path) -> None:
+    from fp8rl.v1 import common_pb2, trainer_pb2
+    from trainer_service.service import TrainerService
+
+    config = TrainerConfig(
+        model=tiny_model_dir_f32, recipe="fp8-kv", compute_dtype="float32", port=0, checkpoint_dir=tmp_path
+    )
+    trainer = TrainerService(config)
+    batch = [
+        trainer_pb2.Sample(
+            prompt_token_ids=s.prompt,
+            completion_token_ids=s.completion,
+            gen_logprobs=s.gen_logprobs,
+            reward=s.reward,
+            group_id=s.group,
+        )
+        for s in samples()
+    ]
+    trainer.train_step(
+        trainer_pb2.TrainStepRequest(run_id="kv", step=0, samples=batch, sampling=common_pb2.SamplingParams())
+    )
+    assert trainer.learner.kv_cache is not None
+    calibrated = trainer.learner.kv_cache.scales.clone()
+    assert not torch.equal(calibrated, torch.ones(2, 2))
+    resumed = TrainerService(config.model_copy(update={"resume": True}))
+    assert resumed.step == 1 and resumed.learner.kv_cache is not None
+    assert torch.equal(resumed.learner.kv_cache.scales, calibrated)
+    trainer.publisher.close()
+    resumed.publisher.close()

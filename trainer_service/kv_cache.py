@@ -1,0 +1,139 @@
+"""An FP8 KV cache in the trainer: what the rollout's cache does to keys and values, and its scales.
+
+Under a ``-kv`` recipe the rollout keeps K (after RoPE) and V in E4M3, one float32 scale per layer each
+(vLLM's ``k_scale`` / ``v_scale``): every token it sampled attended to quantized keys and values. The
+trainer attends the same way, with the same scales (:func:`fp8rl.quant.fake_quantize_kv` with those of
+the weight version it holds), so that both engines compute one function; gradients pass straight
+through the rounding, as through the FP8 linears'.
+
+It also calibrates the next version's scales, as NeMo RL does: the amax of K and of V over the real (not
+padding) tokens of the step's sequences, / 448 (:func:`fp8rl.quant.kv_cache_scale`), measured while the
+step scores them. They ship with the next weight update as ``model.layers.N.self_attn.{k,v}_scale``, the
+names vLLM's loaders take. Version 0 has 1.0, vLLM's scale for a checkpoint that has none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from fp8rl import quant
+from fp8rl.recipes import ScaleFormat
+
+ATTENTION = "fp8rl_fp8_kv_sdpa"
+"""The transformers attention implementation that attends through the emulated cache (then sdpa)."""
+
+
+def scale_names(layers: int) -> list[str]:
+    """The checkpoint names of the scales, layer by layer, k before v (as :meth:`KVCache.tensors`)."""
+    return [f"model.layers.{i}.self_attn.{kv}_scale" for i in range(layers) for kv in "kv"]
+
+
+class _ThroughCache(torch.autograd.Function):
+    """Keys or values as the FP8 cache gives them back; the gradient passes straight through."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return quant.fake_quantize_kv(x, scale)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class KVCache:
+    """The scales of the held weight version, the amax recorded towards the next, and the attention
+    function that uses both. ``calibrate=False`` keeps every scale at 1.0; ``emulate=False`` attends in
+    high precision (only importance sampling then corrects the rollout's quantized cache)."""
+
+    def __init__(
+        self,
+        layers: int,
+        scale_format: ScaleFormat,
+        calibrate: bool = True,
+        emulate: bool = True,
+        device: torch.device | None = None,
+    ) -> None:
+        self.scale_format, self.calibrated, self.emulated = scale_format, calibrate, emulate
+        self.scales = torch.ones(layers, 2, dtype=torch.float32, device=device)  # [layer, (k, v)]
+        self.amax = torch.zeros(layers, 2, dtype=torch.float32, device=device)
+        self._tokens: torch.Tensor | None = None  # the batch's attention mask [B, L] while recording
+
+    def install(self, model: torch.nn.Module) -> None:
+        """Route ``model``'s attention (an HF decoder with sdpa attention) through this cache."""
+        _register()
+        for layer in model.model.layers:  # type: ignore[union-attr]
+            layer.self_attn.fp8rl_kv_cache = self
+        model.set_attn_implementation(ATTENTION)  # type: ignore[operator]
+
+    @contextlib.contextmanager
+    def recording(self, attention_mask: torch.Tensor) -> Iterator[None]:
+        """Within: forward passes over a batch with this mask add its real tokens' K and V to the amax."""
+        self._tokens = attention_mask.bool()
+        try:
+            yield
+        finally:
+            self._tokens = None
+
+    def calibrate(self, reduce_max: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """The next version's scales from the amax recorded (``reduce_max``: its maximum over ranks, a
+        collective every rank calls); recording starts afresh."""
+        amax = self.amax if reduce_max is None else reduce_max(self.amax)
+        if self.calibrated:
+            self.scales = quant.kv_cache_scale(amax, self.scale_format)
+        self.amax.zero_()
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The scales under the names vLLM loads them by (float32 scalars, on the host)."""
+        values = self.scales.detach().cpu().reshape(-1)
+        return {name: values[i].clone() for i, name in enumerate(scale_names(len(self.scales)))}
+
+    def load(self, scales: torch.Tensor) -> None:
+        self.scales = scales.to(self.scales.device, torch.float32).clone()
+
+    def attend(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``key``, ``value``: [B, kv heads, L, head dim], keys after RoPE (what the rollout caches)."""
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        layer = int(module.layer_idx)  # type: ignore[arg-type]
+        if self._tokens is not None:
+            with torch.no_grad():
+                real = self._tokens[:, None, :, None]
+                for i, x in enumerate((key, value)):
+                    amax = x.detach().abs().masked_fill(~real, 0).amax().float()
+                    self.amax[layer, i] = torch.maximum(self.amax[layer, i], amax)
+        if self.emulated:
+            key = _ThroughCache.apply(key, self.scales[layer, 0])
+            value = _ThroughCache.apply(value, self.scales[layer, 1])
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def _attend(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    cache: KVCache = module.fp8rl_kv_cache  # type: ignore[assignment]
+    return cache.attend(module, query, key, value, attention_mask, **kwargs)
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTENTION, _attend)
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
