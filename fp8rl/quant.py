@@ -236,10 +236,10 @@ def fake_quantize_activation(
 
 
 def kv_cache_scale(amax: torch.Tensor, scale_format: ScaleFormat = "fp32") -> torch.Tensor:
-    """The per-tensor scale of an FP8 KV cache (vLLM's ``k_scale`` / ``v_scale``, float32) that maps
-    ``amax`` onto E4M3's largest value: ``amax / 448``, or under ``pow2`` the power of two at or above it
-    (no value then saturates). 1.0, vLLM's scale for a checkpoint without one, where ``amax`` is zero or
-    not finite (nothing was measured)."""
+    """The per-tensor scale of an FP8 attention input (vLLM's ``q_scale``, ``k_scale``, ``v_scale``;
+    float32) that maps ``amax`` onto E4M3's largest value: ``amax / 448``, or under ``pow2`` the power of
+    two at or above it (no value then saturates). 1.0, vLLM's scale for a checkpoint without one, where
+    ``amax`` is zero or not finite (nothing was measured)."""
     if scale_format not in SCALE_FORMATS:
         raise ValueError(f"unknown scale format {scale_format!r}; expected one of {SCALE_FORMATS}")
     amax = amax.float()
@@ -258,6 +258,14 @@ def fake_quantize_kv(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     ``scale``: the layer's float32 scale as a tensor (a true division, as vLLM's kernels do)."""
     scale = scale.float()
     return (_cast(x.float() / scale).float() * scale).to(x.dtype)
+
+
+def fake_quantize_query(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The query as FP8 attention (FlashAttention-3 over an FP8 KV cache, on Hopper) computes with it:
+    vLLM's static per-tensor quantizer ``code = sat(x * (1 / scale))`` in float32, read back as ``code *
+    scale``; in ``x``'s dtype. ``scale``: a float32 tensor."""
+    scale = scale.float()
+    return (_cast(x.float() * torch.reciprocal(scale)).float() * scale).to(x.dtype)
 
 
 def fake_quantize_columnwise(

@@ -4,9 +4,9 @@ A WeightSet maps HF parameter names (unfused q/k/v and gate/up; vLLM's loader fu
 the rollout's format. For ``fp8-block128`` (and ``fp8-block128-pow2``) every linear weight inside the
 transformer blocks ships as ``<module>.weight`` (float8_e4m3fn) plus ``<module>.weight_scale_inv``
 (float32 block scales, powers of two under ``-pow2``, from :mod:`fp8rl.quant`); under a recipe with an
-FP8 KV cache, each layer's ``self_attn.k_scale`` and ``v_scale`` (float32 scalars); everything else, and
-every tensor of ``bf16``, in the high-precision dtype (bf16 unless a float32 exactness run asks for
-float32).
+FP8 KV cache, each layer's ``self_attn.q_scale``, ``k_scale`` and ``v_scale`` (float32 scalars);
+everything else, and every tensor of ``bf16``, in the high-precision dtype (bf16 unless a float32
+exactness run asks for float32).
 
 Two encodings, both sent as one or more *parts*, each part laid out as one safetensors file with string
 metadata (its index and the number of parts; the last part seals the set with its digest). Parts cover
@@ -81,9 +81,10 @@ def is_block_linear(name: str, ndim: int) -> bool:
     return ndim == 2 and name.endswith(".weight") and ".layers." in name
 
 
-def is_kv_cache_scale(name: str) -> bool:
-    """True for the per-layer scales of an FP8 KV cache (vLLM's checkpoint names; float32 scalars)."""
-    return name.endswith((".self_attn.k_scale", ".self_attn.v_scale"))
+def is_attention_scale(name: str) -> bool:
+    """True for the per-layer scales of FP8 attention: the query's and the KV cache's (vLLM's checkpoint
+    names; float32 scalars)."""
+    return name.endswith((".self_attn.q_scale", ".self_attn.k_scale", ".self_attn.v_scale"))
 
 
 def scale_name(weight_name: str) -> str:
@@ -249,7 +250,7 @@ def build_weight_set(
         if is_fp8(weight_format) and is_block_linear(name, t.ndim):
             codes, scales = quant.quantize_blockwise(t, scale_format=scale_format)
             return {name: codes.cpu(), scale_name(name): scales.cpu()}
-        if is_kv_cache_scale(name):  # scales stay float32, as the engines use them
+        if is_attention_scale(name):  # scales stay float32, as the engines use them
             return {name: t.to(torch.float32, copy=True).cpu().contiguous()}
         # Always a copy: a set must never alias live parameters the optimizer keeps changing.
         return {name: t.to(hp_dtype, copy=True).cpu().contiguous()}

@@ -153,11 +153,11 @@ def _named_parameters(worker: Any) -> dict[str, torch.Tensor]:
     return {n: p.detach().cpu().clone() for n, p in worker.model_runner.model.named_parameters()}
 
 
-def _kv_cache_scales(worker: Any) -> dict[str, tuple[float, float]]:
+def _attention_scales(worker: Any) -> dict[str, tuple[float, float, float]]:
     from vllm.model_executor.layers.attention import Attention
 
     return {
-        n: (float(m._k_scale_float), float(m._v_scale_float))  # type: ignore[arg-type]
+        n: (float(m._q_scale_float), float(m._k_scale_float), float(m._v_scale_float))  # type: ignore[arg-type]
         for n, m in worker.model_runner.model.named_modules()
         if isinstance(m, Attention)
     }
@@ -328,9 +328,9 @@ class VllmEngine:
         it sends a Python function, which only an in-process engine (tensor parallel 1) accepts."""
         return self.llm.collective_rpc(_named_parameters)[0]
 
-    def kv_cache_scales(self) -> dict[str, tuple[float, float]]:
-        """Each attention layer's (k_scale, v_scale) in force, as :meth:`named_parameters` (inspection)."""
-        return self.llm.collective_rpc(_kv_cache_scales)[0]
+    def attention_scales(self) -> dict[str, tuple[float, float, float]]:
+        """Each attention layer's (q_scale, k_scale, v_scale) in force, as :meth:`named_parameters`."""
+        return self.llm.collective_rpc(_attention_scales)[0]
 
 
 REFIT_PREFIX = "fp8rl-refit-"

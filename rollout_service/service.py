@@ -27,8 +27,8 @@ from fp8rl.weights import (
     SCALE_SUFFIX,
     DecodedUpdate,
     WeightSet,
+    is_attention_scale,
     is_block_linear,
-    is_kv_cache_scale,
     scale_name,
 )
 from rollout_service.config import RolloutConfig
@@ -45,7 +45,8 @@ Schema = dict[str, tuple[tuple[int, ...], bool]]  # name -> (shape, is FP8)
 
 def expected_schema(model_dir: Path, weight_format: WeightFormat, kv_cache_scales: bool = False) -> Schema:
     """Names and shapes a WeightSet for this checkpoint must have (read from the safetensors headers);
-    ``kv_cache_scales``: and each attention layer's FP8 KV-cache scales (float32 scalars)."""
+    ``kv_cache_scales``: and each attention layer's scales of FP8 attention over an FP8 KV cache (query,
+    key, value; float32 scalars)."""
     from safetensors import safe_open
 
     schema: Schema = {}
@@ -59,7 +60,7 @@ def expected_schema(model_dir: Path, weight_format: WeightFormat, kv_cache_scale
                     schema[scale_name(name)] = (tuple(-(-d // 128) for d in shape), False)
                 if kv_cache_scales and name.endswith(".self_attn.k_proj.weight"):
                     attention = name.removesuffix(".k_proj.weight")
-                    schema |= {f"{attention}.k_scale": ((), False), f"{attention}.v_scale": ((), False)}
+                    schema |= {f"{attention}.{x}_scale": ((), False) for x in "qkv"}
     return schema
 
 
@@ -85,7 +86,7 @@ def check_schema(weights: WeightSet, schema: Schema, checked: WeightSet | None =
             continue
         if not finite(t):
             raise InvalidRequest("weights", f"{name} holds NaN or inf")
-        if name.endswith(SCALE_SUFFIX) or is_kv_cache_scale(name):
+        if name.endswith(SCALE_SUFFIX) or is_attention_scale(name):
             if not bool((t > 0).all()):  # (finite already)
                 raise InvalidRequest("weights", f"{name} holds a scale that is not positive and finite")
             if pow2 and not bool((torch.frexp(t).mantissa == 0.5).all()):
@@ -106,7 +107,7 @@ def admit_tensor(schema: Schema, name: str, dtype: torch.dtype, shape: tuple[int
     wanted_shape, fp8 = schema[name]
     if shape != wanted_shape:
         raise InvalidRequest("weights", f"{name} has shape {shape}, the model needs {wanted_shape}")
-    scale = name.endswith(SCALE_SUFFIX) or is_kv_cache_scale(name)
+    scale = name.endswith(SCALE_SUFFIX) or is_attention_scale(name)
     wants = torch.float8_e4m3fn if fp8 else (torch.float32 if scale else None)
     if (wants is not None and dtype != wants) or (wants is None and not dtype.is_floating_point):
         raise InvalidRequest("weights", f"{name} has dtype {dtype}")

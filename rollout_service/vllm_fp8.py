@@ -12,12 +12,13 @@ on CPU as on GPU. Three differences from vLLM's ``Fp8LinearMethod``:
 * ``apply`` fake-quantizes activations per token in 1x128 groups with vLLM's own arithmetic (that of
   its CUDA per-token-group quantizer), then runs a plain GEMM.
 
-With ``kv_cache: fp8`` attention layers emulate an FP8 (E4M3) KV cache the same way: they take
-vLLM's per-layer ``k_scale`` / ``v_scale`` from the checkpoint or a refit (1.0 where none came, as
-vLLM), and round keys (after RoPE) and values through E4M3 with them as they enter the attention
-(:func:`fp8rl.quant.fake_quantize_kv`, vLLM's cache arithmetic), so that what is cached and attended to
-is what an FP8 cache would give back. vLLM's own cache stays in the compute dtype: its CPU FP8-cache
-kernels need AVX-512 or AMX, this emulation runs on any CPU.
+With ``kv_cache: fp8`` attention layers emulate FP8 attention over an FP8 (E4M3) KV cache as vLLM runs
+it on Hopper (FlashAttention-3) the same way: they take vLLM's per-layer ``q_scale`` / ``k_scale`` /
+``v_scale`` from the checkpoint or a refit (1.0 where none came, as vLLM), and round the query, keys
+(after RoPE) and values through E4M3 with them as they enter the attention
+(:func:`fp8rl.quant.fake_quantize_query`, :func:`~fp8rl.quant.fake_quantize_kv`: vLLM's arithmetic), so
+that what is cached and attended with is what FP8 attention would use. vLLM's own cache stays in the
+compute dtype: its CPU FP8-cache kernels need AVX-512 or AMX, this emulation runs on any CPU.
 
 The numerics are those of the FP8 recipe, computed in the compute dtype. The scale format (``fp32`` or
 ``pow2``) and the cache come with the quantization config: ``{"quant_method": NAME, "scale_format": ...,
@@ -105,29 +106,37 @@ def quantization_config(scale_format: ScaleFormat, kv_cache: KVCacheDtype = "aut
 
 
 class EmulatedFP8KVCacheMethod(BaseKVCacheMethod):
-    """Loads ``k_scale`` / ``v_scale`` as vLLM's FP8 cache does (vLLM's loaders and in-place reload
-    handle them: its parameters), then rounds keys and values through E4M3 with them on their way into
-    the attention layer."""
+    """Loads ``q_scale`` / ``k_scale`` / ``v_scale`` as vLLM's FP8 attention does (vLLM's loaders and
+    in-place reload handle them: its parameters), then rounds the query, keys and values through E4M3 with
+    them on their way into the attention layer."""
 
     def process_weights_after_loading(self, layer: Any) -> None:
-        if not hasattr(layer, "k_scale"):  # a reload that brought no scales: those in force stay
+        if not hasattr(layer, "k_scale"):  # (vLLM's reload calls this only after loading some scales)
             return
-        k_scale, v_scale = (float(s) if float(s) > 0 else 1.0 for s in (layer.k_scale, layer.v_scale))
-        layer._k_scale.fill_(k_scale)
-        layer._v_scale.fill_(v_scale)
-        layer._k_scale_float, layer._v_scale_float = k_scale, v_scale
+        # vLLM: each scale the checkpoint or refit did not bring (still the -1 sentinel) is 1.0.
+        q, k, v = (float(s) if float(s) > 0 else 1.0 for s in (layer.q_scale, layer.k_scale, layer.v_scale))
+        for buffer, value in ((layer._q_scale, q), (layer._k_scale, k), (layer._v_scale, v)):
+            buffer.fill_(value)
+        layer._q_scale_float, layer._k_scale_float, layer._v_scale_float = q, k, v
         for name in ("k_scale", "v_scale", "q_scale", "prob_scale"):  # (as vLLM: a reload makes them anew)
             delattr(layer, name)
-        if not getattr(layer, "fp8rl_kv_cache_hook", None):
-            layer.fp8rl_kv_cache_hook = layer.register_forward_pre_hook(_through_fp8_cache)
+        if not getattr(layer, "fp8rl_attention_hook", None):
+            layer.fp8rl_attention_hook = layer.register_forward_pre_hook(_through_fp8_attention)
 
 
-def _through_fp8_cache(layer: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """``Attention.forward(query, key, value, ...)``'s key and value as an FP8 cache gives them back."""
+def _through_fp8_attention(layer: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``Attention.forward(query, key, value, ...)``'s inputs as FP8 attention computes with them."""
     query, key, value, *rest = args
-    key = quant.fake_quantize_kv(key, torch.tensor(layer._k_scale_float, dtype=torch.float32))
-    value = quant.fake_quantize_kv(value, torch.tensor(layer._v_scale_float, dtype=torch.float32))
-    return (query, key, value, *rest)
+
+    def scale(value: float) -> torch.Tensor:
+        return torch.tensor(value, dtype=torch.float32)
+
+    return (
+        quant.fake_quantize_query(query, scale(layer._q_scale_float)),
+        quant.fake_quantize_kv(key, scale(layer._k_scale_float)),
+        quant.fake_quantize_kv(value, scale(layer._v_scale_float)),
+        *rest,
+    )
 
 
 class EmulatedBlockFP8LinearMethod(LinearMethodBase):

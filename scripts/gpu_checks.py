@@ -113,10 +113,10 @@ def rollout_refits(recipe: str) -> Callable[[], str]:
             "held codes differ from sent"
         )
         if get_recipe(recipe).kv_cache_dtype == "fp8":  # vLLM's FP8 cache took the scales shipped
-            for layer, (k, v) in engine.kv_cache_scales().items():
+            for layer, held_scales in engine.attention_scales().items():
                 prefix = layer.removesuffix(".attn")
-                want = (float(sent[f"{prefix}.k_scale"]), float(sent[f"{prefix}.v_scale"]))
-                assert (k, v) == want, f"{layer}: k/v scales {(k, v)}, sent {want}"
+                want = tuple(float(sent[f"{prefix}.{x}_scale"]) for x in "qkv")
+                assert held_scales == want, f"{layer}: q/k/v scales {held_scales}, sent {want}"
         free = []
         for _ in range(2):
             engine.restart()

@@ -24,7 +24,7 @@ def main() -> None:
     ranks = join_group()
     learner = Learner(learner_config(model, recipe), get_recipe(recipe), ranks)
     metrics = learner.train(STEP_SAMPLES, sampling())
-    weights = {k: v.contiguous() for k, v in learner.master_weights().items()}  # gathered on every rank
+    weights = {k: v.contiguous() for k, v in learner.published_weights().items()}  # gathered on every rank
     if ranks.is_root:
         save_file(weights, out / "weights.safetensors")
         (out / "metrics.json").write_text(

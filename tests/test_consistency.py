@@ -115,9 +115,9 @@ def test_trainer_matches_rollout_per_recipe(
 def test_fp8_kv_trainer_matches_a_replica_with_an_fp8_kv_cache(
     tiny_model_dir_f32: Path, tmp_path: Path
 ) -> None:
-    """A replica serving fp8-kv rounds K and V through E4M3 with the scales each update ships: version 0's
-    (1.0), then those the trainer calibrated on step 0's sequences. A trainer that attends through the
-    same cache matches it at both; one that attends in high precision does not."""
+    """A replica serving fp8-kv rounds Q, K and V through E4M3 with the scales each update ships: version
+    0's (1.0), then those the trainer calibrated on step 0's sequences. A trainer that attends the same way
+    matches it at both; one that attends in high precision does not."""
     kv = ("--recipe", "fp8-kv", "--dtype", "float32", "--max-model-len", "256")
     with (
         service_process("rollout_service.cli", tiny_model_dir_f32, tmp_path / "kv.log", *kv) as (_, address),
@@ -126,9 +126,9 @@ def test_fp8_kv_trainer_matches_a_replica_with_an_fp8_kv_cache(
         stub = rollout_pb2_grpc.RolloutStub(channel)
         emulated = mult_prob_errors("fp8-kv", tiny_model_dir_f32, stub, address, steps=2)
         plain = mult_prob_errors("fp8-kv", tiny_model_dir_f32, stub, address, steps=2, emulate_kv_cache=False)
-        # Scales so small that most of K and V saturate: matched only if the replica uses those shipped.
+        # Scales so small that most of Q, K and V saturate: matched only if the replica uses those shipped.
         saturated = mult_prob_errors(
-            "fp8-kv", tiny_model_dir_f32, stub, address, kv_scales=torch.full((2, 2), 0.002)
+            "fp8-kv", tiny_model_dir_f32, stub, address, kv_scales=torch.full((2, 3), 0.002)
         )
     print("fp8-kv token_mult_prob_error:", {"emulated": emulated, "plain": plain, "saturated": saturated})
     assert all(e < 1.01 for e in emulated + saturated)

@@ -69,6 +69,7 @@ def torchrun(nproc: int, *args: str) -> list[str]:
     [
         ("bf16", 1e-5, 1e-5),
         ("fp8", 1e-5, 1e-5),  # whole micro-batches per rank: FP8's wgrad groups the same tokens
+        ("fp8-kv", 1e-5, 1e-5),  # and the KV-cache scales' amax is the maximum over every rank's share
     ],
 )
 def test_two_ranks_update_as_one_rank(
@@ -99,6 +100,9 @@ def test_two_ranks_update_as_one_rank(
     norms = f"grad_norm {sharded['grad_norm']:.6g} vs {metrics['grad_norm']:.6g}"
     print(f"{recipe}: {norms}; updates {apart:.2g} apart (relative L2)")
     assert one.abs().max() > LR / 2 and apart <= update_tolerance
+    if learner.kv_cache is not None:  # calibrated on the ranks' shares of the batch: the same scales
+        assert not torch.equal(learner.kv_cache.scales, torch.ones_like(learner.kv_cache.scales))
+        assert all(torch.equal(two_ranks[n], t) for n, t in learner.kv_cache.tensors().items())
 
 
 # -- the sharded service ---------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
-"""The FP8 KV cache of the `-kv` recipes: its scale and rounding against float32 references, the trainer's
-emulation and calibration against K and V recomputed here, and its scales surviving a checkpoint.
-(The rollout's emulation against real vLLM, and the two engines' agreement: tests/test_consistency.py.)"""
+"""FP8 attention over the FP8 KV cache of the `-kv` recipes: scales and rounding against float32
+references, the trainer's emulation and calibration against Q, K and V recomputed here, and the scales
+surviving a checkpoint. (The rollout's emulation in real vLLM, and the two engines' agreement:
+tests/test_consistency.py.)"""
 
 from __future__ import annotations
 
@@ -59,6 +60,25 @@ def test_fake_quantize_kv_is_vllms_cache_write_then_read(dtype: torch.dtype) -> 
     assert (got.float().abs() <= 448 * scale + 1e-6).all()
 
 
+def test_fake_quantize_query_is_vllms_static_quantizer() -> None:
+    """The query: ``code = sat(x * (1 / scale))`` in float32 (vLLM multiplies by the reciprocal), read
+    back as ``code * scale``, bit for bit."""
+    gen = torch.Generator().manual_seed(4)
+    scale = torch.tensor(0.0191, dtype=torch.float32)
+    x = (torch.randn(3, 4, 17, 64, generator=gen) * 4).to(torch.bfloat16)
+    x.view(-1)[:4] = torch.tensor([1e4, -1e4, 0.0, 1e-30])
+    got = quant.fake_quantize_query(x, scale)
+    inverse = F32(1.0) / F32(scale.item())
+    codes = torch.from_numpy(np.clip(x.float().numpy() * inverse, -448.0, 448.0)).to(torch.float8_e4m3fn)
+    want = torch.from_numpy(codes.float().numpy() * F32(scale.item())).to(torch.bfloat16)
+    assert torch.equal(got.view(torch.uint16), want.view(torch.uint16))
+    # It is not the cache's division: on values at E4M3 rounding ties the two round apart somewhere.
+    grid = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    ties = ((grid[:-1] + grid[1:]) / 2)[None] * (torch.rand(64, 1, generator=gen) + 0.5)
+    scales = ties[:, :1] / ((grid[1] + grid[2]) / 2)
+    assert not torch.equal(quant.fake_quantize_query(ties, scales), quant.fake_quantize_kv(ties, scales))
+
+
 def learner(model: Path, recipe: str = "fp8-kv", **overrides: object) -> Learner:
     config = TrainerConfig(
         model=model, recipe=recipe, compute_dtype="float32", port=0, micro_batch_size=2, **overrides
@@ -77,22 +97,22 @@ def samples() -> list[SampleData]:
     return out
 
 
-def keys_and_values(learn: Learner, batch_samples: list[SampleData]) -> list[tuple[torch.Tensor, ...]]:
-    """Per layer: K after RoPE and V, [B, kv heads, L, head dim], recomputed from the projections' outputs
-    in a forward of the learner's model, and the batch's real-token mask."""
+def attention_inputs(learn: Learner, batch_samples: list[SampleData]) -> list[tuple[torch.Tensor, ...]]:
+    """Per layer: Q and K after RoPE and V, [B, heads, L, head dim], recomputed from the projections'
+    outputs in a forward of the learner's model, and the batch's real-token mask."""
     from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
 
     model = learn.model
     batch = learn.collate(batch_samples)
     cfg = model.config
-    heads, dim = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    dim = cfg.hidden_size // cfg.num_attention_heads
     captured: dict[str, list[torch.Tensor]] = {}  # per projection, its outputs micro-batch by micro-batch
     hooks = [
         getattr(layer.self_attn, proj).register_forward_hook(
             lambda _m, _i, out, key=f"{i}.{proj}": captured.setdefault(key, []).append(out.detach())
         )
         for i, layer in enumerate(model.model.layers)
-        for proj in ("k_proj", "v_proj")
+        for proj in ("q_proj", "k_proj", "v_proj")
     ]
     try:
         learn.score(batch, SamplingSettings())
@@ -105,24 +125,28 @@ def keys_and_values(learn: Learner, batch_samples: list[SampleData]) -> list[tup
     cos, sin = model.model.rotary_emb(outputs["0.k_proj"], positions)
     out = []
     for i in range(cfg.num_hidden_layers):
-        k, v = (outputs[f"{i}.{p}"].view(b, length, heads, dim).transpose(1, 2) for p in ("k_proj", "v_proj"))
-        _, k = apply_rotary_pos_emb(k, k, cos, sin)
-        out.append((k, v, batch.attention_mask.bool()[:, None, :, None]))
+        q, k, v = (
+            outputs[f"{i}.{p}"].view(b, length, -1, dim).transpose(1, 2)
+            for p in ("q_proj", "k_proj", "v_proj")
+        )
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        out.append((q, k, v, batch.attention_mask.bool()[:, None, :, None]))
     return out
 
 
 def test_trainer_calibrates_next_scales_on_the_steps_real_tokens(tiny_model_dir_f32: Path) -> None:
-    """After a step, each layer's k/v scale is amax(|K|) / 448 and amax(|V|) / 448 over the real tokens of
-    the step's sequences (K after RoPE, as the rollout caches it), computed with the weights that scored
-    them; padding does not count. Version 0's scales are 1.0. Under pow2 they are powers of two."""
+    """After a step, each layer's q/k/v scale is amax(|Q|) / 448, amax(|K|) / 448 and amax(|V|) / 448 over
+    the real tokens of the step's sequences (Q and K after RoPE, as the rollout's attention gets them),
+    computed with the weights that scored them; padding does not count. Version 0's scales are 1.0. Under
+    pow2 they are powers of two."""
     data = samples()
     for recipe in ("fp8-kv", "fp8-kv-pow2"):
         learn = learner(tiny_model_dir_f32, recipe)
-        assert learn.kv_cache is not None and torch.equal(learn.kv_cache.scales, torch.ones(2, 2))
+        assert learn.kv_cache is not None and torch.equal(learn.kv_cache.scales, torch.ones(2, 3))
         want_amax, padded_amax = [], []
-        for k, v, real in keys_and_values(learn, data):
-            want_amax.append([x.abs().masked_fill(~real, 0).amax() for x in (k, v)])
-            padded_amax.append([x.abs().amax() for x in (k, v)])
+        for *inputs, real in attention_inputs(learn, data):
+            want_amax.append([x.abs().masked_fill(~real, 0).amax() for x in inputs])
+            padded_amax.append([x.abs().amax() for x in inputs])
         want_amax_t, padded_t = torch.tensor(want_amax), torch.tensor(padded_amax)
         # The batch is one where padding would change the amax: counting it is caught.
         assert not torch.equal(want_amax_t, padded_t)
@@ -131,26 +155,27 @@ def test_trainer_calibrates_next_scales_on_the_steps_real_tokens(tiny_model_dir_
         assert torch.equal(learn.kv_cache.scales, quant.kv_cache_scale(want_amax_t, scale_format))
         if scale_format == "fp32":  # (pow2 rounds both amaxes to one power of two)
             assert not torch.equal(learn.kv_cache.scales, quant.kv_cache_scale(padded_t, scale_format))
-        assert torch.equal(learn.kv_cache.amax, torch.zeros(2, 2))  # the next step measures afresh
+        assert torch.equal(learn.kv_cache.amax, torch.zeros(2, 3))  # the next step measures afresh
         published = dict(learn.published_weights())
-        assert published["model.layers.1.self_attn.v_scale"] == learn.kv_cache.scales[1, 1]
+        assert published["model.layers.1.self_attn.q_scale"] == learn.kv_cache.scales[1, 0]
+        assert published["model.layers.1.self_attn.v_scale"] == learn.kv_cache.scales[1, 2]
         assert published["model.layers.0.self_attn.k_scale"].dtype == torch.float32
     unit = learner(tiny_model_dir_f32, kv_scales="unit")
     unit.train(data, SamplingSettings())
-    assert unit.kv_cache is not None and torch.equal(unit.kv_cache.scales, torch.ones(2, 2))
+    assert unit.kv_cache is not None and torch.equal(unit.kv_cache.scales, torch.ones(2, 3))
     assert "model.layers.0.self_attn.k_scale" not in dict(
         learner(tiny_model_dir_f32, "fp8").published_weights()
     )
 
 
 def test_trainer_attends_through_the_cache_with_the_held_scales(tiny_model_dir_f32: Path) -> None:
-    """With the emulation the trainer's logprobs are those of attention over E4M3-rounded K and V: equal to
-    a forward whose attention is fed K and V rounded here; without it, they are not; gradients pass
+    """With the emulation the trainer's logprobs are those of attention over E4M3-rounded Q, K and V: equal
+    to a forward whose attention is fed Q, K and V rounded here; without it, they are not; gradients pass
     straight through the rounding."""
     data = samples()
     emulated, plain = learner(tiny_model_dir_f32), learner(tiny_model_dir_f32, emulate_kv_cache=False)
     assert emulated.kv_cache is not None and plain.kv_cache is not None
-    scales = torch.tensor([[0.004, 0.002], [0.003, 0.005]])  # small: K and V saturate, visibly
+    scales = torch.tensor([[0.01, 0.004, 0.002], [0.02, 0.003, 0.005]])  # small: Q, K, V saturate, visibly
     emulated.kv_cache.load(scales)
     plain.kv_cache.load(scales)
     batch, sampling = emulated.collate(data), SamplingSettings()
@@ -164,8 +189,9 @@ def test_trainer_attends_through_the_cache_with_the_held_scales(tiny_model_dir_f
 
     def rounded(module, query, key, value, mask, **kwargs):  # type: ignore[no-untyped-def]
         i = module.layer_idx
-        key = quant.fake_quantize_kv(key, scales[i, 0])
-        value = quant.fake_quantize_kv(value, scales[i, 1])
+        query = quant.fake_quantize_query(query, scales[i, 0])
+        key = quant.fake_quantize_kv(key, scales[i, 1])
+        value = quant.fake_quantize_kv(value, scales[i, 2])
         return sdpa_attention_forward(module, query, key, value, mask, **kwargs)
 
     AttentionInterface.register("test_rounded_kv", rounded)
@@ -202,7 +228,7 @@ def test_kv_scales_survive_a_checkpoint(tiny_model_dir_f32: Path, tmp_path: Path
     )
     assert trainer.learner.kv_cache is not None
     calibrated = trainer.learner.kv_cache.scales.clone()
-    assert not torch.equal(calibrated, torch.ones(2, 2))
+    assert not torch.equal(calibrated, torch.ones(2, 3))
     resumed = TrainerService(config.model_copy(update={"resume": True}))
     assert resumed.step == 1 and resumed.learner.kv_cache is not None
     assert torch.equal(resumed.learner.kv_cache.scales, calibrated)

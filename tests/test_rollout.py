@@ -506,14 +506,14 @@ def test_replica_refuses_scales_outside_the_contract(tiny_model_dir_f32: Path) -
 
 
 def test_replica_with_an_fp8_kv_cache_takes_float32_scalar_kv_scales(tiny_model_dir_f32: Path) -> None:
-    """A -kv replica's sets carry each layer's k_scale and v_scale (float32 scalars, positive and finite,
-    powers of two under pow2); a set without them, or one that brings them to a replica without an FP8
-    cache, is refused by name."""
+    """A -kv replica's sets carry each layer's q_scale, k_scale and v_scale (float32 scalars, positive
+    and finite, powers of two under pow2); a set without them, or one that brings them to a replica
+    without an FP8 cache, is refused by name."""
     from fp8rl.errors import InvalidRequest
     from rollout_service.service import admit_tensor, check_schema, expected_schema
 
     state = random_state(tiny_model_dir_f32, 0)
-    kv = {f"model.layers.{i}.self_attn.{x}_scale": torch.tensor(0.25) for i in range(2) for x in "kv"}
+    kv = {f"model.layers.{i}.self_attn.{x}_scale": torch.tensor(0.25) for i in range(2) for x in "qkv"}
     for weight_format in ("fp8-block128", "fp8-block128-pow2"):
         schema = expected_schema(tiny_model_dir_f32, weight_format, kv_cache_scales=True)  # type: ignore[arg-type]
         good = build_weight_set(state | kv, weight_format, hp_dtype=torch.bfloat16)  # type: ignore[arg-type]

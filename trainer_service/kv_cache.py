@@ -1,15 +1,17 @@
-"""An FP8 KV cache in the trainer: what the rollout's cache does to keys and values, and its scales.
+"""FP8 attention in the trainer: what the rollout's FP8 KV cache does to keys and values, and its scales.
 
 Under a ``-kv`` recipe the rollout keeps K (after RoPE) and V in E4M3, one float32 scale per layer each
-(vLLM's ``k_scale`` / ``v_scale``): every token it sampled attended to quantized keys and values. The
-trainer attends the same way, with the same scales (:func:`fp8rl.quant.fake_quantize_kv` with those of
-the weight version it holds), so that both engines compute one function; gradients pass straight
-through the rounding, as through the FP8 linears'.
+(vLLM's ``k_scale`` / ``v_scale``), and on Hopper FlashAttention-3 reads them with the query in E4M3 too
+(``q_scale``): every token it sampled attended through that rounding. The trainer attends the same way,
+with the same scales (:func:`fp8rl.quant.fake_quantize_kv` and :func:`~fp8rl.quant.fake_quantize_query`
+with those of the weight version it holds), so that both engines compute one function; gradients pass
+straight through the rounding, as through the FP8 linears'.
 
-It also calibrates the next version's scales, as NeMo RL does: the amax of K and of V over the real (not
-padding) tokens of the step's sequences, / 448 (:func:`fp8rl.quant.kv_cache_scale`), measured while the
-step scores them. They ship with the next weight update as ``model.layers.N.self_attn.{k,v}_scale``, the
-names vLLM's loaders take. Version 0 has 1.0, vLLM's scale for a checkpoint that has none.
+It also calibrates the next version's scales, as NeMo RL does: the amax of Q, K and V (after RoPE) over
+the real (not padding) tokens of the step's sequences, / 448 (:func:`fp8rl.quant.kv_cache_scale`),
+measured while the step scores them. They ship with the next weight update as
+``model.layers.N.self_attn.{q,k,v}_scale``, the names vLLM's loaders take (every update: a refit without
+``q_scale`` resets vLLM's to 1.0). Version 0 has 1.0, vLLM's scale for a checkpoint that has none.
 """
 
 from __future__ import annotations
@@ -25,29 +27,30 @@ from fp8rl.recipes import ScaleFormat
 
 ATTENTION = "fp8rl_fp8_kv_sdpa"
 """The transformers attention implementation that attends through the emulated cache (then sdpa)."""
+INPUTS = "qkv"  # the attention inputs with a scale each, in this order (the columns of KVCache.scales)
 
 
 def scale_names(layers: int) -> list[str]:
-    """The checkpoint names of the scales, layer by layer, k before v (as :meth:`KVCache.tensors`)."""
-    return [f"model.layers.{i}.self_attn.{kv}_scale" for i in range(layers) for kv in "kv"]
+    """The checkpoint names of the scales, layer by layer, q, k, v (as :meth:`KVCache.tensors`)."""
+    return [f"model.layers.{i}.self_attn.{x}_scale" for i in range(layers) for x in INPUTS]
 
 
-class _ThroughCache(torch.autograd.Function):
-    """Keys or values as the FP8 cache gives them back; the gradient passes straight through."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        return quant.fake_quantize_kv(x, scale)
+class _Rounded(torch.autograd.Function):
+    """An attention input as FP8 attention computes with it; the gradient passes straight through."""
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
+    def forward(ctx: Any, x: torch.Tensor, scale: torch.Tensor, query: bool) -> torch.Tensor:
+        return quant.fake_quantize_query(x, scale) if query else quant.fake_quantize_kv(x, scale)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return grad, None, None
 
 
 class KVCache:
     """The scales of the held weight version, the amax recorded towards the next, and the attention
     function that uses both. ``calibrate=False`` keeps every scale at 1.0; ``emulate=False`` attends in
-    high precision (only importance sampling then corrects the rollout's quantized cache)."""
+    high precision (only importance sampling then corrects the rollout's FP8 attention)."""
 
     def __init__(
         self,
@@ -58,8 +61,8 @@ class KVCache:
         device: torch.device | None = None,
     ) -> None:
         self.scale_format, self.calibrated, self.emulated = scale_format, calibrate, emulate
-        self.scales = torch.ones(layers, 2, dtype=torch.float32, device=device)  # [layer, (k, v)]
-        self.amax = torch.zeros(layers, 2, dtype=torch.float32, device=device)
+        self.scales = torch.ones(layers, len(INPUTS), dtype=torch.float32, device=device)  # [layer, q k v]
+        self.amax = torch.zeros(layers, len(INPUTS), dtype=torch.float32, device=device)
         self._tokens: torch.Tensor | None = None  # the batch's attention mask [B, L] while recording
 
     def install(self, model: torch.nn.Module) -> None:
@@ -103,19 +106,20 @@ class KVCache:
         attention_mask: torch.Tensor | None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``key``, ``value``: [B, kv heads, L, head dim], keys after RoPE (what the rollout caches)."""
+        """``query``, ``key``, ``value``: [B, heads, L, head dim], after RoPE (what the rollout caches)."""
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         layer = int(module.layer_idx)  # type: ignore[arg-type]
         if self._tokens is not None:
             with torch.no_grad():
                 real = self._tokens[:, None, :, None]
-                for i, x in enumerate((key, value)):
+                for i, x in enumerate((query, key, value)):
                     amax = x.detach().abs().masked_fill(~real, 0).amax().float()
                     self.amax[layer, i] = torch.maximum(self.amax[layer, i], amax)
         if self.emulated:
-            key = _ThroughCache.apply(key, self.scales[layer, 0])
-            value = _ThroughCache.apply(value, self.scales[layer, 1])
+            query, key, value = (
+                _Rounded.apply(x, self.scales[layer, i], i == 0) for i, x in enumerate((query, key, value))
+            )
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
