@@ -61,6 +61,8 @@ def expected_schema(model_dir: Path, weight_format: WeightFormat, kv_cache_scale
                 if kv_cache_scales and name.endswith(".self_attn.k_proj.weight"):
                     attention = name.removesuffix(".k_proj.weight")
                     schema |= {f"{attention}.{x}_scale": ((), False) for x in "qkv"}
+    if kv_cache_scales and not any(name.endswith(".self_attn.k_scale") for name in schema):
+        raise ValueError(f"{model_dir}: no attention layer with a k_proj to give FP8 KV-cache scales")
     return schema
 
 

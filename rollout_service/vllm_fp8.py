@@ -12,10 +12,10 @@ on CPU as on GPU. Three differences from vLLM's ``Fp8LinearMethod``:
 * ``apply`` fake-quantizes activations per token in 1x128 groups with vLLM's own arithmetic (that of
   its CUDA per-token-group quantizer), then runs a plain GEMM.
 
-With ``kv_cache: fp8`` attention layers emulate FP8 attention over an FP8 (E4M3) KV cache as vLLM runs
-it on Hopper (FlashAttention-3) the same way: they take vLLM's per-layer ``q_scale`` / ``k_scale`` /
-``v_scale`` from the checkpoint or a refit (1.0 where none came, as vLLM), and round the query, keys
-(after RoPE) and values through E4M3 with them as they enter the attention
+With ``kv_cache: fp8`` attention layers emulate, the same way, FP8 attention over an FP8 (E4M3) KV cache
+as vLLM runs it on Hopper (FlashAttention-3): they take vLLM's per-layer ``q_scale`` / ``k_scale`` /
+``v_scale`` from the checkpoint or a refit (by vLLM's rule where one did not come), and round the query,
+keys (after RoPE) and values through E4M3 with them as they enter the attention
 (:func:`fp8rl.quant.fake_quantize_query`, :func:`~fp8rl.quant.fake_quantize_kv`: vLLM's arithmetic), so
 that what is cached and attended with is what FP8 attention would use. vLLM's own cache stays in the
 compute dtype: its CPU FP8-cache kernels need AVX-512 or AMX, this emulation runs on any CPU.
@@ -113,30 +113,47 @@ class EmulatedFP8KVCacheMethod(BaseKVCacheMethod):
     def process_weights_after_loading(self, layer: Any) -> None:
         if not hasattr(layer, "k_scale"):  # (vLLM's reload calls this only after loading some scales)
             return
-        # vLLM: each scale the checkpoint or refit did not bring (still the -1 sentinel) is 1.0.
-        q, k, v = (float(s) if float(s) > 0 else 1.0 for s in (layer.q_scale, layer.k_scale, layer.v_scale))
+        q, k, v = _scales_in_force(float(layer.q_scale), float(layer.k_scale), float(layer.v_scale))
         for buffer, value in ((layer._q_scale, q), (layer._k_scale, k), (layer._v_scale, v)):
             buffer.fill_(value)
         layer._q_scale_float, layer._k_scale_float, layer._v_scale_float = q, k, v
         for name in ("k_scale", "v_scale", "q_scale", "prob_scale"):  # (as vLLM: a reload makes them anew)
             delattr(layer, name)
         if not getattr(layer, "fp8rl_attention_hook", None):
-            layer.fp8rl_attention_hook = layer.register_forward_pre_hook(_through_fp8_attention)
+            layer.fp8rl_attention_hook = layer.register_forward_pre_hook(
+                _through_fp8_attention, with_kwargs=True
+            )
 
 
-def _through_fp8_attention(layer: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """``Attention.forward(query, key, value, ...)``'s inputs as FP8 attention computes with them."""
-    query, key, value, *rest = args
+def _scales_in_force(q: float, k: float, v: float) -> tuple[float, float, float]:
+    """vLLM's rule (BaseKVCacheMethod) for the scales a checkpoint or refit brought (-1: not brought): k
+    and v as given, 1.0 if neither came, the one that came for both if only one did; q as given, else
+    1.0. (A replica's schema asks for all three.)"""
+    if k <= 0 and v <= 0:
+        k = v = 1.0
+    elif k <= 0 or v <= 0:
+        k = v = max(k, v)
+    return (q if q > 0 else 1.0), k, v
 
-    def scale(value: float) -> torch.Tensor:
-        return torch.tensor(value, dtype=torch.float32)
 
-    return (
-        quant.fake_quantize_query(query, scale(layer._q_scale_float)),
-        quant.fake_quantize_kv(key, scale(layer._k_scale_float)),
-        quant.fake_quantize_kv(value, scale(layer._v_scale_float)),
-        *rest,
-    )
+_ATTENTION_INPUTS = ("query", "key", "value")
+
+
+def _through_fp8_attention(
+    layer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``Attention.forward(query, key, value, ...)``'s inputs, given by position or name, as FP8 attention
+    computes with them (a key and value of None, a layer sharing another's cache, stay None)."""
+
+    def rounded(name: str, x: Any) -> Any:
+        if x is None:
+            return None
+        scale = torch.tensor(getattr(layer, f"_{name[0]}_scale_float"), dtype=torch.float32)
+        return quant.fake_quantize_query(x, scale) if name == "query" else quant.fake_quantize_kv(x, scale)
+
+    args = tuple(rounded(_ATTENTION_INPUTS[i], x) if i < 3 else x for i, x in enumerate(args))
+    kwargs = {n: rounded(n, x) if n in _ATTENTION_INPUTS else x for n, x in kwargs.items()}
+    return args, kwargs
 
 
 class EmulatedBlockFP8LinearMethod(LinearMethodBase):

@@ -21,6 +21,7 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -103,7 +104,8 @@ def rollout_refits(recipe: str) -> Callable[[], str]:
                 for k, v in state.items()
             }
             if get_recipe(recipe).kv_cache_dtype == "fp8":  # calibrated-looking k/v scales ride along
-                state |= {n: torch.rand((), generator=g) / 100 + 1e-3 for n in scale_names(num_layers(state))}
+                attention = [f"model.layers.{i}.self_attn" for i in range(num_layers(state))]
+                state |= {n: torch.rand((), generator=g) / 100 + 1e-3 for n in scale_names(attention)}
             sent = build_weight_set(state, get_format(recipe), torch.bfloat16).tensors
             engine.load_weights(sent)
         held = engine.named_parameters()
@@ -117,6 +119,9 @@ def rollout_refits(recipe: str) -> Callable[[], str]:
                 prefix = layer.removesuffix(".attn")
                 want = tuple(float(sent[f"{prefix}.{x}_scale"]) for x in "qkv")
                 assert held_scales == want, f"{layer}: q/k/v scales {held_scales}, sent {want}"
+            # The emulations round the query too, as FlashAttention-3 does: a backend that does not
+            # would leave the trainer computing something else.
+            assert all(engine.llm.collective_rpc(queries_in_fp8)[0]), "this backend leaves Q unquantized"
         free = []
         for _ in range(2):
             engine.restart()
@@ -124,6 +129,14 @@ def rollout_refits(recipe: str) -> Callable[[], str]:
         return f"refits bit-exact; free GiB after restarts {free[0]:.1f}, {free[1]:.1f}"
 
     return run
+
+
+def queries_in_fp8(worker: Any) -> list[bool]:
+    """Whether each attention layer quantizes its query (vLLM's ``query_quant``: FA3 over an FP8 cache)."""
+    from vllm.model_executor.layers.attention import Attention
+
+    model = worker.model_runner.model
+    return [m.query_quant is not None for m in model.modules() if isinstance(m, Attention)]
 
 
 def get_format(recipe: str) -> WeightFormat:

@@ -58,13 +58,13 @@ class LearnerConfig(BaseModel):
     optimizer: OptimizerConfig = OptimizerConfig()
     loss: LossConfig = LossConfig()
     kv_scales: Literal["calibrated", "unit"] = "calibrated"
-    """Under a `-kv` recipe, the scales of the rollout's FP8 KV cache, shipped with every weight update:
-    `calibrated` (each step's amax of K and V / 448, trainer_service/kv_cache.py) or `unit` (1.0, vLLM's
-    scale for a checkpoint without any)."""
+    """Under a `-kv` recipe, the scales of the rollout's FP8 attention (query, and the KV cache), shipped
+    with every weight update: `calibrated` (each step's amax of Q, K and V / 448,
+    trainer_service/kv_cache.py) or `unit` (1.0, vLLM's scale for a checkpoint without any)."""
     emulate_kv_cache: bool = True
-    """Under a `-kv` recipe, the trainer attends through the same FP8 KV cache as the rollout (the same
-    rounding of K and V, the same scales); off, it attends in high precision and importance sampling alone
-    corrects the difference."""
+    """Under a `-kv` recipe, the trainer attends as the rollout's FP8 attention does (the same rounding of
+    Q, K and V, the same scales); off, it attends in high precision and importance sampling alone corrects
+    the difference."""
     checkpoint_every: int = Field(1, ge=0)
     """With checkpoint_dir: write a checkpoint every N steps, so a restarted trainer loses at most N - 1
     committed steps (0: only on SaveCheckpoint)."""

@@ -30,9 +30,23 @@ ATTENTION = "fp8rl_fp8_kv_sdpa"
 INPUTS = "qkv"  # the attention inputs with a scale each, in this order (the columns of KVCache.scales)
 
 
-def scale_names(layers: int) -> list[str]:
-    """The checkpoint names of the scales, layer by layer, q, k, v (as :meth:`KVCache.tensors`)."""
-    return [f"model.layers.{i}.self_attn.{x}_scale" for i in range(layers) for x in INPUTS]
+def scale_names(attention_modules: list[str]) -> list[str]:
+    """The checkpoint names of the scales of attention modules (``model.layers.0.self_attn``, ...): layer
+    by layer, q, k, v (the order of :meth:`KVCache.tensors`)."""
+    return [f"{module}.{x}_scale" for module in attention_modules for x in INPUTS]
+
+
+def attention_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """An HF decoder's attention modules (those with a ``layer_idx`` and q/k/v projections: Qwen2, Qwen3,
+    Llama), in layer order, under their names."""
+    found = [
+        (name, m)
+        for name, m in model.named_modules()
+        if hasattr(m, "layer_idx") and all(hasattr(m, p) for p in ("q_proj", "k_proj", "v_proj"))
+    ]
+    if [int(m.layer_idx) for _, m in found] != list(range(len(found))) or not found:
+        raise ValueError("an FP8 KV cache needs a decoder whose attention layers have q/k/v projections")
+    return found
 
 
 class _Rounded(torch.autograd.Function):
@@ -54,27 +68,33 @@ class KVCache:
 
     def __init__(
         self,
-        layers: int,
+        model: torch.nn.Module,
         scale_format: ScaleFormat,
         calibrate: bool = True,
         emulate: bool = True,
         device: torch.device | None = None,
     ) -> None:
+        """For ``model``'s attention layers (:func:`attention_modules`); :meth:`install` routes them here."""
+        self.modules = [name for name, _ in attention_modules(model)]
         self.scale_format, self.calibrated, self.emulated = scale_format, calibrate, emulate
-        self.scales = torch.ones(layers, len(INPUTS), dtype=torch.float32, device=device)  # [layer, q k v]
-        self.amax = torch.zeros(layers, len(INPUTS), dtype=torch.float32, device=device)
+        shape = (len(self.modules), len(INPUTS))
+        self.scales = torch.ones(shape, dtype=torch.float32, device=device)  # [layer, q k v] of this version
+        self.amax = torch.zeros(shape, dtype=torch.float32, device=device)  # recorded towards the next
         self._tokens: torch.Tensor | None = None  # the batch's attention mask [B, L] while recording
 
     def install(self, model: torch.nn.Module) -> None:
-        """Route ``model``'s attention (an HF decoder with sdpa attention) through this cache."""
+        """Route the attention of ``model`` (this cache's model, or a copy of it; sdpa) through here."""
         _register()
-        for layer in model.model.layers:  # type: ignore[union-attr]
-            layer.self_attn.fp8rl_kv_cache = self
+        if [name for name, _ in attention_modules(model)] != self.modules:
+            raise ValueError("install: the model's attention layers are not those this cache was made for")
+        for _, module in attention_modules(model):
+            setattr(module, "fp8rl_kv_cache", self)  # noqa: B010 (a plain attribute: not typed on Module)
         model.set_attn_implementation(ATTENTION)  # type: ignore[operator]
 
     @contextlib.contextmanager
     def recording(self, attention_mask: torch.Tensor) -> Iterator[None]:
-        """Within: forward passes over a batch with this mask add its real tokens' K and V to the amax."""
+        """Within: forward passes over a batch with this mask [B, L] add its real tokens' Q, K and V to the
+        amax."""
         self._tokens = attention_mask.bool()
         try:
             yield
@@ -83,18 +103,23 @@ class KVCache:
 
     def calibrate(self, reduce_max: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         """The next version's scales from the amax recorded (``reduce_max``: its maximum over ranks, a
-        collective every rank calls); recording starts afresh."""
+        collective every rank calls); a scale with nothing measured (no token, or not finite) stays as it
+        was. Recording starts afresh."""
         amax = self.amax if reduce_max is None else reduce_max(self.amax)
         if self.calibrated:
-            self.scales = quant.kv_cache_scale(amax, self.scale_format)
+            measured = torch.isfinite(amax) & (amax > 0)
+            self.scales = torch.where(measured, quant.kv_cache_scale(amax, self.scale_format), self.scales)
         self.amax.zero_()
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The scales under the names vLLM loads them by (float32 scalars, on the host)."""
         values = self.scales.detach().cpu().reshape(-1)
-        return {name: values[i].clone() for i, name in enumerate(scale_names(len(self.scales)))}
+        return {name: values[i].clone() for i, name in enumerate(scale_names(self.modules))}
 
     def load(self, scales: torch.Tensor) -> None:
+        """Take ``scales`` [layers, 3] (float32, positive: q, k, v per layer) as this version's."""
+        if scales.shape != self.scales.shape or not bool((scales > 0).all()):
+            raise ValueError(f"KV-cache scales of shape {tuple(self.scales.shape)}, positive, expected")
         self.scales = scales.to(self.scales.device, torch.float32).clone()
 
     def attend(

@@ -117,7 +117,7 @@ class Learner:
         self.kv_cache: KVCache | None = None  # under a -kv recipe: the rollout's FP8 KV cache, emulated
         if recipe.kv_cache_dtype == "fp8":
             self.kv_cache = KVCache(
-                self.model.config.num_hidden_layers,
+                self.model,
                 recipe.scale_format,
                 calibrate=config.kv_scales == "calibrated",
                 emulate=config.emulate_kv_cache,
@@ -129,6 +129,8 @@ class Learner:
             if ranks is not None:
                 raise ValueError("loss.kl_coef > 0 (a reference model) is not supported across ranks yet")
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+            if self.kv_cache is not None:  # the same FP8 attention, with the policy's scales
+                self.kv_cache.install(self.reference)
         if ranks is not None:
             shard(self.model)
         opt = config.optimizer
@@ -214,6 +216,8 @@ class Learner:
         """One GRPO step on ``samples``; afterwards the weights are version ``step + 1``."""
         start = time.perf_counter()
         batch = self.collate(samples)
+        if self.kv_cache is not None:  # (whatever a failed step recorded does not count)
+            self.kv_cache.amax.zero_()
         prev = self.score(batch, sampling, calibrate=True)  # (the step's sequences set the next KV scales)
         support = grpo.sampling_support(prev, batch.mask)  # the tokens the loss and metrics cover
         weights = grpo.importance_weights(prev, batch.gen, support, self.is_config)
@@ -271,8 +275,6 @@ class Learner:
                 self.optimizer.step()
                 losses.append(loss_sum)
         except NonFiniteGradient as exc:
-            if self.kv_cache is not None:
-                self.kv_cache.amax.zero_()
             self.optimizer.zero_grad(set_to_none=True)
             if before is not None:
                 self._restore(before)
@@ -354,6 +356,9 @@ class Gathered(Mapping[str, torch.Tensor]):
     def __getitem__(self, name: str) -> torch.Tensor:
         return _whole(self.params[name].detach())
 
+    def __contains__(self, name: object) -> bool:  # (Mapping's would gather the tensor to find out)
+        return name in self.params
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.params)
 
@@ -368,7 +373,7 @@ class Joined(Mapping[str, torch.Tensor]):
         self.first, self.then = first, then
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        return self.first[name] if name in self.first else self.then[name]
+        return self.then[name] if name in self.then else self.first[name]
 
     def __iter__(self) -> Iterator[str]:
         yield from self.first

@@ -462,11 +462,10 @@ class TrainerService:
                 checkpoint.unflatten_optimizer(tensors["optimizer"], meta["optimizer"])
             )
         if learner.kv_cache is not None:
-            if "kv_cache" not in tensors:
-                raise RuntimeError(
-                    f"{path} holds no KV-cache scales: it was not written under {self.recipe.name}"
-                )
-            learner.kv_cache.load(tensors["kv_cache"]["scales"])
+            if "kv_cache" in tensors:
+                learner.kv_cache.load(tensors["kv_cache"]["scales"])
+            else:  # (written under another recipe, or before scales were calibrated: vLLM's 1.0 then)
+                log.warning("%s holds no FP8 attention scales: they restart at 1.0", path)
         torch.set_rng_state(tensors["rng"]["torch"])
         if "cuda" in tensors["rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state(tensors["rng"]["cuda"])
