@@ -148,16 +148,10 @@ class KVCache:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
-def _attend(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _attend(module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The attention function transformers calls: the module's cache (:meth:`KVCache.install`) attends."""
     cache: KVCache = module.fp8rl_kv_cache  # type: ignore[assignment]
-    return cache.attend(module, query, key, value, attention_mask, **kwargs)
+    return cache.attend(module, *args, **kwargs)
 
 
 def _register() -> None:
