@@ -114,7 +114,7 @@ class Learner:
         # Transformer Engine's FP8 GEMMs need the flattened token count to be a multiple of 8 (16 to be
         # safe): with `te`, sequences are padded to 16 positions (masked: nothing sees the padding).
         self.token_multiple = TE_TOKEN_MULTIPLE if self.backend == "te" else 1
-        self.kv_cache: KVCache | None = None  # under a -kv recipe: the rollout's FP8 KV cache, emulated
+        self.kv_cache: KVCache | None = None  # under a -kv recipe: the rollout's FP8 attention, emulated
         if recipe.kv_cache_dtype == "fp8":
             self.kv_cache = KVCache(
                 self.model,
@@ -164,7 +164,8 @@ class Learner:
         calibrate: bool = False,
     ) -> torch.Tensor:
         """Processed logprobs of ``batch.targets`` [B, L-1] (grad flows when enabled by the caller).
-        ``calibrate``: the batch's keys and values count towards the next version's KV-cache scales."""
+        ``calibrate``: the batch's queries, keys and values count towards the next version's FP8
+        attention scales."""
         # Across ranks NaN must not raise on one rank while the others wait in a collective: it flows
         # into the global gradient norm, which every rank refuses alike.
         passes = quant.nonfinite_passes() if self.ranks is not None else contextlib.nullcontext()
@@ -334,7 +335,7 @@ class Learner:
 
     def published_weights(self) -> Mapping[str, torch.Tensor]:
         """What the rollout's weight set is built from: the master weights, then (under a -kv recipe) the
-        KV-cache scales of this version; read like :meth:`master_weights`."""
+        FP8 attention scales of this version; read like :meth:`master_weights`."""
         weights = self.master_weights()
         return weights if self.kv_cache is None else Joined(weights, self.kv_cache.tensors())
 
