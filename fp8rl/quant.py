@@ -89,6 +89,12 @@ def round_down_pow2(t: torch.Tensor) -> torch.Tensor:
     return (t.view(torch.int32) & 0x7F800000).view(torch.float32)
 
 
+def round_up_pow2(t: torch.Tensor) -> torch.Tensor:
+    """Positive normal float32 values rounded up to powers of two (a power of two stays as it is)."""
+    down = round_down_pow2(t)
+    return torch.where(down == t, down, down * 2)
+
+
 def _codes_and_scale_inv(
     blocks: torch.Tensor, amax: torch.Tensor, scale_format: ScaleFormat, arithmetic: Arithmetic
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,9 +113,7 @@ def _codes_and_scale_inv(
         # (A true division: on CUDA, tensor / Python scalar multiplies by its reciprocal, rounding twice.)
         scale_inv = amax.clamp(min=VLLM_AMAX_FLOOR) / torch.full_like(amax, FP8_MAX)
         if scale_format == "pow2":  # 2^ceil(log2(max(s, 1e-10))), exactly: round down, then up unless exact
-            scale_inv = scale_inv.clamp(min=VLLM_AMAX_FLOOR)
-            down = round_down_pow2(scale_inv)
-            scale_inv = torch.where(down == scale_inv, down, down * 2)
+            scale_inv = round_up_pow2(scale_inv.clamp(min=VLLM_AMAX_FLOOR))
         return _cast(blocks / scale_inv), scale_inv
     raise ValueError(f"unknown arithmetic {arithmetic!r}; expected te or vllm")
 
@@ -246,10 +250,7 @@ def kv_cache_scale(amax: torch.Tensor, scale_format: ScaleFormat = "fp32") -> to
     measured = torch.isfinite(amax) & (amax > 0)
     scale = torch.where(measured, amax, FP8_MAX) / torch.full_like(amax, FP8_MAX)
     scale = scale.clamp(min=torch.finfo(torch.float32).tiny)  # (a subnormal amax: still a usable scale)
-    if scale_format == "pow2":
-        down = round_down_pow2(scale)
-        scale = torch.where(down == scale, down, down * 2)
-    return scale
+    return round_up_pow2(scale) if scale_format == "pow2" else scale
 
 
 def fake_quantize_kv(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -81,10 +81,18 @@ def is_block_linear(name: str, ndim: int) -> bool:
     return ndim == 2 and name.endswith(".weight") and ".layers." in name
 
 
+ATTENTION_SCALES = ("q_scale", "k_scale", "v_scale")
+"""The per-layer scales of FP8 attention, in this order: the query's and the KV cache's (vLLM's names)."""
+
+
+def attention_scale_names(attention_module: str) -> list[str]:
+    """The names an attention module's scales ship under (``model.layers.0.self_attn.q_scale``, ...)."""
+    return [f"{attention_module}.{scale}" for scale in ATTENTION_SCALES]
+
+
 def is_attention_scale(name: str) -> bool:
-    """True for the per-layer scales of FP8 attention: the query's and the KV cache's (vLLM's checkpoint
-    names; float32 scalars)."""
-    return name.endswith((".self_attn.q_scale", ".self_attn.k_scale", ".self_attn.v_scale"))
+    """True for the per-layer scales of FP8 attention (float32 scalars)."""
+    return name.endswith(tuple(f".self_attn.{scale}" for scale in ATTENTION_SCALES))
 
 
 def scale_name(weight_name: str) -> str:

@@ -27,6 +27,7 @@ from fp8rl.weights import (
     SCALE_SUFFIX,
     DecodedUpdate,
     WeightSet,
+    attention_scale_names,
     is_attention_scale,
     is_block_linear,
     scale_name,
@@ -60,7 +61,7 @@ def expected_schema(model_dir: Path, weight_format: WeightFormat, kv_cache_scale
                     schema[scale_name(name)] = (tuple(-(-d // 128) for d in shape), False)
                 if kv_cache_scales and name.endswith(".self_attn.k_proj.weight"):
                     attention = name.removesuffix(".k_proj.weight")
-                    schema |= {f"{attention}.{x}_scale": ((), False) for x in "qkv"}
+                    schema |= dict.fromkeys(attention_scale_names(attention), ((), False))
     if kv_cache_scales and not any(name.endswith(".self_attn.k_scale") for name in schema):
         raise ValueError(f"{model_dir}: no attention layer with a k_proj to give FP8 KV-cache scales")
     return schema

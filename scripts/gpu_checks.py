@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from fp8rl import quant  # noqa: E402
 from fp8rl.recipes import WeightFormat, get_recipe  # noqa: E402
+from fp8rl.weights import attention_scale_names  # noqa: E402
 from trainer_service.kv_cache import scale_names  # noqa: E402
 
 results: list[str] = []
@@ -117,7 +118,7 @@ def rollout_refits(recipe: str) -> Callable[[], str]:
         if get_recipe(recipe).kv_cache_dtype == "fp8":  # vLLM's FP8 cache took the scales shipped
             for layer, held_scales in engine.attention_scales().items():
                 prefix = layer.removesuffix(".attn")
-                want = tuple(float(sent[f"{prefix}.{x}_scale"]) for x in "qkv")
+                want = tuple(float(sent[n]) for n in attention_scale_names(prefix))
                 assert held_scales == want, f"{layer}: q/k/v scales {held_scales}, sent {want}"
             # The emulations round the query too, as FlashAttention-3 does: a backend that does not
             # would leave the trainer computing something else.

@@ -24,16 +24,16 @@ import torch
 
 from fp8rl import quant
 from fp8rl.recipes import ScaleFormat
+from fp8rl.weights import ATTENTION_SCALES, attention_scale_names
 
 ATTENTION = "fp8rl_fp8_kv_sdpa"
 """The transformers attention implementation that attends through the emulated cache (then sdpa)."""
-INPUTS = "qkv"  # the attention inputs with a scale each, in this order (the columns of KVCache.scales)
 
 
 def scale_names(attention_modules: list[str]) -> list[str]:
     """The checkpoint names of the scales of attention modules (``model.layers.0.self_attn``, ...): layer
     by layer, q, k, v (the order of :meth:`KVCache.tensors`)."""
-    return [f"{module}.{x}_scale" for module in attention_modules for x in INPUTS]
+    return [name for module in attention_modules for name in attention_scale_names(module)]
 
 
 def attention_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -77,7 +77,7 @@ class KVCache:
         """For ``model``'s attention layers (:func:`attention_modules`); :meth:`install` routes them here."""
         self.modules = [name for name, _ in attention_modules(model)]
         self.scale_format, self.calibrated, self.emulated = scale_format, calibrate, emulate
-        shape = (len(self.modules), len(INPUTS))
+        shape = (len(self.modules), len(ATTENTION_SCALES))
         self.scales = torch.ones(shape, dtype=torch.float32, device=device)  # [layer, q k v] of this version
         self.amax = torch.zeros(shape, dtype=torch.float32, device=device)  # recorded towards the next
         self._tokens: torch.Tensor | None = None  # the batch's attention mask [B, L] while recording
@@ -85,9 +85,10 @@ class KVCache:
     def install(self, model: torch.nn.Module) -> None:
         """Route the attention of ``model`` (this cache's model, or a copy of it; sdpa) through here."""
         _register()
-        if [name for name, _ in attention_modules(model)] != self.modules:
+        modules = attention_modules(model)
+        if [name for name, _ in modules] != self.modules:
             raise ValueError("install: the model's attention layers are not those this cache was made for")
-        for _, module in attention_modules(model):
+        for _, module in modules:
             setattr(module, "fp8rl_kv_cache", self)  # noqa: B010 (a plain attribute: not typed on Module)
         model.set_attn_implementation(ATTENTION)  # type: ignore[operator]
 
