@@ -212,6 +212,7 @@ class VllmEngine:
             enforce_eager=self.device == "cpu",
             gpu_memory_utilization=config.gpu_memory_utilization,
             tensor_parallel_size=config.tensor_parallel_size,
+            worker_extension_cls="rollout_service.worker_extension.RefitExtension",
         )
         # One process (the refit hands tensors over directly) or worker processes (it hands over a path).
         self.in_process = (
@@ -310,15 +311,16 @@ class VllmEngine:
         # worker processes (tensor parallel > 1, or a separate engine core) vLLM's RPC cannot carry them
         # (its broadcast re-pickles what msgpack decoded, and memoryviews do not pickle), so they go as a
         # safetensors checkpoint in shared memory that each worker reads its shard from.
+        # (fp8rl_refit: vLLM's reload_weights, then a tied output layer re-derived; worker_extension.py.)
         if self.in_process:
             self.llm.collective_rpc(
-                "reload_weights",
+                "fp8rl_refit",
                 kwargs={"weights_iterator": list(tensors.items()), "is_checkpoint_format": True},
             )
         else:
             with shared_memory_checkpoint(tensors) as path:
                 self.llm.collective_rpc(
-                    "reload_weights", kwargs={"weights_path": path, "is_checkpoint_format": True}
+                    "fp8rl_refit", kwargs={"weights_path": path, "is_checkpoint_format": True}
                 )
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM did not reset its prefix cache after a refit: stale KV could be reused")
