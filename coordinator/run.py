@@ -176,6 +176,8 @@ def drive(
     }
     if config.embedded:
         info["redis_password_file"] = str(redis_password_file(run_dir))
+    precision = linear_precision(config)
+    info["linears"] = precision
     write_private(run_dir / "run.json", json.dumps(info))
     client = redis.Redis.from_url(redis_url)
     store = RunStore(client, run_id)
@@ -203,6 +205,7 @@ def drive(
     )
     stack.callback(sink.close)
     sink.say(f"run {run_id}: recipe {config.recipe}, {config.steps} steps, run dir {run_dir}")
+    sink.say(f"linears: {precision['summary']}")
     try:
         records = Driver(config, run_id, store, trainer, pool, task, sink).run()
     except LeaseLost as exc:
@@ -211,7 +214,7 @@ def drive(
     except TrainingRefused as exc:
         print(f"coordinator: {exc}", file=sys.stderr)
         return 1
-    summary = summarize(records)
+    summary = summarize(records) | {"linears": precision["summary"]}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     sink.say("summary: " + ", ".join(f"{k}={_short(v)}" for k, v in summary.items()))
     from coordinator.report import write_plots
@@ -219,6 +222,20 @@ def drive(
     for path in write_plots(records, run_dir):
         sink.say(f"plot: {path}")
     return 0
+
+
+def linear_precision(config: CoordinatorConfig) -> dict[str, Any]:
+    """Which linears of the model run in FP8 under the run's recipe (fp8rl.architectures), for the run's
+    metadata and summary: ``summary`` in a line, the modules kept in high precision per layer and why."""
+    from fp8rl.architectures import fp8_plan, read_config
+    from fp8rl.recipes import get_recipe
+
+    if not get_recipe(config.recipe).fp8_rollout:
+        return {"summary": "none in FP8 (bf16 recipe)", "high_precision_per_layer": [], "reasons": []}
+    plan = fp8_plan(read_config(config.model or models.TINY_ARITH)).summary()
+    kept = plan["high_precision_per_layer"]
+    line = "all block linears in FP8" + (f" but {', '.join(kept)} (every layer)" if kept else "")
+    return {"summary": line, **plan}
 
 
 def _short(value: Any) -> str:

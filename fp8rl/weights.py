@@ -46,7 +46,7 @@ import struct
 import sys
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Literal, TypeVar, cast
@@ -79,6 +79,12 @@ def is_block_linear(name: str, ndim: int) -> bool:
     Norms are 1-D, biases end in ``.bias``, and embeddings / lm_head live outside ``.layers.``.
     """
     return ndim == 2 and name.endswith(".weight") and ".layers." in name
+
+
+def is_fp8_linear(name: str, ndim: int, high_precision: Collection[str] = frozenset()) -> bool:
+    """True for the block linears an FP8 format ships as codes and scales: all but ``high_precision``
+    (module names, e.g. ``model.layers.0.self_attn.q_proj``)."""
+    return is_block_linear(name, ndim) and name.removesuffix(".weight") not in high_precision
 
 
 ATTENTION_SCALES = ("q_scale", "k_scale", "v_scale")
@@ -241,12 +247,14 @@ def build_weight_set(
     state_dict: Mapping[str, torch.Tensor],
     weight_format: WeightFormat,
     hp_dtype: torch.dtype = torch.bfloat16,
+    high_precision: Collection[str] = frozenset(),
 ) -> WeightSet:
     """Convert a model state dict (HF names) to the rollout's format.
 
     ``hp_dtype`` is the dtype of every tensor that is not FP8 (bf16 normally; float32 for exactness
     checks). FP8 codes and scales are exactly :func:`fp8rl.quant.quantize_blockwise` of the weight, in
-    the format's scale format.
+    the format's scale format. ``high_precision``: block linears (module names, as
+    :class:`fp8rl.architectures.FP8Plan` keeps them) that ship in ``hp_dtype`` under an FP8 format.
     """
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight format {weight_format!r}; expected one of {WEIGHT_FORMATS}")
@@ -255,7 +263,7 @@ def build_weight_set(
     def convert(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
         # On the weight's own device, then to the host: a GPU quantizes fast and sends the host a quarter
         # of the bytes, and its codes equal the CPU's bit for bit (tests/test_quant_gpu.py).
-        if is_fp8(weight_format) and is_block_linear(name, t.ndim):
+        if is_fp8(weight_format) and is_fp8_linear(name, t.ndim, high_precision):
             codes, scales = quant.quantize_blockwise(t, scale_format=scale_format)
             return {name: codes.cpu(), scale_name(name): scales.cpu()}
         if is_attention_scale(name):  # scales stay float32, as the engines use them

@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from fp8rl.architectures import FP8Plan, fp8_plan, read_config
 from fp8rl.models import TINY_ARITH, ModelDir
 from fp8rl.recipes import RecipeName
 from fp8rl.security import SecurityConfig, is_loopback
@@ -54,6 +55,11 @@ class RolloutConfig(BaseModel):
     """Fraction of GPU memory vLLM may take (CUDA only)."""
     tensor_parallel_size: int = Field(1, ge=1)
     """GPUs per replica; above 1 the engine runs in worker processes (CUDA only)."""
+    activation_arithmetic: Literal["vllm", "te"] = "vllm"
+    """CPU emulation of FP8 recipes only: the float32 arithmetic of the activation quantizer. `vllm` is
+    what vLLM's CUDA kernel computes (scale_inv = amax / 448); `te` is Transformer Engine's, the trainer's
+    (scale_inv = 1 / (448 / amax)), for measuring the two engines' consistency apart from the one ulp their
+    scales differ by (docs/fp8-contract.md)."""
     seed: int = 0
     """Engine seed; requests with their own seed are reproducible regardless of it."""
     redis_url: str | None = None
@@ -76,6 +82,11 @@ class RolloutConfig(BaseModel):
                 "replica's registration proof names the address the trainer reaches it at"
             )
         return self
+
+    @property
+    def fp8_plan(self) -> FP8Plan:
+        """Which of the model's linears run in FP8 on these replicas (fp8rl.architectures' rule)."""
+        return fp8_plan(read_config(self.model), self.tensor_parallel_size)
 
     @property
     def model_name(self) -> str:

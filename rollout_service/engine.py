@@ -19,7 +19,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -27,6 +27,7 @@ from typing import Any, cast
 import torch
 
 from fp8rl import quant
+from fp8rl.architectures import vllm_ignored_layers
 from fp8rl.recipes import ScaleFormat, fp8_weight_format, get_recipe
 from rollout_service.config import RolloutConfig
 
@@ -85,6 +86,8 @@ def unsupported_reason(config: RolloutConfig, platform: Platform) -> str | None:
     recipe = get_recipe(config.recipe)
     if platform.cuda_capability is None:  # (CPU: FP8 GEMMs and FP8 KV cache are emulated)
         return None
+    if config.activation_arithmetic != "vllm":
+        return "activation_arithmetic te is for the CPU emulation: vLLM's CUDA kernels quantize as vLLM does"
     if recipe.fp8_rollout:
         dtype: str = config.dtype
         if dtype == "auto":  # vLLM's rule: the checkpoint's dtype, float32 computed in bfloat16
@@ -190,12 +193,17 @@ class VllmEngine:
         model_dir, quantization, overrides = str(config.model), cast(Any, None), None
         kv_cache_dtype = recipe.kv_cache_dtype
         if recipe.fp8_rollout:
+            ignored = vllm_ignored_layers(config.fp8_plan)
             if self.device == "cuda":
                 pin_vllm_fp8_environment(recipe.scale_format)
-                model_dir = str(fp8_checkpoint(config.model, recipe.scale_format))
+                model_dir = str(fp8_checkpoint(config.model, recipe.scale_format, ignored))
             else:  # FP8 GEMMs, and an FP8 KV cache, emulated (rollout_service/vllm_fp8.py)
                 quantization = NAME
-                overrides = {"quantization_config": quantization_config(recipe.scale_format, kv_cache_dtype)}
+                overrides = {
+                    "quantization_config": quantization_config(
+                        recipe.scale_format, kv_cache_dtype, ignored, config.activation_arithmetic
+                    )
+                }
                 kv_cache_dtype = "auto"
         self._llm_args: dict[str, Any] = dict(
             model=model_dir,
@@ -380,10 +388,14 @@ def check_free_gpu_memory(fraction: float) -> None:
 
 
 def fp8_checkpoint(
-    model_dir: Path, scale_format: ScaleFormat = "fp32", cache_root: Path | None = None
+    model_dir: Path,
+    scale_format: ScaleFormat = "fp32",
+    ignored_layers: Sequence[str] = (),
+    cache_root: Path | None = None,
 ) -> Path:
     """A block-FP8 copy of a high-precision checkpoint, in vLLM's format, made once and cached (keyed by
-    the checkpoint's bytes, the scale format and the FP8 contract's version).
+    the checkpoint's bytes, the scale format, the layers kept in high precision (``ignored_layers``, HF
+    module names) and the FP8 contract's version).
 
     Codes and scales come from :func:`fp8rl.weights.build_weight_set`, so the checkpoint is bit-identical
     to what the trainer publishes.
@@ -394,6 +406,7 @@ def fp8_checkpoint(
 
     weights_files = sorted(model_dir.glob("*.safetensors"))
     digest = hashlib.sha256(f"fp8rl contract {quant.CONTRACT_VERSION} {scale_format}".encode())
+    digest.update(json.dumps(sorted(ignored_layers)).encode())
     for path in [model_dir / "config.json", *weights_files]:
         digest.update(path.read_bytes())
     root = (
@@ -413,10 +426,14 @@ def fp8_checkpoint(
         checkpoint_dtype(model_dir), torch.bfloat16
     )
     save_file(
-        dict(build_weight_set(state, fp8_weight_format(scale_format), hp_dtype=dtype).tensors),
+        dict(
+            build_weight_set(
+                state, fp8_weight_format(scale_format), hp_dtype=dtype, high_precision=ignored_layers
+            ).tensors
+        ),
         tmp / "model.safetensors",
     )
-    config["quantization_config"] = BLOCK_FP8_QUANT_CONFIG
+    config["quantization_config"] = BLOCK_FP8_QUANT_CONFIG | {"ignored_layers": sorted(ignored_layers)}
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     os.replace(tmp, out)
     return out

@@ -10,7 +10,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +29,7 @@ from fp8rl.weights import (
     WeightSet,
     attention_scale_names,
     is_attention_scale,
-    is_block_linear,
+    is_fp8_linear,
     scale_name,
 )
 from rollout_service.config import RolloutConfig
@@ -44,10 +44,16 @@ UPDATE_WAIT_S = 120.0  # how long an update waits for the one being applied befo
 Schema = dict[str, tuple[tuple[int, ...], bool]]  # name -> (shape, is FP8)
 
 
-def expected_schema(model_dir: Path, weight_format: WeightFormat, kv_cache_scales: bool = False) -> Schema:
+def expected_schema(
+    model_dir: Path,
+    weight_format: WeightFormat,
+    kv_cache_scales: bool = False,
+    high_precision: Collection[str] = frozenset(),
+) -> Schema:
     """Names and shapes a WeightSet for this checkpoint must have (read from the safetensors headers);
     ``kv_cache_scales``: and each attention layer's scales of FP8 attention over an FP8 KV cache (query,
-    key, value; float32 scalars)."""
+    key, value; float32 scalars); ``high_precision``: the block linears (module names) that stay out of
+    FP8."""
     from safetensors import safe_open
 
     schema: Schema = {}
@@ -55,7 +61,7 @@ def expected_schema(model_dir: Path, weight_format: WeightFormat, kv_cache_scale
         with safe_open(str(path), "pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 shape = tuple(f.get_slice(name).get_shape())
-                fp8 = is_fp8(weight_format) and is_block_linear(name, len(shape))
+                fp8 = is_fp8(weight_format) and is_fp8_linear(name, len(shape), high_precision)
                 schema[name] = (shape, fp8)
                 if fp8:
                     schema[scale_name(name)] = (tuple(-(-d // 128) for d in shape), False)
@@ -190,7 +196,10 @@ class RolloutService:
             registration_proof(self.update_key, address) if self.update_key and address else ""
         )
         self.schema = expected_schema(
-            config.model, self.recipe.rollout_weights, kv_cache_scales=self.recipe.kv_cache_dtype == "fp8"
+            config.model,
+            self.recipe.rollout_weights,
+            kv_cache_scales=self.recipe.kv_cache_dtype == "fp8",
+            high_precision=config.fp8_plan.high_precision,
         )
         self.max_update_bytes = max_update_bytes(self.schema)
         self._update_lock = threading.Lock()

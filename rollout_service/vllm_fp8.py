@@ -28,6 +28,7 @@ The numerics are those of the FP8 recipe, computed in the compute dtype. The sca
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
@@ -36,6 +37,7 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.linear import (
     LinearBase,
     LinearMethodBase,
+    UnquantizedLinearMethod,
     register_weight_loader_v2_supported_method,
 )
 from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, register_quantization_config
@@ -45,6 +47,7 @@ from vllm.model_executor.layers.quantization.utils.fp8_utils import (
     create_fp8_scale_parameter,
     create_fp8_weight_parameter,
 )
+from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
 from vllm.model_executor.parameter import BlockQuantScaleParameter
 
 from fp8rl import quant
@@ -57,11 +60,19 @@ BLOCK = list(quant.WEIGHT_BLOCK)
 class EmulatedBlockFP8Config(QuantizationConfig):
     """Block-FP8 (128x128 weights, dynamic 1x128 activations) for every linear layer."""
 
-    def __init__(self, scale_format: ScaleFormat = "fp32", kv_cache: KVCacheDtype = "auto") -> None:
+    def __init__(
+        self,
+        scale_format: ScaleFormat = "fp32",
+        kv_cache: KVCacheDtype = "auto",
+        ignored_layers: list[str] | None = None,
+        activation_arithmetic: quant.Arithmetic = "vllm",
+    ) -> None:
         super().__init__()
         self.weight_block_size = BLOCK
         self.scale_format = scale_format
         self.kv_cache = kv_cache
+        self.ignored_layers = ignored_layers or []
+        self.activation_arithmetic = activation_arithmetic
 
     def get_name(self) -> str:  # type: ignore[override]
         return NAME
@@ -86,11 +97,24 @@ class EmulatedBlockFP8Config(QuantizationConfig):
         kv_cache = config.get("kv_cache", "auto")
         if kv_cache not in ("auto", "fp8"):
             raise ValueError(f"{NAME}: kv_cache {kv_cache!r} is not auto or fp8")
-        return cls(scale_format, kv_cache)
+        ignored = config.get("ignored_layers", [])
+        if not (isinstance(ignored, list) and all(isinstance(name, str) for name in ignored)):
+            raise ValueError(f"{NAME}: ignored_layers must be a list of module names")
+        arithmetic = config.get("activation_arithmetic", "vllm")
+        if arithmetic not in ("vllm", "te"):
+            raise ValueError(f"{NAME}: activation_arithmetic {arithmetic!r} is not vllm or te")
+        return cls(scale_format, kv_cache, ignored, arithmetic)
+
+    def apply_vllm_mapper(self, hf_to_vllm_mapper: Any) -> None:
+        # (As vLLM's fp8 method: HF module names mapped onto the model's own, where a model renames.)
+        self.ignored_layers = hf_to_vllm_mapper.apply_list(self.ignored_layers)
 
     def get_quant_method(self, layer: Any, prefix: str) -> QuantizeMethodBase | None:
         if isinstance(layer, LinearBase):
-            return EmulatedBlockFP8LinearMethod(self.scale_format)
+            # vLLM's own rule (and Fp8Config's): a fused GEMM is skipped when all its parts are listed.
+            if is_layer_skipped(prefix, self.ignored_layers, self.packed_modules_mapping):
+                return UnquantizedLinearMethod()
+            return EmulatedBlockFP8LinearMethod(self.scale_format, self.activation_arithmetic)
         if isinstance(layer, Attention) and self.kv_cache == "fp8":
             return EmulatedFP8KVCacheMethod(self)
         return None
@@ -99,10 +123,23 @@ class EmulatedBlockFP8Config(QuantizationConfig):
 KVCacheDtype = Literal["auto", "fp8"]
 
 
-def quantization_config(scale_format: ScaleFormat, kv_cache: KVCacheDtype = "auto") -> dict[str, str]:
+def quantization_config(
+    scale_format: ScaleFormat,
+    kv_cache: KVCacheDtype = "auto",
+    ignored_layers: Sequence[str] = (),
+    activation_arithmetic: quant.Arithmetic = "vllm",
+) -> dict[str, Any]:
     """The model config's ``quantization_config`` that selects this method in ``scale_format``, with an
-    emulated FP8 KV cache if ``kv_cache`` is ``fp8``."""
-    return {"quant_method": NAME, "scale_format": scale_format, "kv_cache": kv_cache}
+    emulated FP8 KV cache if ``kv_cache`` is ``fp8``, ``ignored_layers`` (HF module names) in the
+    compute dtype, and activations quantized with ``activation_arithmetic`` (vLLM's, unless a
+    consistency check asks for the trainer's)."""
+    return {
+        "quant_method": NAME,
+        "scale_format": scale_format,
+        "kv_cache": kv_cache,
+        "ignored_layers": list(ignored_layers),
+        "activation_arithmetic": activation_arithmetic,
+    }
 
 
 class EmulatedFP8KVCacheMethod(BaseKVCacheMethod):
@@ -157,8 +194,9 @@ def _through_fp8_attention(
 
 
 class EmulatedBlockFP8LinearMethod(LinearMethodBase):
-    def __init__(self, scale_format: ScaleFormat = "fp32") -> None:
+    def __init__(self, scale_format: ScaleFormat = "fp32", arithmetic: quant.Arithmetic = "vllm") -> None:
         self.scale_format = scale_format
+        self.arithmetic = arithmetic
 
     def create_weights(
         self,
@@ -170,10 +208,14 @@ class EmulatedBlockFP8LinearMethod(LinearMethodBase):
         params_dtype: torch.dtype,
         **extra_weight_attrs: Any,
     ) -> None:
-        for rows in output_partition_sizes:
+        for rows in output_partition_sizes[:-1]:
             if rows % BLOCK[0]:
-                # A shard that does not end on a block boundary would share a scale with its neighbour.
-                raise ValueError(f"{NAME}: output shard of {rows} rows is not a multiple of {BLOCK[0]}")
+                # A shard that does not end on a block boundary would share a scale with its neighbour
+                # (vLLM's validate_fp8_block_shape; fp8rl.architectures keeps such GEMMs unquantized).
+                raise ValueError(
+                    f"{NAME}: a fused GEMM's shard of {rows} rows is not a multiple of {BLOCK[0]}; list its "
+                    "parts in ignored_layers"
+                )
         weight_loader = extra_weight_attrs["weight_loader"]
 
         def load_weight(
@@ -214,7 +256,7 @@ class EmulatedBlockFP8LinearMethod(LinearMethodBase):
         layer.weight = torch.nn.Parameter(weight, requires_grad=False)
 
     def apply(self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        xq = quant.fake_quantize_activation(x, scale_format=self.scale_format, arithmetic="vllm")
+        xq = quant.fake_quantize_activation(x, scale_format=self.scale_format, arithmetic=self.arithmetic)
         return F.linear(xq, layer.weight, bias)
 
 

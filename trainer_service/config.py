@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from fp8rl.architectures import FP8Plan, fp8_plan, read_config
 from fp8rl.models import TINY_ARITH, ModelDir
 from fp8rl.recipes import AdvantageNorm, ISMode, RecipeName
 from fp8rl.security import SecurityConfig
@@ -76,8 +77,12 @@ class TrainerConfig(LearnerConfig):
     """The trainer process: its learner, plus the model, precision, address and checkpoints."""
 
     model: ModelDir = Field(TINY_ARITH, validate_default=True)
-    """HF checkpoint directory (Qwen2, Qwen3, Llama families); default: the shipped tiny arith model."""
+    """HF checkpoint directory of a supported family (docs/architectures.md); default: the shipped tiny
+    arith model."""
     recipe: RecipeName = "fp8"
+    rollout_tensor_parallel_size: int = Field(1, ge=1)
+    """The replicas' tensor parallel size, which decides the linears vLLM can serve in FP8 (the trainer
+    keeps the same ones in high precision: fp8rl.architectures)."""
     host: str = "127.0.0.1"
     port: int = Field(50052, ge=0, le=65535)
     compute_dtype: Literal["bfloat16", "float32"] = "bfloat16"
@@ -95,3 +100,8 @@ class TrainerConfig(LearnerConfig):
     publish_to: list[str] = []
     """host:port of replicas the trainer may publish to besides those that prove they hold the run's update
     key (their registration_proof); without a key and this list, only loopback replicas."""
+
+    @property
+    def fp8_plan(self) -> FP8Plan:
+        """Which of the model's linears run in FP8, in this trainer and on its replicas."""
+        return fp8_plan(read_config(self.model), self.rollout_tensor_parallel_size)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any, Literal
 
 import torch
@@ -128,10 +128,16 @@ def resolve_backend(requested: str, cuda: bool | None = None) -> Backend:
     return "te"
 
 
-def convert_linears(model: torch.nn.Module, backend: Backend, scale_format: ScaleFormat = "fp32") -> int:
-    """Swap every block linear for its FP8 version in place; returns how many were converted. (Under
-    ``te`` the scale format is the recipe's, :func:`fp8_context`.)"""
-    converted = list(block_linears(model))
+def convert_linears(
+    model: torch.nn.Module,
+    backend: Backend,
+    scale_format: ScaleFormat = "fp32",
+    high_precision: Collection[str] = frozenset(),
+) -> int:
+    """Swap every block linear but ``high_precision`` (module names: fp8rl.architectures) for its FP8
+    version in place; returns how many were converted. (Under ``te`` the scale format is the recipe's,
+    :func:`fp8_context`.)"""
+    converted = [(n, m) for n, m in block_linears(model) if n not in high_precision]
     for _, linear in converted:
         if backend == "emulated":
             linear.__class__ = EmulatedFP8Linear

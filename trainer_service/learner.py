@@ -110,7 +110,7 @@ class Learner:
         self.backend: Backend | None = None
         if recipe.train_linears == "fp8":
             self.backend = resolve_backend(config.fp8_backend)
-            convert_linears(self.model, self.backend, recipe.scale_format)
+            convert_linears(self.model, self.backend, recipe.scale_format, config.fp8_plan.high_precision)
         # Transformer Engine's FP8 GEMMs need the flattened token count to be a multiple of 8 (16 to be
         # safe): with `te`, sequences are padded to 16 positions (masked: nothing sees the padding).
         self.token_multiple = TE_TOKEN_MULTIPLE if self.backend == "te" else 1

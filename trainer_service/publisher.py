@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -67,9 +67,12 @@ class Publisher:
         recipe: str,
         security: SecurityConfig | None = None,
         part_bytes: int = PART_BYTES,
+        high_precision: Collection[str] = frozenset(),
     ) -> None:
-        """``part_bytes``: tensor bytes per part of a streamed update (fp8rl.weights)."""
+        """``part_bytes``: tensor bytes per part of a streamed update (fp8rl.weights); ``high_precision``:
+        the block linears (module names) an FP8 format ships in ``hp_dtype`` (fp8rl.architectures)."""
         self.weight_format, self.hp_dtype, self.recipe = weight_format, hp_dtype, recipe
+        self.high_precision = frozenset(high_precision)
         self.part_bytes = part_bytes
         self.security = security or SecurityConfig()
         self.update_key = self.security.update_key()  # every update is signed with it (fp8rl.security)
@@ -91,11 +94,10 @@ class Publisher:
         into each update)."""
         with self._publish_lock:
             base = self.last
-            same = base is not None and base[0] == version
-            if same:
-                weights = base[1]  # type: ignore[index]
+            if base is not None and base[0] == version:
+                weights = base[1]
             else:
-                weights = built or build_weight_set(master(), self.weight_format, self.hp_dtype)
+                weights = built or self._weight_set(master())
             updates = _Updates(weights, version, base, self.recipe, epoch, self.update_key, self.part_bytes)
             try:
                 with ThreadPoolExecutor(max_workers=max(1, len(targets))) as pool:
@@ -113,7 +115,10 @@ class Publisher:
             for _ in master.values():
                 pass
             return None
-        return build_weight_set(master, self.weight_format, self.hp_dtype)
+        return self._weight_set(master)
+
+    def _weight_set(self, master: Mapping[str, torch.Tensor]) -> WeightSet:
+        return build_weight_set(master, self.weight_format, self.hp_dtype, self.high_precision)
 
     def _deliver(self, target: Target, updates: _Updates) -> Delivery:
         start = time.perf_counter()

@@ -96,7 +96,13 @@ class TrainerService:
         self.recipe = get_recipe(config.recipe)
         self.learner = learner or Learner(config, self.recipe, ranks)
         hp_dtype = torch.float32 if config.compute_dtype == "float32" else torch.bfloat16
-        self.publisher = Publisher(self.recipe.rollout_weights, hp_dtype, self.recipe.name, config.security)
+        self.publisher = Publisher(
+            self.recipe.rollout_weights,
+            hp_dtype,
+            self.recipe.name,
+            config.security,
+            high_precision=config.fp8_plan.high_precision,
+        )
         self.run_id = ""
         self.results: OrderedDict[int, trainer_pb2.TrainStepResponse] = OrderedDict()
         self.request_digests: dict[int, str] = {}  # step -> SHA-256 of the request that trained it

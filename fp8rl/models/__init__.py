@@ -13,6 +13,8 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator
 
+from fp8rl.architectures import check_supported, read_config
+
 TINY_ARITH = Path(__file__).resolve().parent / "tiny-arith"
 """The demo's base model: the tiny Qwen2 warm-started on arith (``python -m fp8rl.tiny --trained``)."""
 
@@ -52,8 +54,13 @@ def verified(directory: Path = TINY_ARITH) -> Path:
 
 
 def intact(path: Path) -> Path:
-    """``path``, verified first when it is the shipped model (a config validator)."""
-    return verified(path) if path.resolve() == TINY_ARITH else path
+    """``path``, verified first when it is the shipped model, and of a supported family when it has a
+    config.json (a config validator: an unsupported model is refused before anything loads)."""
+    if path.resolve() == TINY_ARITH:
+        return verified(path)
+    if (path / "config.json").is_file():
+        check_supported(read_config(path), str(path))
+    return path
 
 
 ModelDir = Annotated[Path, AfterValidator(intact)]

@@ -1,0 +1,128 @@
+"""The model families fp8rl supports, and which of a model's linear layers run in FP8. Pure Python.
+
+Both engines decide from the checkpoint's ``config.json`` with :func:`fp8_plan`, so the trainer's FP8
+linears, the weights on the wire and the rollout's quantization agree layer for layer.
+
+The rule comes from vLLM's block-FP8 GEMMs (``validate_fp8_block_shape``): vLLM fuses q/k/v into one
+GEMM and gate/up into another, and a 128x128 weight block cannot straddle two shards, so in a fused GEMM
+every shard but the last must have a multiple of 128 rows; with tensor parallelism every shard's rows
+per rank, and the input columns per rank of a row-parallel GEMM (o_proj, down_proj), too. A fused group
+that breaks the rule stays in the compute dtype in both engines (all its shards: vLLM quantizes a fused
+GEMM whole or not at all), named in vLLM's ``ignored_layers``; every other linear inside the blocks is
+FP8, edge blocks included.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+BLOCK = 128
+
+FAMILIES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+"""``model_type`` -> the HF class both engines load (tied or untied embeddings, GQA, Qwen3's q/k norms)."""
+
+FUSED_GEMMS: dict[str, tuple[str, ...]] = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+"""vLLM's fused GEMMs of a decoder layer, and the HF linears they are made of (in vLLM's order)."""
+
+
+class UnsupportedArchitecture(ValueError):
+    """A checkpoint of a family the engines are not declared and tested for."""
+
+
+def read_config(model_dir: Path) -> dict[str, Any]:
+    return json.loads((model_dir / "config.json").read_text())
+
+
+def check_supported(config: dict[str, Any], where: str = "model") -> str:
+    """The family (``model_type``) of a checkpoint's config, or :class:`UnsupportedArchitecture`."""
+    family = config.get("model_type")
+    if family not in FAMILIES:
+        raise UnsupportedArchitecture(
+            f"{where}: model_type {family!r} ({', '.join(config.get('architectures') or ['?'])}) is not "
+            f"supported; supported: {', '.join(sorted(FAMILIES))} (docs/architectures.md)"
+        )
+    return str(family)
+
+
+@dataclass(frozen=True)
+class FP8Plan:
+    """Which linears of the decoder layers run in FP8. ``high_precision``: HF module names kept in the
+    compute dtype, with ``reasons`` (one line per fused group and layer-independent cause)."""
+
+    high_precision: frozenset[str]
+    reasons: tuple[str, ...]
+    layers: int
+
+    def is_fp8(self, weight_name: str) -> bool:
+        """For a block linear's weight (``model.layers.N.<module>.weight``): does it ship and run in FP8?"""
+        return weight_name.removesuffix(".weight") not in self.high_precision
+
+    def summary(self) -> dict[str, Any]:
+        """What a run records: the modules kept in high precision (per layer, as patterns) and why."""
+        per_layer = sorted({m.split(".", 3)[3] for m in self.high_precision})
+        return {"high_precision_per_layer": per_layer, "reasons": list(self.reasons), "layers": self.layers}
+
+
+def _shapes(config: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """(rows, columns) of each linear of one decoder layer, by its module name within the layer."""
+    hidden = config["hidden_size"]
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or hidden // heads
+    inter = config["intermediate_size"]
+    return {
+        "self_attn.q_proj": (heads * head_dim, hidden),
+        "self_attn.k_proj": (kv_heads * head_dim, hidden),
+        "self_attn.v_proj": (kv_heads * head_dim, hidden),
+        "self_attn.o_proj": (hidden, heads * head_dim),
+        "mlp.gate_proj": (inter, hidden),
+        "mlp.up_proj": (inter, hidden),
+        "mlp.down_proj": (hidden, inter),
+    }
+
+
+ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
+
+
+def fp8_plan(config: dict[str, Any], tensor_parallel_size: int = 1) -> FP8Plan:
+    """The FP8 layers of a supported checkpoint's config under vLLM's block-FP8 rule (module docstring),
+    for replicas with ``tensor_parallel_size`` ranks."""
+    check_supported(config)
+    tp = tensor_parallel_size
+    shapes = _shapes(config)
+    kept: set[str] = set()
+    reasons: list[str] = []
+    for fused, parts in FUSED_GEMMS.items():
+        # Every shard but the last must end on a block boundary; with tp > 1 each rank's part of each.
+        checked = parts if tp > 1 else parts[:-1]
+        bad = [(p, shapes[p][0]) for p in checked if (shapes[p][0] // tp) % BLOCK or shapes[p][0] % tp]
+        if bad:
+            kept.update(parts)
+            rows = ", ".join(f"{p.split('.')[-1]} {r // tp} rows" for p, r in bad)
+            reasons.append(f"{fused} stays high precision: {rows} per rank, not a multiple of {BLOCK}")
+    if tp > 1:
+        for module in ROW_PARALLEL:
+            columns = shapes[module][1]
+            if (columns // tp) % BLOCK or columns % tp:
+                kept.add(module)
+                reasons.append(f"{module} stays high precision: {columns // tp} input columns per rank")
+    layers = int(config["num_hidden_layers"])
+    names = frozenset(f"model.layers.{i}.{m}" for i in range(layers) for m in kept)
+    return FP8Plan(names, tuple(reasons), layers)
+
+
+def vllm_ignored_layers(plan: FP8Plan) -> list[str]:
+    """``ignored_layers`` of vLLM's quantization config: the unfused HF module names (vLLM maps a fused
+    GEMM's prefix onto its parts and skips it only if all of them are listed)."""
+    return sorted(plan.high_precision)

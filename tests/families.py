@@ -1,0 +1,77 @@
+"""Random-init checkpoints of the supported families at realistic shapes (hidden >= 512, several
+128-blocks per dimension, GQA, vocab 49152) with SmolLM2's real tokenizer: the models the architecture
+tests load in both engines. float32, so that FP8 effects are not hidden under bf16 rounding; random, so
+that no confident token hides a logit difference."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+@dataclass(frozen=True)
+class Family:
+    """One row of docs/architectures.md, at test size."""
+
+    name: str
+    model_type: str
+    tied: bool = False
+    shape: dict[str, int] = field(
+        default_factory=lambda: {
+            "hidden_size": 512,
+            "intermediate_size": 1536,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "head_dim": 64,
+        }
+    )
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+SMOLLM2_SHAPE = {  # hidden 576 = 9 heads of 64: q's 576 rows are not whole 128-blocks
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+}
+
+FAMILIES = (
+    Family("llama", "llama"),
+    Family("llama-tied-576", "llama", tied=True, shape=SMOLLM2_SHAPE),
+    Family("mistral", "mistral", extra={"sliding_window": None}),
+    Family("qwen2", "qwen2"),  # q/k/v biases
+    Family("qwen3-tied", "qwen3", tied=True),  # q/k norms
+)
+
+
+def write_checkpoint(family: Family, tokenizer_dir: Path, out: Path, layers: int = 2, seed: int = 0) -> Path:
+    """A random ``family`` model with ``tokenizer_dir``'s tokenizer, saved in float32 to ``out``."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = AutoConfig.for_model(
+        family.model_type,
+        **family.shape,
+        **family.extra,
+        num_hidden_layers=layers,
+        vocab_size=len(tokenizer),
+        tie_word_embeddings=family.tied,
+        max_position_embeddings=2048,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(out)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).is_file():
+            shutil.copy(tokenizer_dir / name, out / name)
+    return out
