@@ -57,9 +57,9 @@ class CoordinatorConfig(BaseModel):
     """Precision recipe for rollout and trainer."""
     model: ModelDir | None = None
     """HF checkpoint directory; default: the tiny arith model shipped with fp8rl (fp8rl/models/tiny-arith)."""
-    task: Literal["arith", "dataset", "jsonl"] = "arith"
-    """`arith` (the tiny model's sums) or `dataset` (`jsonl` is the same): records with a prompt and an
-    answer from `dataset`."""
+    task: Literal["arith", "arith-chat", "dataset", "jsonl"] = "arith"
+    """`arith` (the tiny model's sums), `arith-chat` (the same sums asked in chat form, for instruct
+    models) or `dataset` (`jsonl` is the same): records with a prompt and an answer from `dataset`."""
     dataset: Path | None = None
     """Task dataset: a .jsonl or .parquet file, a directory saved by HF datasets (its train split), or
     `gsm8k-sample` (a small GSM8K-layout sample shipped with fp8rl: --prompt-key question)."""
@@ -153,7 +153,7 @@ class CoordinatorConfig(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> CoordinatorConfig:
-        if self.task != "arith" and self.dataset is None:
+        if self.task in ("dataset", "jsonl") and self.dataset is None:
             raise ValueError(
                 f"task {self.task} needs dataset (a .jsonl or .parquet file, or a datasets directory)"
             )

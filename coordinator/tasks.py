@@ -1,6 +1,7 @@
 """Tasks: deterministic prompts per step, held-out validation prompts, and rewards. Pure Python.
 
-* ``arith``: "37+48=" -> "85" (operands 0..99), the tiny model's task.
+* ``arith``: "37+48=" -> "85" (operands 0..99), the tiny model's task; ``arith-chat``: the same sums as
+  a chat question, for instruct models (SmolLM2-135M-Instruct).
 * ``dataset`` (alias ``jsonl``): records from JSON lines, parquet or an HF datasets directory
   (coordinator/datasets.py), with the prompt and answer under configurable keys; scored by
   ``math-verify`` when installed, else by exact match after normalisation of the completion's final
@@ -89,6 +90,21 @@ class ArithTask:
         return 1.0 if first_line(completion) == problem.answer else 0.0
 
 
+class ArithChatTask(ArithTask):
+    """The arith sums as a chat ("What is 37 + 48?"), for instruct models: the model's chat template
+    renders the question, and a completion scores when the last number on its first line is the sum
+    ("37 + 48 = 85" and "85" both do). SmolLM2-135M-Instruct gets about one in ten right at first."""
+
+    @staticmethod
+    def _problem(pid: str, a: int, b: int) -> Problem:
+        question = f"What is {a} + {b}?"
+        return Problem(pid, question, arith.answer(a, b), messages=(("user", question),))
+
+    def reward(self, problem: Problem, completion: str) -> float:
+        numbers = re.findall(r"-?\d+", first_line(completion).replace(",", ""))
+        return 1.0 if numbers and numbers[-1] == problem.answer else 0.0
+
+
 def normalize_answer(text: str) -> str:
     text = text.lower().strip().rstrip(".")
     return re.sub(r"[\s,$]", "", text)
@@ -159,8 +175,8 @@ def load_reward(spec: str) -> RewardFn:
 
 def build_task(config: CoordinatorConfig) -> Task:
     task: Task
-    if config.task == "arith":
-        task = ArithTask(config.seed, config.val_size)
+    if config.task in ("arith", "arith-chat"):
+        task = (ArithChatTask if config.task == "arith-chat" else ArithTask)(config.seed, config.val_size)
     else:
         from coordinator.datasets import load_problems, split
 
