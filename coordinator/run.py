@@ -156,6 +156,7 @@ def drive(
     from fp8rl.registry import live_replicas
 
     task = build_task(config)
+    stack.callback(task.close)  # math-verify's workers
     children: dict[str, int] = {}
     if config.embedded:
         redis_url, trainer_address, rollouts, security = launch_embedded(

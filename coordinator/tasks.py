@@ -3,16 +3,17 @@
 * ``arith``: "37+48=" -> "85" (operands 0..99), the tiny model's task.
 * ``dataset`` (alias ``jsonl``): records from JSON lines, parquet or an HF datasets directory
   (coordinator/datasets.py), with the prompt and answer under configurable keys; scored by
-  ``math-verify`` when installed, else by exact match after normalisation of the completion's final
-  answer (after GSM8K's ``####`` if it has one, else its first line). A prompt is text, or a
-  conversation (a list of {"role": ..., "content": ...}) that the replica renders with the model's chat
-  template.
+  ``math-verify`` when installed (in worker processes, bounded in time: coordinator/math_reward.py),
+  else by exact match after normalisation of the completion's final answer (after GSM8K's ``####`` if
+  it has one, else its first line). A prompt is text, or a conversation (a list of {"role": ...,
+  "content": ...}) that the replica renders with the model's chat template.
 * ``--reward module:function``: ``function(prompt, completion, answer) -> float`` replaces the reward.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import random
 import re
 from collections.abc import Callable
@@ -23,11 +24,17 @@ from fp8rl import arith
 
 if TYPE_CHECKING:
     from coordinator.config import CoordinatorConfig
+    from coordinator.math_reward import MathVerifier
 
 RewardFn = Callable[[str, str, str], float]
 
 
 Messages = tuple[tuple[str, str], ...]  # (role, content) per turn
+
+
+class RewardTimeout(RuntimeError):
+    """A reward that could not be computed in time (its worker was killed): the batch scores it 0 and
+    counts it."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +66,7 @@ class Task(Protocol):
     def train_problems(self, step: int, count: int) -> list[Problem]: ...
     def val_problems(self) -> list[Problem]: ...
     def reward(self, problem: Problem, completion: str) -> float: ...
+    def close(self) -> None: ...
 
 
 def first_line(text: str) -> str:
@@ -88,6 +96,9 @@ class ArithTask:
     def reward(self, problem: Problem, completion: str) -> float:
         return 1.0 if first_line(completion) == problem.answer else 0.0
 
+    def close(self) -> None:
+        pass
+
 
 def normalize_answer(text: str) -> str:
     text = text.lower().strip().rstrip(".")
@@ -114,6 +125,7 @@ class DatasetTask:
         return self._val
 
     def reward(self, problem: Problem, completion: str) -> float:
+        """1.0 or 0.0; raises :class:`RewardTimeout` when math-verify does not answer in time."""
         if self._verify is not None:
             return self._verify(problem.answer, completion)
         return (
@@ -122,13 +134,18 @@ class DatasetTask:
             else 0.0
         )
 
+    def close(self) -> None:
+        if self._verify is not None:
+            self._verify.close()
 
-def _math_verify() -> Callable[[str, str], float] | None:
-    try:
-        from math_verify import parse, verify
-    except ImportError:
+
+def _math_verify() -> MathVerifier | None:
+    """math-verify's reward when it is installed (its workers start at the first reward), else None."""
+    if importlib.util.find_spec("math_verify") is None:
         return None
-    return lambda answer, completion: float(verify(parse(answer), parse(completion)))
+    from coordinator.math_reward import MathVerifier
+
+    return MathVerifier()
 
 
 class CustomReward:
@@ -145,6 +162,9 @@ class CustomReward:
 
     def reward(self, problem: Problem, completion: str) -> float:
         return float(self.fn(problem.prompt, completion, problem.answer))
+
+    def close(self) -> None:
+        self.task.close()
 
 
 def load_reward(spec: str) -> RewardFn:

@@ -138,9 +138,12 @@ def test_rewards_with_and_without_math_verify(verifier: str, monkeypatch: pytest
         dotted=["task=dataset", "dataset=gsm8k-sample", "prompt_key=question", "val_size=4"],
     )
     task = build_task(config)
-    assert (task._verify is None) == (verifier == "fallback")  # type: ignore[attr-defined]
-    problem = task.val_problems()[0]
-    right = f"Adding it up step by step.\n#### {problem.answer}"
-    wrong = f"Adding it up step by step.\n#### {int(problem.answer) + 1}"
-    assert task.reward(problem, right) == 1.0 and task.reward(problem, wrong) == 0.0
-    assert task.reward(problem, f"{problem.answer}\nmore text") == 1.0
+    try:
+        assert (task._verify is None) == (verifier == "fallback")  # type: ignore[attr-defined]
+        problem = task.val_problems()[0]
+        right = f"Adding it up step by step.\n#### {problem.answer}"
+        wrong = f"Adding it up step by step.\n#### {int(problem.answer) + 1}"
+        assert task.reward(problem, right) == 1.0 and task.reward(problem, wrong) == 0.0
+        assert task.reward(problem, f"{problem.answer}\nmore text") == 1.0
+    finally:
+        task.close()
