@@ -6,7 +6,8 @@
   ``math-verify`` when installed (in worker processes, bounded in time: coordinator/math_reward.py),
   else by exact match after normalisation of the completion's final answer (after GSM8K's ``####`` if
   it has one, else its first line). A prompt is text, or a conversation (a list of {"role": ...,
-  "content": ...}) that the replica renders with the model's chat template.
+  "content": ...}) that the replica renders with the model's chat template. Each epoch visits the
+  training rows in a seeded order, without replacement.
 * ``--reward module:function``: ``function(prompt, completion, answer) -> float`` replaces the reward.
 """
 
@@ -17,7 +18,7 @@ import importlib.util
 import random
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
 from fp8rl import arith
@@ -111,15 +112,36 @@ def completion_answer(completion: str) -> str:
 
 
 class DatasetTask:
-    """Problems from a dataset; validation by count (the first ``val_size`` rows), fraction or file."""
+    """Problems from a dataset; validation by count (the first ``val_size`` rows), fraction or file.
+
+    Training visits the rows without replacement: epoch e is a permutation of them seeded by (seed, e),
+    and step k takes the next ``count`` rows of the sequence of epochs (rows k*count onwards), so a
+    resumed run draws the same prompts. A row that comes again within one step (the step spans an epoch
+    boundary, or ``count`` exceeds the rows) gets a distinct id: ``row-17#2``."""
 
     def __init__(self, train: list[Problem], val: list[Problem], seed: int) -> None:
         self._train, self._val, self.seed = train, val, seed
+        self._orders: dict[int, list[int]] = {}  # epoch -> permutation, the last two kept
         self._verify = _math_verify()
 
+    def _order(self, epoch: int) -> list[int]:
+        if epoch not in self._orders:
+            order = list(range(len(self._train)))
+            random.Random(f"jsonl:{self.seed}:epoch:{epoch}").shuffle(order)
+            self._orders = {e: o for e, o in self._orders.items() if e == epoch - 1} | {epoch: order}
+        return self._orders[epoch]
+
     def train_problems(self, step: int, count: int) -> list[Problem]:
-        rng = random.Random(f"jsonl:{self.seed}:train:{step}")
-        return [rng.choice(self._train) for _ in range(count)]
+        problems: list[Problem] = []
+        seen: dict[str, int] = {}  # row id -> times drawn in this step
+        for i in range(step * count, (step + 1) * count):
+            epoch, at = divmod(i, len(self._train))
+            problem = self._train[self._order(epoch)[at]]
+            seen[problem.id] = seen.get(problem.id, 0) + 1
+            if seen[problem.id] > 1:
+                problem = replace(problem, id=f"{problem.id}#{seen[problem.id]}")
+            problems.append(problem)
+        return problems
 
     def val_problems(self) -> list[Problem]:
         return self._val

@@ -1,16 +1,18 @@
 """The dataset task: JSON lines, parquet and HF datasets directories load the same problems, split by
-count, fraction or second file, and a malformed record is refused naming the file, row and key."""
+count, fraction or second file; training draws rows without replacement, epoch by epoch; a malformed
+record is refused naming the file, row and key."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from coordinator.config import CoordinatorConfig
 from coordinator.datasets import final_answer, load_problems, records, split
-from coordinator.tasks import DatasetTask, build_task
+from coordinator.tasks import DatasetTask, Problem, build_task
 from fp8rl.config import ConfigError, load_config
 from fp8rl.data import GSM8K_SAMPLE
 
@@ -147,3 +149,32 @@ def test_rewards_with_and_without_math_verify(verifier: str, monkeypatch: pytest
         assert task.reward(problem, f"{problem.answer}\nmore text") == 1.0
     finally:
         task.close()
+
+
+def test_training_draws_rows_without_replacement_epoch_by_epoch() -> None:
+    rows = [Problem(f"row-{i}", f"q{i}", str(i)) for i in range(2000)]
+    task = DatasetTask(rows, rows[:1], seed=7)
+    # 32 of 2000 rows, with replacement, repeated a row in ~22% of steps (a duplicate prompt id: the
+    # replica refused the request). Without: each epoch visits every row once, in a seeded order.
+    steps = [task.train_problems(k, 32) for k in range(250)]  # 8000 draws: four epochs
+    for k, step in enumerate(steps):
+        assert len({p.id for p in step}) == 32, f"step {k} repeats an id"
+    drawn = [p for step in steps for p in step]
+    for epoch in range(4):
+        assert sorted(p.id for p in drawn[epoch * 2000 : (epoch + 1) * 2000]) == sorted(r.id for r in rows)
+    assert [p.id for p in drawn[:2000]] != [p.id for p in drawn[2000:4000]]  # a fresh order per epoch
+    # Deterministic from seed and step alone: a resumed run (a fresh task) draws the same prompts.
+    assert DatasetTask(rows, rows[:1], seed=7).train_problems(123, 32) == steps[123]
+    assert DatasetTask(rows, rows[:1], seed=8).train_problems(123, 32) != steps[123]
+    # A step spanning an epoch boundary may draw a row twice (count 16 of 20 rows: rows 16-31 of the
+    # sequence); asking for more rows than there are draws some several times. Each copy has its own id.
+    for count, total in ((16, 20), (50, 20), (5, 1)):
+        few = DatasetTask(rows[:total], rows[:1], seed=0)
+        for k in range(6):
+            problems = few.train_problems(k, count)
+            assert len(problems) == count and len({p.id for p in problems}) == count
+            assert {p.id.split("#")[0] for p in problems} <= {r.id for r in rows[:total]}
+    copies = [p for p in DatasetTask(rows[:20], rows[:1], seed=0).train_problems(0, 50) if "#" in p.id]
+    assert len(copies) == 30 and {p.id.rsplit("#", 1)[1] for p in copies} == {"2", "3"}
+    original = {r.id: r for r in rows}
+    assert all(replace(p, id=p.id.split("#")[0]) == original[p.id.split("#")[0]] for p in copies)
