@@ -17,11 +17,13 @@ import importlib
 import importlib.util
 import random
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
 from fp8rl import arith
+from fp8rl.config import ConfigError
 
 if TYPE_CHECKING:
     from coordinator.config import CoordinatorConfig
@@ -193,13 +195,28 @@ def load_reward(spec: str) -> RewardFn:
     module, sep, name = spec.partition(":")
     if not sep:
         raise ValueError(f"reward {spec!r} is not of the form module:function")
-    fn = getattr(importlib.import_module(module), name, None)
+    try:
+        loaded = importlib.import_module(module)
+    except ImportError as exc:
+        raise ValueError(f"reward {spec!r}: cannot import {module}: {exc}") from None
+    fn = getattr(loaded, name, None)
     if not callable(fn):
         raise ValueError(f"reward {spec!r}: {module} has no function {name}")
     return fn
 
 
+@contextmanager
+def _field(name: str) -> Iterator[None]:
+    """A dataset or reward the config names but that cannot be used: a ConfigError naming the field."""
+    try:
+        yield
+    except (ValueError, OSError) as exc:
+        raise ConfigError(f"invalid config: {name}: {exc}") from None
+
+
 def build_task(config: CoordinatorConfig) -> Task:
+    """The run's task. Raises :class:`ConfigError` (one line, naming the field) for a dataset that cannot
+    be read or split, or a reward that cannot be loaded."""
     task: Task
     if config.task == "arith":
         task = ArithTask(config.seed, config.val_size)
@@ -207,10 +224,16 @@ def build_task(config: CoordinatorConfig) -> Task:
         from coordinator.datasets import load_problems, split
 
         assert config.dataset is not None  # the config checked it
-        rows = load_problems(config.dataset, config.prompt_key, config.answer_key, "row")
+        with _field("dataset"):
+            rows = load_problems(config.dataset, config.prompt_key, config.answer_key, "row")
         held = None
         if config.val_dataset is not None:
-            held = load_problems(config.val_dataset, config.prompt_key, config.answer_key, "val")
-        train, val = split(rows, config.seed, config.val_size, config.val_fraction, held)
+            with _field("val_dataset"):
+                held = load_problems(config.val_dataset, config.prompt_key, config.answer_key, "val")
+        with _field("dataset"):
+            train, val = split(rows, config.seed, config.val_size, config.val_fraction, held)
         task = DatasetTask(train, val, config.seed)
-    return CustomReward(task, config.reward) if config.reward else task
+    if config.reward:
+        with _field("reward"):
+            return CustomReward(task, config.reward)
+    return task

@@ -1,6 +1,6 @@
 """The dataset task: JSON lines, parquet and HF datasets directories load the same problems, split by
 count, fraction or second file; training draws rows without replacement, epoch by epoch; a malformed
-record is refused naming the file, row and key."""
+record, or a dataset that cannot be split, is one config error naming the field, file, row and key."""
 
 from __future__ import annotations
 
@@ -64,8 +64,11 @@ def test_splits_by_count_fraction_and_second_file() -> None:
     assert split(problems, seed=1, val_size=100, val_fraction=0.25)[1] != val
     other = problems[:5]
     assert split(problems, seed=0, val_size=3, val_problems=other) == (problems, other[:3])
-    with pytest.raises(ValueError, match="nothing to train on"):
-        split(problems[:4], seed=0, val_size=8)
+    # By count, validation never takes more than half the rows: the sample's default splits 20/20.
+    assert split(problems, seed=0, val_size=128) == (problems[20:], problems[:20])
+    assert split(problems[:5], seed=0, val_size=8) == (problems[2:5], problems[:2])
+    with pytest.raises(ValueError, match="1 rows leave nothing to train on"):
+        split(problems[:1], seed=0, val_size=8)
 
 
 @pytest.mark.parametrize(
@@ -178,3 +181,51 @@ def test_training_draws_rows_without_replacement_epoch_by_epoch() -> None:
     assert len(copies) == 30 and {p.id.rsplit("#", 1)[1] for p in copies} == {"2", "3"}
     original = {r.id: r for r in rows}
     assert all(replace(p, id=p.id.split("#")[0]) == original[p.id.split("#")[0]] for p in copies)
+
+
+def write_jsonl(path: Path, rows: list[object]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_a_dataset_the_run_cannot_use_is_one_config_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from coordinator.run import start
+
+    one_row = write_jsonl(tmp_path / "one.jsonl", [{"prompt": "1+1=", "answer": "2"}])
+    bad_row = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2="}])
+    good = write_jsonl(tmp_path / "ok.jsonl", [{"prompt": "a", "answer": "1"}] * 4)
+    (tmp_path / "torn.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": \n')
+    (tmp_path / "not-a-dataset").mkdir()
+    for settings, message in (
+        (
+            ["dataset=gsm8k-sample"],
+            r"dataset: .*gsm8k_sample.jsonl: row 1: no 'prompt' key \(keys: answer, "
+            r"question\); --prompt-key names the one to use$",
+        ),
+        ([f"dataset={one_row}"], r"dataset: 1 rows leave nothing to train on after 1 for validation"),
+        ([f"dataset={one_row}", "val_fraction=0.5"], r"dataset: 1 rows leave nothing to train on"),
+        ([f"dataset={bad_row}"], rf"dataset: {bad_row}: row 2: no 'answer' key"),
+        ([f"dataset={tmp_path / 'torn.jsonl'}"], r"dataset: .*torn.jsonl: row 2: invalid JSON"),
+        ([f"dataset={tmp_path / 'not-a-dataset'}"], r"dataset: .*not-a-dataset: cannot read as a datasets"),
+        (
+            [f"dataset={good}", f"val_dataset={bad_row}"],
+            r"val_dataset: .*row 2: no 'answer'",
+        ),
+        (
+            [
+                f"dataset={write_jsonl(tmp_path / 'ok.jsonl', [{'prompt': 'a', 'answer': '1'}] * 4)}",
+                "reward=no_such_module:score",
+            ],
+            r"reward: reward 'no_such_module:score': cannot import",
+        ),
+    ):
+        config = load_config(CoordinatorConfig, dotted=["task=dataset", *settings])
+        with pytest.raises(ConfigError, match=rf"^invalid config: {message}") as caught:
+            build_task(config)
+        assert "\n" not in str(caught.value)
+        run_dir = tmp_path / "run"
+        assert start(config.model_copy(update={"run_dir": run_dir})) == 2  # before anything starts
+        err = capsys.readouterr().err
+        assert err == f"coordinator: {caught.value}\n" and not run_dir.exists()
