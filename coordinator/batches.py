@@ -16,7 +16,7 @@ import grpc
 from coordinator.clients import RolloutPool, rpc_code
 from coordinator.config import CoordinatorConfig
 from coordinator.state import RunStore
-from coordinator.tasks import Problem, Task
+from coordinator.tasks import Problem, RewardTimeout, Task
 from fp8rl.v1 import common_pb2, rollout_pb2, trainer_pb2
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,11 @@ class BatchMaker:
         start = time.perf_counter()
         completions = self._complete(problems, self.config.group_size, self.sampling, version, replicas)
         generate_s = time.perf_counter() - start
-        rewards = self._rewards_of(problems, completions)
+        rewards, timeouts = self._rewards_of(problems, completions)
+        if timeouts:
+            self.store.event(
+                "reward-timeout", f"{timeouts} of {len(rewards)} rewards of step {step} timed out (0)", step
+            )
         samples = [
             trainer_pb2.Sample(
                 prompt_token_ids=c.prompt_token_ids,
@@ -117,18 +121,36 @@ class BatchMaker:
             "rollout_tokens": tokens,
             "rollout_tokens_per_s": tokens / max(generate_s, 1e-9),
             "reward_mean": sum(rewards) / len(rewards),
+            "reward_timeouts": timeouts,
         }
         return Batch(request, version, info)
 
     def validate(self, version: int, replicas: list[str]) -> float:
         """Mean reward of greedy completions of the held-out prompts."""
         problems = self.task.val_problems()
-        rewards = self._rewards_of(problems, self._complete(problems, 1, self.greedy, version, replicas))
+        completions = self._complete(problems, 1, self.greedy, version, replicas)
+        rewards, timeouts = self._rewards_of(problems, completions)
+        if timeouts:
+            self.store.event(
+                "reward-timeout", f"{timeouts} of {len(rewards)} validation rewards timed out (0)"
+            )
         return sum(rewards) / len(rewards)
 
-    def _rewards_of(self, problems: list[Problem], completions: list[rollout_pb2.Completion]) -> list[float]:
+    def _rewards_of(
+        self, problems: list[Problem], completions: list[rollout_pb2.Completion]
+    ) -> tuple[list[float], int]:
+        """Each completion's reward, on the reward threads, and how many timed out (scored 0)."""
         by_id = {p.id: p for p in problems}
-        return list(self._rewards.map(lambda c: self.task.reward(by_id[c.prompt_id], c.text), completions))
+
+        def score(c: rollout_pb2.Completion) -> float | None:
+            try:
+                return self.task.reward(by_id[c.prompt_id], c.text)
+            except RewardTimeout as exc:
+                log.warning("reward of %s scored 0: %s", c.prompt_id, exc)
+                return None
+
+        scores = list(self._rewards.map(score, completions))
+        return [0.0 if r is None else r for r in scores], scores.count(None)
 
     def _complete(
         self,

@@ -96,7 +96,8 @@ class CoordinatorConfig(BaseModel):
     """Validate (greedy, held-out prompts) every N steps, plus before the first and after the last; 0: only
     those two."""
     val_size: int = Field(128, ge=1)
-    """Validation problems (the most kept from a held-out split or val_dataset)."""
+    """Validation problems (the most kept from a held-out split or val_dataset). Held out by count, the
+    first val_size rows of a dataset, but never more than half of its rows."""
     mult_prob_warn: float = Field(1.05, gt=1)
     """Warn when token_mult_prob_error exceeds this."""
     max_restarts: int = Field(3, ge=0)
@@ -157,6 +158,8 @@ class CoordinatorConfig(BaseModel):
             raise ValueError(
                 f"task {self.task} needs dataset (a .jsonl or .parquet file, or a datasets directory)"
             )
+        if self.task == "arith" and (self.dataset or self.val_dataset or self.val_fraction):
+            raise ValueError("dataset, val_dataset and val_fraction are for task dataset (--task dataset)")
         for path in (self.dataset, self.val_dataset):
             if path is not None and not path.exists():
                 raise ValueError(f"dataset {path} does not exist")

@@ -6,6 +6,7 @@ the key."""
 from __future__ import annotations
 
 import json
+import logging
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import Any
 
 from coordinator.tasks import Problem, parse_prompt
 
+log = logging.getLogger(__name__)
 SAMPLES = {"gsm8k-sample"}  # names of datasets shipped with fp8rl (fp8rl/data)
 
 
@@ -28,9 +30,14 @@ def resolve(path: Path) -> Path:
 def records(path: Path) -> Iterator[Any]:
     """The rows of a dataset file or directory, in order."""
     if path.is_dir():
-        import datasets
-
-        loaded = datasets.load_from_disk(str(path))
+        try:
+            import datasets
+        except ImportError:
+            raise ValueError(f"{path}: a datasets directory needs the `datasets` package") from None
+        try:
+            loaded = datasets.load_from_disk(str(path))
+        except (OSError, ValueError) as exc:  # not a directory save_to_disk wrote
+            raise ValueError(f"{path}: cannot read as a datasets directory: {exc}") from None
         if isinstance(loaded, datasets.DatasetDict):
             if "train" not in loaded:
                 raise ValueError(f"{path}: a DatasetDict without a 'train' split (has {sorted(loaded)})")
@@ -80,9 +87,10 @@ def load_problems(path: Path, prompt_key: str, answer_key: str, prefix: str) -> 
         where = f"{path}: row {i}"
         if not isinstance(row, dict):
             raise ValueError(f"{where}: not a record")
-        for key in (prompt_key, answer_key):
+        for key, flag in ((prompt_key, "--prompt-key"), (answer_key, "--answer-key")):
             if key not in row:
-                raise ValueError(f"{where}: no {key!r} key (keys: {', '.join(sorted(map(str, row)))})")
+                keys = ", ".join(sorted(map(str, row)))
+                raise ValueError(f"{where}: no {key!r} key (keys: {keys}); {flag} names the one to use")
         if not isinstance(row[answer_key], str | int | float) or isinstance(row[answer_key], bool):
             raise ValueError(f"{where}: {answer_key!r} must be text or a number")
         text, messages = parse_prompt(row[prompt_key], where, prompt_key)
@@ -100,7 +108,9 @@ def split(
     val_problems: list[Problem] | None = None,
 ) -> tuple[list[Problem], list[Problem]]:
     """(train, validation): a second file's rows, a seeded random fraction, or else the first ``val_size``
-    rows. Validation keeps at most ``val_size`` problems."""
+    rows but never more than half of them (at least one), so a small dataset keeps rows to train on (the
+    shipped 40-row sample splits 20/20 under the default of 128). Validation keeps at most ``val_size``
+    problems."""
     if val_problems is not None:
         return problems, val_problems[:val_size]
     if val_fraction is not None:
@@ -110,10 +120,19 @@ def split(
         train = [p for i, p in enumerate(problems) if i not in held]
         val = [p for i, p in enumerate(problems) if i in held]
     else:
-        train, val = problems[val_size:], problems[:val_size]
+        count = min(val_size, max(1, len(problems) // 2))
+        if count < val_size:
+            log.warning(
+                "validation holds out %d of the %d rows, not val_size %d: at most half of them "
+                "(--val-fraction or --val-dataset choose otherwise)",
+                count,
+                len(problems),
+                val_size,
+            )
+        train, val = problems[count:], problems[:count]
     if not train:
         raise ValueError(
             f"{len(problems)} rows leave nothing to train on after {len(val)} for validation: "
-            "lower val_size (--val-size) or hold out a fraction (--val-fraction)"
+            "give more rows, a lower val_fraction (--val-fraction) or a val_dataset (--val-dataset)"
         )
     return train, val[:val_size]

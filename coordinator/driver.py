@@ -213,6 +213,7 @@ class Driver:
             "gen_weight_version": batch.version,
             "staleness": k - batch.version,
             "reward_mean": batch.info["reward_mean"],
+            "reward_timeouts": batch.info.get("reward_timeouts", 0),  # absent from older stored batches
             "token_mult_prob_error": m.token_mult_prob_error,
             "gen_kl_error": m.gen_kl_error,
             "is_weight_mean": m.is_weight_mean,

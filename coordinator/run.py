@@ -11,13 +11,13 @@ import sys
 import time
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from coordinator.config import CoordinatorConfig
 from fp8rl import models
-from fp8rl.config import config_hash
+from fp8rl.config import ConfigError, config_hash
 from fp8rl.credentials import (
     PASSWORD_IN_URL,
     has_password,
@@ -29,6 +29,9 @@ from fp8rl.credentials import (
 from fp8rl.run_secrets import security_for
 from fp8rl.security import SecurityConfig
 from trainer_service.config import TrainerConfig
+
+if TYPE_CHECKING:
+    from coordinator.tasks import Task
 
 
 def run_paths(config: CoordinatorConfig) -> tuple[str, Path]:
@@ -43,11 +46,19 @@ def start(config: CoordinatorConfig) -> int:
     if missing:
         print(f"coordinator: no such file: {'; '.join(missing)}", file=sys.stderr)
         return 2
+    from coordinator.tasks import build_task
+
+    try:
+        task = build_task(config)  # reads the dataset: a bad file, row or key stops here
+    except ConfigError as exc:
+        print(f"coordinator: {exc}", file=sys.stderr)
+        return 2
     run_id, run_dir = run_paths(config)
     run_dir.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         with ExitStack() as stack:
+            stack.callback(task.close)
             holder = lock_run_dir(run_dir, stack)
             if holder is not None:
                 print(
@@ -56,7 +67,7 @@ def start(config: CoordinatorConfig) -> int:
                     file=sys.stderr,
                 )
                 return 3
-            return supervise(config, run_id, run_dir)
+            return supervise(config, task, run_id, run_dir)
     except KeyboardInterrupt:
         print(f"coordinator: interrupted; resume with --run-id {run_id}", file=sys.stderr)
         return 130
@@ -99,7 +110,7 @@ def _interrupt(*_: object) -> None:
     raise KeyboardInterrupt
 
 
-def supervise(config: CoordinatorConfig, run_id: str, run_dir: Path) -> int:
+def supervise(config: CoordinatorConfig, task: Task, run_id: str, run_dir: Path) -> int:
     """Drive the run. Embedded, when a child process (redis-server, trainer, rollout) dies, the others are
     stopped and all three started again, and the run goes on from Redis' append-only file and the
     trainer's last checkpoint (the resume path of a rerun): at most ``max_restarts`` times, waiting 1, 2,
@@ -112,7 +123,7 @@ def supervise(config: CoordinatorConfig, run_id: str, run_dir: Path) -> int:
         watched: list[Child] = []
         with ExitStack() as stack:
             try:
-                return drive(config, run_id, run_dir, stack, watched, unrecorded)
+                return drive(config, task, run_id, run_dir, stack, watched, unrecorded)
             except Exception as exc:
                 dead = dying_children(watched) if config.embedded else []
                 if not (config.embedded and dead) or restarts >= config.max_restarts:
@@ -140,6 +151,7 @@ def dying_children(watched: list[Any], grace_s: float = 15.0) -> list[Any]:
 
 def drive(
     config: CoordinatorConfig,
+    task: Task,
     run_id: str,
     run_dir: Path,
     stack: ExitStack,
@@ -152,10 +164,8 @@ def drive(
     from coordinator.driver import Driver, TrainingRefused
     from coordinator.metrics import MetricsSink, summarize
     from coordinator.state import ConfigMismatch, LeaseLost, RunStore
-    from coordinator.tasks import build_task
     from fp8rl.registry import live_replicas
 
-    task = build_task(config)
     children: dict[str, int] = {}
     if config.embedded:
         redis_url, trainer_address, rollouts, security = launch_embedded(

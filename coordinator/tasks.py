@@ -4,31 +4,41 @@
   a chat question, for instruct models (SmolLM2-135M-Instruct).
 * ``dataset`` (alias ``jsonl``): records from JSON lines, parquet or an HF datasets directory
   (coordinator/datasets.py), with the prompt and answer under configurable keys; scored by
-  ``math-verify`` when installed, else by exact match after normalisation of the completion's final
-  answer (after GSM8K's ``####`` if it has one, else its first line). A prompt is text, or a
-  conversation (a list of {"role": ..., "content": ...}) that the replica renders with the model's chat
-  template.
+  ``math-verify`` when installed (in worker processes, bounded in time: coordinator/math_reward.py),
+  else by exact match after normalisation of the completion's final answer (after GSM8K's ``####`` if
+  it has one, else its first line). A prompt is text, or a conversation (a list of {"role": ...,
+  "content": ...}) that the replica renders with the model's chat template. Each epoch visits the
+  training rows in a seeded order, without replacement.
 * ``--reward module:function``: ``function(prompt, completion, answer) -> float`` replaces the reward.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import random
 import re
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
 from fp8rl import arith
+from fp8rl.config import ConfigError
 
 if TYPE_CHECKING:
     from coordinator.config import CoordinatorConfig
+    from coordinator.math_reward import MathVerifier
 
 RewardFn = Callable[[str, str, str], float]
 
 
 Messages = tuple[tuple[str, str], ...]  # (role, content) per turn
+
+
+class RewardTimeout(RuntimeError):
+    """A reward that could not be computed in time (its worker was killed): the batch scores it 0 and
+    counts it."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +70,7 @@ class Task(Protocol):
     def train_problems(self, step: int, count: int) -> list[Problem]: ...
     def val_problems(self) -> list[Problem]: ...
     def reward(self, problem: Problem, completion: str) -> float: ...
+    def close(self) -> None: ...
 
 
 def first_line(text: str) -> str:
@@ -89,6 +100,9 @@ class ArithTask:
     def reward(self, problem: Problem, completion: str) -> float:
         return 1.0 if first_line(completion) == problem.answer else 0.0
 
+    def close(self) -> None:
+        pass
+
 
 class ArithChatTask(ArithTask):
     """The arith sums as a chat ("What is 37 + 48?"), for instruct models: the model's chat template
@@ -116,20 +130,42 @@ def completion_answer(completion: str) -> str:
 
 
 class DatasetTask:
-    """Problems from a dataset; validation by count (the first ``val_size`` rows), fraction or file."""
+    """Problems from a dataset; validation by count (the first ``val_size`` rows), fraction or file.
+
+    Training visits the rows without replacement: epoch e is a permutation of them seeded by (seed, e),
+    and step k takes the next ``count`` rows of the sequence of epochs (rows k*count onwards), so a
+    resumed run draws the same prompts. A row that comes again within one step (the step spans an epoch
+    boundary, or ``count`` exceeds the rows) gets a distinct id: ``row-17#2``."""
 
     def __init__(self, train: list[Problem], val: list[Problem], seed: int) -> None:
         self._train, self._val, self.seed = train, val, seed
+        self._orders: dict[int, list[int]] = {}  # epoch -> permutation, the last two kept
         self._verify = _math_verify()
 
+    def _order(self, epoch: int) -> list[int]:
+        if epoch not in self._orders:
+            order = list(range(len(self._train)))
+            random.Random(f"jsonl:{self.seed}:epoch:{epoch}").shuffle(order)
+            self._orders = {e: o for e, o in self._orders.items() if e == epoch - 1} | {epoch: order}
+        return self._orders[epoch]
+
     def train_problems(self, step: int, count: int) -> list[Problem]:
-        rng = random.Random(f"jsonl:{self.seed}:train:{step}")
-        return [rng.choice(self._train) for _ in range(count)]
+        problems: list[Problem] = []
+        seen: dict[str, int] = {}  # row id -> times drawn in this step
+        for i in range(step * count, (step + 1) * count):
+            epoch, at = divmod(i, len(self._train))
+            problem = self._train[self._order(epoch)[at]]
+            seen[problem.id] = seen.get(problem.id, 0) + 1
+            if seen[problem.id] > 1:
+                problem = replace(problem, id=f"{problem.id}#{seen[problem.id]}")
+            problems.append(problem)
+        return problems
 
     def val_problems(self) -> list[Problem]:
         return self._val
 
     def reward(self, problem: Problem, completion: str) -> float:
+        """1.0 or 0.0; raises :class:`RewardTimeout` when math-verify does not answer in time."""
         if self._verify is not None:
             return self._verify(problem.answer, completion)
         return (
@@ -138,13 +174,18 @@ class DatasetTask:
             else 0.0
         )
 
+    def close(self) -> None:
+        if self._verify is not None:
+            self._verify.close()
 
-def _math_verify() -> Callable[[str, str], float] | None:
-    try:
-        from math_verify import parse, verify
-    except ImportError:
+
+def _math_verify() -> MathVerifier | None:
+    """math-verify's reward when it is installed (its workers start at the first reward), else None."""
+    if importlib.util.find_spec("math_verify") is None:
         return None
-    return lambda answer, completion: float(verify(parse(answer), parse(completion)))
+    from coordinator.math_reward import MathVerifier
+
+    return MathVerifier()
 
 
 class CustomReward:
@@ -162,18 +203,36 @@ class CustomReward:
     def reward(self, problem: Problem, completion: str) -> float:
         return float(self.fn(problem.prompt, completion, problem.answer))
 
+    def close(self) -> None:
+        self.task.close()
+
 
 def load_reward(spec: str) -> RewardFn:
     module, sep, name = spec.partition(":")
     if not sep:
         raise ValueError(f"reward {spec!r} is not of the form module:function")
-    fn = getattr(importlib.import_module(module), name, None)
+    try:
+        loaded = importlib.import_module(module)
+    except ImportError as exc:
+        raise ValueError(f"reward {spec!r}: cannot import {module}: {exc}") from None
+    fn = getattr(loaded, name, None)
     if not callable(fn):
         raise ValueError(f"reward {spec!r}: {module} has no function {name}")
     return fn
 
 
+@contextmanager
+def _field(name: str) -> Iterator[None]:
+    """A dataset or reward the config names but that cannot be used: a ConfigError naming the field."""
+    try:
+        yield
+    except (ValueError, OSError) as exc:
+        raise ConfigError(f"invalid config: {name}: {exc}") from None
+
+
 def build_task(config: CoordinatorConfig) -> Task:
+    """The run's task. Raises :class:`ConfigError` (one line, naming the field) for a dataset that cannot
+    be read or split, or a reward that cannot be loaded."""
     task: Task
     if config.task in ("arith", "arith-chat"):
         task = (ArithChatTask if config.task == "arith-chat" else ArithTask)(config.seed, config.val_size)
@@ -181,10 +240,16 @@ def build_task(config: CoordinatorConfig) -> Task:
         from coordinator.datasets import load_problems, split
 
         assert config.dataset is not None  # the config checked it
-        rows = load_problems(config.dataset, config.prompt_key, config.answer_key, "row")
+        with _field("dataset"):
+            rows = load_problems(config.dataset, config.prompt_key, config.answer_key, "row")
         held = None
         if config.val_dataset is not None:
-            held = load_problems(config.val_dataset, config.prompt_key, config.answer_key, "val")
-        train, val = split(rows, config.seed, config.val_size, config.val_fraction, held)
+            with _field("val_dataset"):
+                held = load_problems(config.val_dataset, config.prompt_key, config.answer_key, "val")
+        with _field("dataset"):
+            train, val = split(rows, config.seed, config.val_size, config.val_fraction, held)
         task = DatasetTask(train, val, config.seed)
-    return CustomReward(task, config.reward) if config.reward else task
+    if config.reward:
+        with _field("reward"):
+            return CustomReward(task, config.reward)
+    return task

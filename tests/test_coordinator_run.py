@@ -94,6 +94,12 @@ def test_bad_config_fails_before_any_process_starts(tmp_path: Path) -> None:
         (["--set", "learner.optimizer.lr=-1"], "learner.optimizer.lr"),  # the trainer's part, checked here
         (["--set", "learner.loss.advantage_norm=median"], "learner.loss.advantage_norm"),
         (["--set", "learner.micro_batch=4"], "learner.micro_batch"),
+        (
+            ["--task", "dataset", "--dataset", "/nonexistent.jsonl"],
+            "dataset /nonexistent.jsonl does not exist",
+        ),
+        (["--task", "dataset", "--dataset", "gsm8k-sample"], "dataset: "),  # its prompts are under question
+        (["--dataset", "gsm8k-sample", "--prompt-key", "question"], "task dataset"),  # not silently arith
     ):
         run_dir = tmp_path / "bad"
         start = time.monotonic()

@@ -1,16 +1,18 @@
 """The dataset task: JSON lines, parquet and HF datasets directories load the same problems, split by
-count, fraction or second file, and a malformed record is refused naming the file, row and key."""
+count, fraction or second file; training draws rows without replacement, epoch by epoch; a malformed
+record, or a dataset that cannot be split, is one config error naming the field, file, row and key."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from coordinator.config import CoordinatorConfig
 from coordinator.datasets import final_answer, load_problems, records, split
-from coordinator.tasks import DatasetTask, build_task
+from coordinator.tasks import DatasetTask, Problem, build_task
 from fp8rl.config import ConfigError, load_config
 from fp8rl.data import GSM8K_SAMPLE
 
@@ -62,8 +64,11 @@ def test_splits_by_count_fraction_and_second_file() -> None:
     assert split(problems, seed=1, val_size=100, val_fraction=0.25)[1] != val
     other = problems[:5]
     assert split(problems, seed=0, val_size=3, val_problems=other) == (problems, other[:3])
-    with pytest.raises(ValueError, match="nothing to train on"):
-        split(problems[:4], seed=0, val_size=8)
+    # By count, validation never takes more than half the rows: the sample's default splits 20/20.
+    assert split(problems, seed=0, val_size=128) == (problems[20:], problems[:20])
+    assert split(problems[:5], seed=0, val_size=8) == (problems[2:5], problems[:2])
+    with pytest.raises(ValueError, match="1 rows leave nothing to train on"):
+        split(problems[:1], seed=0, val_size=8)
 
 
 @pytest.mark.parametrize(
@@ -138,9 +143,89 @@ def test_rewards_with_and_without_math_verify(verifier: str, monkeypatch: pytest
         dotted=["task=dataset", "dataset=gsm8k-sample", "prompt_key=question", "val_size=4"],
     )
     task = build_task(config)
-    assert (task._verify is None) == (verifier == "fallback")  # type: ignore[attr-defined]
-    problem = task.val_problems()[0]
-    right = f"Adding it up step by step.\n#### {problem.answer}"
-    wrong = f"Adding it up step by step.\n#### {int(problem.answer) + 1}"
-    assert task.reward(problem, right) == 1.0 and task.reward(problem, wrong) == 0.0
-    assert task.reward(problem, f"{problem.answer}\nmore text") == 1.0
+    try:
+        assert (task._verify is None) == (verifier == "fallback")  # type: ignore[attr-defined]
+        problem = task.val_problems()[0]
+        right = f"Adding it up step by step.\n#### {problem.answer}"
+        wrong = f"Adding it up step by step.\n#### {int(problem.answer) + 1}"
+        assert task.reward(problem, right) == 1.0 and task.reward(problem, wrong) == 0.0
+        assert task.reward(problem, f"{problem.answer}\nmore text") == 1.0
+    finally:
+        task.close()
+
+
+def test_training_draws_rows_without_replacement_epoch_by_epoch() -> None:
+    rows = [Problem(f"row-{i}", f"q{i}", str(i)) for i in range(2000)]
+    task = DatasetTask(rows, rows[:1], seed=7)
+    # 32 of 2000 rows, with replacement, repeated a row in ~22% of steps (a duplicate prompt id: the
+    # replica refused the request). Without: each epoch visits every row once, in a seeded order.
+    steps = [task.train_problems(k, 32) for k in range(250)]  # 8000 draws: four epochs
+    for k, step in enumerate(steps):
+        assert len({p.id for p in step}) == 32, f"step {k} repeats an id"
+    drawn = [p for step in steps for p in step]
+    for epoch in range(4):
+        assert sorted(p.id for p in drawn[epoch * 2000 : (epoch + 1) * 2000]) == sorted(r.id for r in rows)
+    assert [p.id for p in drawn[:2000]] != [p.id for p in drawn[2000:4000]]  # a fresh order per epoch
+    # Deterministic from seed and step alone: a resumed run (a fresh task) draws the same prompts.
+    assert DatasetTask(rows, rows[:1], seed=7).train_problems(123, 32) == steps[123]
+    assert DatasetTask(rows, rows[:1], seed=8).train_problems(123, 32) != steps[123]
+    # A step spanning an epoch boundary may draw a row twice (count 16 of 20 rows: rows 16-31 of the
+    # sequence); asking for more rows than there are draws some several times. Each copy has its own id.
+    for count, total in ((16, 20), (50, 20), (5, 1)):
+        few = DatasetTask(rows[:total], rows[:1], seed=0)
+        for k in range(6):
+            problems = few.train_problems(k, count)
+            assert len(problems) == count and len({p.id for p in problems}) == count
+            assert {p.id.split("#")[0] for p in problems} <= {r.id for r in rows[:total]}
+    copies = [p for p in DatasetTask(rows[:20], rows[:1], seed=0).train_problems(0, 50) if "#" in p.id]
+    assert len(copies) == 30 and {p.id.rsplit("#", 1)[1] for p in copies} == {"2", "3"}
+    original = {r.id: r for r in rows}
+    assert all(replace(p, id=p.id.split("#")[0]) == original[p.id.split("#")[0]] for p in copies)
+
+
+def write_jsonl(path: Path, rows: list[object]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_a_dataset_the_run_cannot_use_is_one_config_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from coordinator.run import start
+
+    one_row = write_jsonl(tmp_path / "one.jsonl", [{"prompt": "1+1=", "answer": "2"}])
+    bad_row = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2="}])
+    good = write_jsonl(tmp_path / "ok.jsonl", [{"prompt": "a", "answer": "1"}] * 4)
+    (tmp_path / "torn.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": \n')
+    (tmp_path / "not-a-dataset").mkdir()
+    for settings, message in (
+        (
+            ["dataset=gsm8k-sample"],
+            r"dataset: .*gsm8k_sample.jsonl: row 1: no 'prompt' key \(keys: answer, "
+            r"question\); --prompt-key names the one to use$",
+        ),
+        ([f"dataset={one_row}"], r"dataset: 1 rows leave nothing to train on after 1 for validation"),
+        ([f"dataset={one_row}", "val_fraction=0.5"], r"dataset: 1 rows leave nothing to train on"),
+        ([f"dataset={bad_row}"], rf"dataset: {bad_row}: row 2: no 'answer' key"),
+        ([f"dataset={tmp_path / 'torn.jsonl'}"], r"dataset: .*torn.jsonl: row 2: invalid JSON"),
+        ([f"dataset={tmp_path / 'not-a-dataset'}"], r"dataset: .*not-a-dataset: cannot read as a datasets"),
+        (
+            [f"dataset={good}", f"val_dataset={bad_row}"],
+            r"val_dataset: .*row 2: no 'answer'",
+        ),
+        (
+            [
+                f"dataset={write_jsonl(tmp_path / 'ok.jsonl', [{'prompt': 'a', 'answer': '1'}] * 4)}",
+                "reward=no_such_module:score",
+            ],
+            r"reward: reward 'no_such_module:score': cannot import",
+        ),
+    ):
+        config = load_config(CoordinatorConfig, dotted=["task=dataset", *settings])
+        with pytest.raises(ConfigError, match=rf"^invalid config: {message}") as caught:
+            build_task(config)
+        assert "\n" not in str(caught.value)
+        run_dir = tmp_path / "run"
+        assert start(config.model_copy(update={"run_dir": run_dir})) == 2  # before anything starts
+        err = capsys.readouterr().err
+        assert err == f"coordinator: {caught.value}\n" and not run_dir.exists()

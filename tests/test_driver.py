@@ -19,7 +19,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.driver import Driver, TrainingRefused
 from coordinator.metrics import MetricsSink
 from coordinator.state import RunState, RunStore
-from coordinator.tasks import ArithTask
+from coordinator.tasks import ArithTask, Problem, RewardTimeout, Task
 from fp8rl.config import config_hash
 from fp8rl.v1 import common_pb2, rollout_pb2, trainer_pb2
 from tests.support import redis_server
@@ -167,10 +167,10 @@ class Run:
         self.config = CoordinatorConfig(**{**defaults, **config, "progress": "plain"})  # type: ignore[arg-type]
         self.store.init_config(self.config.identity(), config_hash(self.config))
 
-    def drive(self, **changes: object) -> list[dict]:
+    def drive(self, task: Task | None = None, **changes: object) -> list[dict]:
         config = self.config.model_copy(update=changes)
         sink = MetricsSink(self.run_dir, config.steps, "plain")
-        task = ArithTask(config.seed, config.val_size)
+        task = task or ArithTask(config.seed, config.val_size)
         return Driver(config, self.id, self.store, self.trainer, self.pool, task, sink).run()  # type: ignore[arg-type]
 
     def put_batch(self, step: int, version: int, reward: float) -> None:
@@ -188,6 +188,25 @@ class Run:
 
     def events(self, kind: str) -> list[str]:
         return [e["detail"] for e in self.store.events() if e["kind"] == kind]
+
+
+class TimingOut(ArithTask):
+    """Rewards that time out on the completions "1" (half of FakePool's), as math-verify's do past their
+    deadline (coordinator/math_reward.py); the others score 1."""
+
+    def reward(self, problem: Problem, completion: str) -> float:
+        if completion == "1":
+            raise RewardTimeout("math-verify worker (pid 1) did not answer in 5.0 s")
+        return 1.0
+
+
+def test_a_reward_that_times_out_scores_0_and_is_counted(client: redis.Redis, tmp_path: Path) -> None:
+    run = Run(client, tmp_path, steps=2)
+    records = run.drive(task=TimingOut(seed=0))
+    assert run.trainer.trained == [0, 1]  # the run goes on
+    assert [r["reward_timeouts"] for r in records[1:]] == [2, 2]  # of 2 prompts x 2 samples
+    assert [r["reward_mean"] for r in records[1:]] == [0.5, 0.5]
+    assert run.events("reward-timeout") == [f"2 of 4 rewards of step {k} timed out (0)" for k in (0, 1)]
 
 
 def test_a_run_trains_each_step_once_publishes_deltas_and_validates(
