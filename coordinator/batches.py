@@ -98,6 +98,7 @@ class BatchMaker:
         completions = self._complete(problems, self.config.group_size, self.sampling, version, replicas)
         generate_s = time.perf_counter() - start
         rewards, timeouts = self._rewards_of(problems, completions)
+        score_s = time.perf_counter() - start - generate_s
         if timeouts:
             self.store.event(
                 "reward-timeout", f"{timeouts} of {len(rewards)} rewards of step {step} timed out (0)", step
@@ -118,6 +119,7 @@ class BatchMaker:
         )
         info = {
             "generate_s": generate_s,
+            "score_s": score_s,
             "rollout_tokens": tokens,
             "rollout_tokens_per_s": tokens / max(generate_s, 1e-9),
             "reward_mean": sum(rewards) / len(rewards),

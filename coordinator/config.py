@@ -158,7 +158,7 @@ class CoordinatorConfig(BaseModel):
             raise ValueError(
                 f"task {self.task} needs dataset (a .jsonl or .parquet file, or a datasets directory)"
             )
-        if self.task == "arith" and (self.dataset or self.val_dataset or self.val_fraction):
+        if self.task not in ("dataset", "jsonl") and (self.dataset or self.val_dataset or self.val_fraction):
             raise ValueError("dataset, val_dataset and val_fraction are for task dataset (--task dataset)")
         for path in (self.dataset, self.val_dataset):
             if path is not None and not path.exists():

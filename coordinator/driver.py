@@ -230,6 +230,7 @@ class Driver:
             "ppo_clipped_fraction": m.ppo_clipped_fraction,
             "train_tokens_per_s": m.tokens_per_s,
             "generate_s": batch.info["generate_s"],
+            "score_s": batch.info.get("score_s", 0.0),  # (a batch stored before this field: not timed)
             "rollout_tokens_per_s": batch.info["rollout_tokens_per_s"],
             "rollout_tokens": batch.info["rollout_tokens"],
             "train_s": train_s,
