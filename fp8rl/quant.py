@@ -19,7 +19,8 @@ vLLM's pow2 rounding here is its register kernel's exact one (bf16/fp16 input, g
 Hopper path); its shared-memory kernel computes ``exp2f(ceilf(log2f(s)))``, which can round down when
 ``s`` lies a few ulps above a power of two.
 
-Pure torch: nothing here does I/O, so the rollout, the trainer and the tests share it unchanged.
+Pure torch: nothing here does I/O, so the rollout, the trainer and the tests share it unchanged, and it
+imports nothing but torch (the GPU proof, scripts/gpu_proof.py, runs it on a host with torch alone).
 """
 
 from __future__ import annotations
@@ -27,11 +28,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterator
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
-from fp8rl.recipes import SCALE_FORMATS, ScaleFormat
+ScaleFormat = Literal["fp32", "pow2"]
+"""FP8 scales as any float32 (the study's) or as powers of two (UE8M0)."""
+SCALE_FORMATS: tuple[ScaleFormat, ...] = get_args(ScaleFormat)
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from fp8rl import quant
-from fp8rl.recipes import ScaleFormat
+from fp8rl.quant import ScaleFormat
 
 Backend = Literal["emulated", "te"]
 
