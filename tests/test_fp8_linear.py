@@ -156,14 +156,16 @@ def test_te_backend_matches_the_emulation(gen: torch.Generator) -> None:
 @pytest.mark.gpu
 def test_te_recipe_has_fp32_scales_whatever_the_environment_said() -> None:
     """TE reads NVTE_FP8_BLOCK_SCALING_FP32_SCALES only at import: the recipe object itself must say
-    FP32 scales (power_2_scale False, no amax epsilon) for inputs, weights and gradients."""
+    FP32 scales (power_2_scale False, no amax epsilon) for inputs, weights and gradients; under pow2
+    the weights' amax is floored at vLLM's 1e-4."""
     pytest.importorskip("transformer_engine.pytorch")
     from trainer_service.fp8_linear import QUANTIZERS, block_scaling_recipe
 
     for pow2 in (False, True):
         recipe = block_scaling_recipe(pow2)
         for name in QUANTIZERS:
-            assert getattr(recipe, name).power_2_scale is pow2 and getattr(recipe, name).amax_epsilon == 0.0
+            floor = 1e-4 if pow2 and name == "fp8_quant_fwd_weight" else 0.0
+            assert getattr(recipe, name).power_2_scale is pow2 and getattr(recipe, name).amax_epsilon == floor
     recipe = block_scaling_recipe()
     assert (recipe.x_block_scaling_dim, recipe.w_block_scaling_dim, recipe.grad_block_scaling_dim) == (
         1,

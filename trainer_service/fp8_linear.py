@@ -175,17 +175,26 @@ def block_scaling_recipe(power_2_scales: bool = False) -> Any:
 
     TE reads ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES`` once, into class defaults, when its recipe module is
     imported; setting the variable any later changes nothing, so the quantizer parameters are replaced
-    here and checked on the object in force.
+    here and checked on the object in force. Under pow2 the weight quantizer floors the amax at vLLM's
+    re-quantization floor (:func:`amax_epsilon`), so the trainer computes with the values vLLM holds.
     """
     from transformer_engine.common.recipe import Float8BlockScaling, QParams
 
+    scale_format: ScaleFormat = "pow2" if power_2_scales else "fp32"
     recipe = Float8BlockScaling()
     for name in QUANTIZERS:
-        setattr(recipe, name, QParams(power_2_scale=power_2_scales, amax_epsilon=0.0))
+        epsilon = amax_epsilon(2 if name == "fp8_quant_fwd_weight" else 1, scale_format)
+        setattr(recipe, name, QParams(power_2_scale=power_2_scales, amax_epsilon=epsilon))
     in_force = {name: getattr(recipe, name).power_2_scale for name in QUANTIZERS}
     if set(in_force.values()) != {power_2_scales}:
         raise RuntimeError(f"Transformer Engine kept other scale formats than asked: {in_force}")
     return recipe
+
+
+def amax_epsilon(block_scaling_dim: int, scale_format: ScaleFormat) -> float:
+    """The amax floor of TE's quantizer for 1x128 (1) or 128x128 (2) tiles: fp8rl.quant's, i.e. none,
+    save for pow2 weights (:data:`fp8rl.quant.DEEPGEMM_AMAX_FLOOR`)."""
+    return quant.DEEPGEMM_AMAX_FLOOR if block_scaling_dim == 2 and scale_format == "pow2" else 0.0
 
 
 def te_quantizer(block_scaling_dim: int, rowwise: bool, scale_format: ScaleFormat) -> Any:
@@ -199,7 +208,7 @@ def te_quantizer(block_scaling_dim: int, rowwise: bool, scale_format: ScaleForma
         tex.DType.kFloat8E4M3,
         rowwise=rowwise,
         columnwise=not rowwise,
-        amax_epsilon=0.0,
+        amax_epsilon=amax_epsilon(block_scaling_dim, scale_format),
         force_pow_2_scales=scale_format == "pow2",
         block_scaling_dim=block_scaling_dim,
     )
