@@ -44,7 +44,9 @@ def run_torch_only(code: str, timeout: float = 120) -> subprocess.CompletedProce
     )
 
 
-@pytest.mark.parametrize("module", ["fp8rl.quant", "trainer_service.fp8_linear", "tests.vllm_reference"])
+@pytest.mark.parametrize(
+    "module", ["fp8rl.quant", "fp8rl.accumulation", "trainer_service.fp8_linear", "tests.vllm_reference"]
+)
 def test_imports_with_torch_alone(module: str) -> None:
     done = run_torch_only(f"import {module}\n")
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
