@@ -62,6 +62,42 @@ def test_each_gemm_quantizes_as_transformer_engine(scale_format: str, gen: torch
         assert (rowwise - columnwise).norm() > 0.02 * columnwise.norm()
 
 
+def test_scales_apply_in_float32_and_the_output_rounds_once(gen: torch.Generator) -> None:
+    """As TE's GEMMs do (FP32 scales applied to an FP32 accumulator, the output cast once), the emulation
+    multiplies the dequantized operands in float32 under bf16 autocast: casting them to bf16 first, as it
+    did, rounds every value a second time (fp32 scales make them 4 + 24 bit products)."""
+    x = torch.randn(64, 384, generator=gen, requires_grad=True)
+    w = (torch.randn(256, 384, generator=gen) * 0.05).requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = fp8_linear(x, w)
+    dy = torch.randn(64, 256, generator=gen).bfloat16()
+    y.backward(dy)
+    xq, wq = quant.fake_quantize_activation(x.detach()), quant.fake_quantize_weight(w.detach())
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y, (xq @ wq.t()).bfloat16())
+    assert not torch.equal(y, (xq.bfloat16().float() @ wq.bfloat16().float().t()).bfloat16())
+    assert torch.equal(x.grad, (quant.fake_quantize_activation(dy.float()) @ wq).bfloat16().float())
+    dw = quant.fake_quantize_columnwise(dy.float()).t() @ quant.fake_quantize_columnwise(x.detach())
+    assert w.grad.dtype == torch.float32 and torch.equal(w.grad, dw)
+
+
+def test_wgrad_groups_follow_the_token_layout(gen: torch.Generator) -> None:
+    """wgrad quantizes 128 consecutive tokens of the flattened batch per feature, padding included (TE
+    sees the padded batch): the same sequences padded to 16 positions, as the learner pads for TE and for
+    the emulation, give another dW than unpadded, although the padding's dY is zero."""
+    x = torch.randn(8, 23, 256, generator=gen) * 10.0 ** torch.randint(-2, 3, (8, 23, 1), generator=gen)
+    dy = torch.randn(8, 23, 128, generator=gen) * 10.0 ** torch.randint(-2, 3, (8, 23, 1), generator=gen)
+    w = torch.randn(128, 256, generator=gen) * 0.05
+    grads = []
+    for length in (23, 32):  # 184 tokens in two groups, 6 sequences in the first; or 256, 4 in each
+        xp = torch.cat([x, torch.randn(8, length - 23, 256, generator=gen)], 1).requires_grad_()
+        wp = w.clone().requires_grad_()
+        fp8_linear(xp, wp).backward(torch.cat([dy, torch.zeros(8, length - 23, 128)], 1))
+        grads.append(wp.grad)
+    assert not torch.equal(grads[0], grads[1])
+    assert (grads[0] - grads[1]).norm() < 0.1 * grads[0].norm()  # (both FP8 estimates of one dW)
+
+
 def test_dgrad_equals_autograd_of_the_fake_quant_graph(gen: torch.Generator) -> None:
     """Autograd through fq(x), fq(w) with straight-through quantizers and dY quantized by a hook."""
     x = torch.randn(4, 256, generator=gen, dtype=torch.float64)

@@ -112,8 +112,10 @@ class Learner:
             self.backend = resolve_backend(config.fp8_backend)
             convert_linears(self.model, self.backend, recipe.scale_format)
         # Transformer Engine's FP8 GEMMs need the flattened token count to be a multiple of 8 (16 to be
-        # safe): with `te`, sequences are padded to 16 positions (masked: nothing sees the padding).
-        self.token_multiple = TE_TOKEN_MULTIPLE if self.backend == "te" else 1
+        # safe): sequences are padded to 16 positions (masked: nothing sees the padding), under `te` and
+        # under `emulated` alike, whose wgrad then quantizes the same 128 consecutive tokens per feature
+        # as TE's (the padding's activations are in those groups: they share its amax).
+        self.token_multiple = TE_TOKEN_MULTIPLE if self.backend is not None else 1
         self.kv_cache: KVCache | None = None  # under a -kv recipe: the rollout's FP8 attention, emulated
         if recipe.kv_cache_dtype == "fp8":
             self.kv_cache = KVCache(
