@@ -36,13 +36,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterator
-from typing import Literal, get_args
+from typing import Literal
 
 import torch
 
-ScaleFormat = Literal["fp32", "pow2"]
-"""FP8 scales as any float32 (the study's) or as powers of two (UE8M0)."""
-SCALE_FORMATS: tuple[ScaleFormat, ...] = get_args(ScaleFormat)
+from fp8rl.formats import SCALE_FORMATS as SCALE_FORMATS
+from fp8rl.formats import ScaleFormat as ScaleFormat
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
