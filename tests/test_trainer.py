@@ -27,6 +27,8 @@ def trainer(tiny_model_dir_f32: Path) -> Iterator[tuple[TrainerService, trainer_
         model=tiny_model_dir_f32,
         recipe="fp8",
         compute_dtype="float32",
+        device="cpu",
+        fp8_backend="emulated",
         port=0,
         micro_batch_size=3,
         optimizer={"lr": 1e-3},

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import torch
 
 from fp8rl import grpo, quant
+from fp8rl.devices import resolve_device
 from fp8rl.errors import PreconditionFailed
 from fp8rl.logprobs import token_logprobs
 from fp8rl.recipes import ImportanceSampling, Recipe
@@ -101,15 +102,15 @@ class Learner:
 
         torch.manual_seed(config.seed)
         self.config, self.recipe, self.ranks = config, recipe, ranks
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        if ranks is not None and torch.cuda.is_available():
+        self.device = torch.device(resolve_device(config.device))
+        if ranks is not None and self.device.type == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())
         model: Any = AutoModelForCausalLM.from_pretrained(config.model, dtype=torch.float32)
         self.model = model.to(self.device)
         self.model.train()
         self.backend: Backend | None = None
         if recipe.train_linears == "fp8":
-            self.backend = resolve_backend(config.fp8_backend)
+            self.backend = resolve_backend(config.fp8_backend, cuda=self.device.type == "cuda")
             convert_linears(self.model, self.backend, recipe.scale_format)
         # Transformer Engine's FP8 GEMMs need the flattened token count to be a multiple of 8 (16 to be
         # safe): sequences are padded to 16 positions (masked: nothing sees the padding), under `te` and
