@@ -28,10 +28,24 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA device (run scripts/gpu_checks.sh on a CUDA host)")
+    skip = pytest.mark.skip(reason="needs a CUDA device (on a CUDA host: docs/gpu.md)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+REQUIRE_TE = "FP8RL_REQUIRE_TE"
+
+
+@pytest.fixture
+def transformer_engine() -> Any:
+    """``transformer_engine.pytorch``: the test skips without it, unless ``$FP8RL_REQUIRE_TE`` is 1
+    (scripts/gpu_checks.sh proving TE), where a missing or broken Transformer Engine fails it."""
+    if os.environ.get(REQUIRE_TE) == "1":
+        import transformer_engine.pytorch as te
+
+        return te
+    return pytest.importorskip("transformer_engine.pytorch")
 
 
 @pytest.fixture

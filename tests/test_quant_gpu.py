@@ -76,11 +76,10 @@ def test_scaled_mm_over_our_codes_matches_float64(gen: torch.Generator) -> None:
 
 @pytest.mark.parametrize("scale_format", ["fp32", "pow2"])
 def test_transformer_engine_quantizers_give_the_emulations_values(
-    scale_format: quant.ScaleFormat, gen: torch.Generator
+    scale_format: quant.ScaleFormat, gen: torch.Generator, transformer_engine: object
 ) -> None:
     """TE's own Float8BlockQuantizer (1x128 rowwise, 1x128 columnwise, 128x128) against fp8rl.quant in
     TE's arithmetic, value for value."""
-    pytest.importorskip("transformer_engine.pytorch")
     from trainer_service.fp8_linear import te_quantizer
 
     x = (torch.randn(256, 384, generator=gen) * 10.0 ** torch.randint(-3, 4, (256, 1), generator=gen)).cuda()
