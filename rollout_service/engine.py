@@ -8,7 +8,8 @@ checkpoints: on CUDA through vLLM's own ``fp8`` method (the bf16 checkpoint is c
 On CUDA the recipe's scale format is also vLLM's: ``VLLM_USE_DEEP_GEMM_E8M0`` is 1 for ``pow2`` (DeepGEMM's
 power-of-two scales) and 0 for ``fp32``, and ``VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER`` is 0, because
 FlashInfer's block-scale GEMM quantizes small batches (M < 32) itself, so codes would depend on the batch
-size. Both are set before vLLM is imported; a conflicting value already in the environment is an error.
+size. Both are set before the engine imports vLLM (which reads them lazily, when the engine is built, in any
+case); a conflicting value already in the environment is an error.
 """
 
 from __future__ import annotations
@@ -194,6 +195,8 @@ class VllmEngine:
             # on a CPU without AVX2 (or under ATEN_CPU_CAPABILITY=default) run it eagerly.
             os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # worker processes, if any
             torch._dynamo.config.disable = True
+        if recipe.fp8_rollout and self.device == "cuda":  # (before vllm_fp8 below imports vLLM)
+            pin_vllm_fp8_environment(recipe.scale_format)
         from rollout_service.vllm_fp8 import NAME, quantization_config, register
 
         register()
@@ -206,7 +209,6 @@ class VllmEngine:
         kv_cache_dtype = recipe.kv_cache_dtype
         if recipe.fp8_rollout:
             if self.device == "cuda":
-                pin_vllm_fp8_environment(recipe.scale_format)
                 model_dir = str(fp8_checkpoint(config.model, recipe.scale_format))
             else:  # FP8 GEMMs, and an FP8 KV cache, emulated (rollout_service/vllm_fp8.py)
                 quantization = NAME

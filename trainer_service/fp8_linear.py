@@ -241,6 +241,6 @@ def fp8_context(
     import transformer_engine.pytorch as te
 
     recipe = block_scaling_recipe(power_2_scales=scale_format == "pow2")
-    if hasattr(te, "autocast"):  # TE >= 2.8; fp8_autocast is deprecated there
+    if hasattr(te, "autocast"):  # TE >= 2.9; fp8_autocast is deprecated there
         return te.autocast(enabled=True, recipe=recipe)
     return te.fp8_autocast(enabled=True, fp8_recipe=recipe)
