@@ -260,9 +260,9 @@ def as_sets(values: dict[str, Any]) -> list[str]:
 def resolve_dtype(requested: str) -> str:
     if requested != "auto":
         return requested
-    import torch
+    from fp8rl.devices import resolve_device
 
-    return "bfloat16" if torch.cuda.is_available() else "float32"
+    return "bfloat16" if resolve_device() == "cuda" else "float32"
 
 
 def embedded_trainer(config: CoordinatorConfig, model: Path, dtype: str, run_dir: Path) -> TrainerConfig:

@@ -19,7 +19,16 @@ vLLM's pow2 rounding here is its register kernel's exact one (bf16/fp16 input, g
 Hopper path); its shared-memory kernel computes ``exp2f(ceilf(log2f(s)))``, which can round down when
 ``s`` lies a few ulps above a power of two.
 
-Pure torch: nothing here does I/O, so the rollout, the trainer and the tests share it unchanged.
+Under ``pow2`` vLLM also re-quantizes every block-FP8 weight it loads (DeepGEMM's E8M0 mode, at load and
+at every refit: ``requant_weight_ue8m0_inplace`` -> ``per_block_cast_to_fp8``, ``sf =
+2^ceil(log2(max(amax, 1e-4) / 448))`` from the dequantized block). The pow2 weight codes here are that
+re-quantization's fixed point, so vLLM holds exactly the bytes shipped: the block amax is floored at
+1e-4 (TE's ``amax_epsilon`` on the weight quantizer, :data:`DEEPGEMM_AMAX_FLOOR`), and a block whose
+largest code rounds to 224 (``amax * scale`` in (224, 232]) is shipped with doubled codes and half the
+scale, which are the same values.
+
+Pure torch: nothing here does I/O, so the rollout, the trainer and the tests share it unchanged, and it
+imports nothing but torch (the GPU proof, scripts/gpu_proof.py, runs it on a host with torch alone).
 """
 
 from __future__ import annotations
@@ -31,7 +40,8 @@ from typing import Literal
 
 import torch
 
-from fp8rl.recipes import SCALE_FORMATS, ScaleFormat
+from fp8rl.formats import SCALE_FORMATS as SCALE_FORMATS
+from fp8rl.formats import ScaleFormat as ScaleFormat
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -39,10 +49,14 @@ WEIGHT_BLOCK = (128, 128)
 ACTIVATION_GROUP = 128
 VLLM_AMAX_FLOOR = 1e-10
 """The amax floor (``eps``) of vLLM's per-token-group quantizer."""
+DEEPGEMM_AMAX_FLOOR = 1e-4
+"""The amax floor of vLLM's re-quantization of block-FP8 weights to power-of-two scales (DeepGEMM's
+``per_block_cast_to_fp8``); pow2 weights are quantized with it (in TE: the weight quantizer's
+``amax_epsilon``)."""
 
 Arithmetic = Literal["te", "vllm"]
 
-CONTRACT_VERSION = "2"
+CONTRACT_VERSION = "3"
 """Changes whenever the codes of a given weight change (a cached FP8 checkpoint must then be remade)."""
 
 
@@ -162,15 +176,33 @@ def quantize_blockwise(
 
     Returns ``q`` (float8_e4m3fn, shape [N, K]) and ``scale_inv`` (float32, shape
     [ceil(N/bn), ceil(K/bk)]). Edge blocks are the partial blocks at the border; padding never
-    changes an amax because it is zero. These are the codes the trainer computes with and ships.
+    changes an amax because it is zero. These are the values the trainer computes with and the codes
+    it ships; under ``pow2`` the amax is floored at :data:`DEEPGEMM_AMAX_FLOOR` and the codes are vLLM's
+    fixed point (see the module's docstring).
     """
     if w.ndim != 2:
         raise ValueError(f"quantize_blockwise expects a 2-D tensor, got shape {tuple(w.shape)}")
     blocks = _as_blocks(w, block)
     amax = blocks.abs().amax(dim=(1, 3), keepdim=True)
     _check_finite(amax, "weight")
+    if scale_format == "pow2":
+        amax = amax.clamp(min=DEEPGEMM_AMAX_FLOOR)
     q, scale_inv = _codes_and_scale_inv(blocks, amax, scale_format, "te")
+    if scale_format == "pow2":
+        q, scale_inv = _deepgemm_fixed_point(q, scale_inv)
     return _from_blocks(q, w.shape).contiguous(), scale_inv[:, 0, :, 0].contiguous()
+
+
+def _deepgemm_fixed_point(q: torch.Tensor, scale_inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks of pow2 codes [nb, bn, kb, bk] and their scale_inv [nb, 1, kb, 1] as vLLM re-quantizes
+    them: ``2^ceil(log2(max(top, 1e-4) / 448))`` from the largest dequantized value ``top``. From codes
+    made with the floored amax this is ``scale_inv`` itself, or half of it where the largest code is 224
+    (the codes then double: exact, the same values)."""
+    codes = q.float()
+    top = codes.abs().amax(dim=(1, 3), keepdim=True) * scale_inv  # (exact: scale_inv is a power of two)
+    floored = top.clamp(min=DEEPGEMM_AMAX_FLOOR)
+    held = round_up_pow2(floored / torch.full_like(floored, FP8_MAX))
+    return _cast(codes * (scale_inv / held)), held
 
 
 def dequantize_blockwise(

@@ -17,9 +17,9 @@ from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-ScaleFormat = Literal["fp32", "pow2"]
-"""FP8 scales as any float32 (the study's) or as powers of two (UE8M0); see fp8rl.quant."""
-SCALE_FORMATS: tuple[ScaleFormat, ...] = get_args(ScaleFormat)
+# (Defined below both this module and fp8rl.quant, which imports torch alone; re-exported here.)
+from fp8rl.formats import SCALE_FORMATS as SCALE_FORMATS
+from fp8rl.formats import ScaleFormat as ScaleFormat
 
 WeightFormat = Literal["bf16", "fp8-block128", "fp8-block128-pow2"]
 """How a rollout holds its weights: bf16 tensors, or FP8 E4M3 128x128 blocks with FP32 (or power-of-two)

@@ -37,7 +37,10 @@ def main(argv: list[str] | None = None) -> None:
             file=sys.stderr,
         )
         sys.exit(2)
-    reason = unsupported_reason(config, Platform.here())
+    try:
+        reason = unsupported_reason(config, Platform.here(config.device))
+    except ValueError as exc:  # (device cuda where torch sees none)
+        reason = str(exc)
     if reason:
         print(f"rollout-service: {reason}", file=sys.stderr)
         sys.exit(2)

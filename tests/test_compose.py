@@ -85,6 +85,36 @@ def test_dockerfiles_install_what_make_setup_installs() -> None:
             assert "-c /tmp/image-constraints.txt" in text and "torch==" in text, dockerfile
 
 
+def test_the_trainer_image_lifts_ngcs_grpc_and_protobuf_pins_and_no_other() -> None:
+    """NGC's /etc/pip/constraint.txt (25.03 on) may pin grpcio and protobuf below the project's needs: the
+    trainer image's build removes those lines, keeps the rest in force through PIP_CONSTRAINT, and adds
+    torch and TE at the image's versions. The pattern it removes them with, run by grep here."""
+    text = (ROOT / "Dockerfile.trainer-gpu").read_text()
+    assert "PIP_CONSTRAINT=/tmp/image-constraints.txt pip install" in text
+    lifted = re.search(r"lifted='([^']+)'", text).group(1)  # type: ignore[union-attr]
+    image_list = [
+        "grpcio==1.62.1",
+        "grpcio-tools==1.62.1",
+        "grpcio_status == 1.62.1",
+        "GRPCIO-health-checking>=1.60",
+        "protobuf==4.24.4",
+        "protobuf",
+        "torch==2.9.0a0+50eac811a6.nv25.9",
+        "tensorboard==2.16.2",
+        "protobuf3-to-dict==0.1.5",
+        "grpcioxyz==1.0",
+        "numpy==1.26.4",
+    ]
+    kept = subprocess.run(
+        ["grep", "-viE", lifted],
+        input="\n".join(image_list) + "\n",
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split("\n")
+    assert [c for c in image_list if c not in kept] == image_list[:6]
+
+
 def test_gpu_compose_gives_each_service_its_own_image_and_device() -> None:
     gpu = yaml.safe_load((ROOT / "docker-compose.gpu.yml").read_text())
     services = gpu["services"]

@@ -18,14 +18,18 @@ import pytest
 import torch
 
 from fp8rl import quant
+from tests import vllm_reference
 
 E4M3 = torch.float8_e4m3fn
 F32 = np.float32
 
 
-def reference_scale(amax: np.float32, scale_format: str, arithmetic: str) -> tuple[np.float32, np.float32]:
-    """(what x is multiplied by, scale_inv) for one tile."""
+def reference_scale(
+    amax: np.float32, scale_format: str, arithmetic: str, amax_floor: float = 0.0
+) -> tuple[np.float32, np.float32]:
+    """(what x is multiplied by, scale_inv) for one tile; ``amax_floor``: TE's ``amax_epsilon``."""
     if arithmetic == "te":
+        amax = max(amax, F32(amax_floor))
         scale = F32(1.0) if amax == 0 else F32(448.0) / amax
         if np.isinf(scale):
             scale = np.finfo(F32).max
@@ -42,7 +46,12 @@ def reference_scale(amax: np.float32, scale_format: str, arithmetic: str) -> tup
 
 
 def reference_quantize(
-    x: torch.Tensor, rows: int, cols: int, scale_format: str = "fp32", arithmetic: str = "te"
+    x: torch.Tensor,
+    rows: int,
+    cols: int,
+    scale_format: str = "fp32",
+    arithmetic: str = "te",
+    amax_floor: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize each rows x cols tile of a 2-D tensor with one engine's rule, one tile at a time."""
     a = x.float().numpy()
@@ -54,7 +63,8 @@ def reference_quantize(
         for i in range(nb):
             for j in range(kb):
                 tile = (slice(i * rows, (i + 1) * rows), slice(j * cols, (j + 1) * cols))
-                scale, scales[i, j] = reference_scale(np.abs(a[tile]).max(), scale_format, arithmetic)
+                amax = np.abs(a[tile]).max()
+                scale, scales[i, j] = reference_scale(amax, scale_format, arithmetic, amax_floor)
                 scaled[tile] = a[tile] * scale if arithmetic == "te" else a[tile] / scales[i, j]
     q = torch.from_numpy(np.clip(scaled, -448.0, 448.0)).to(E4M3)
     return q, torch.from_numpy(scales)
@@ -215,16 +225,90 @@ def test_each_engines_arithmetic_is_reproduced_bit_for_bit(
     assert_codes_equal(q, rq)
 
 
-@pytest.mark.parametrize("scale_format", FORMATS)
-def test_weight_codes_follow_transformer_engine(
-    scale_format: quant.ScaleFormat, gen: torch.Generator
-) -> None:
+def test_fp32_weight_codes_follow_transformer_engine(gen: torch.Generator) -> None:
     w = random_weight((300, 260), gen)
     w[:128, :128] = 0
-    q, s = quant.quantize_blockwise(w, scale_format=scale_format)
-    rq, rs = reference_quantize(w, 128, 128, scale_format, "te")
+    q, s = quant.quantize_blockwise(w)
+    rq, rs = reference_quantize(w, 128, 128, "fp32", "te")
     assert torch.equal(s, rs)
     assert_codes_equal(q, rq)
+
+
+def pow2_test_weight(gen: torch.Generator) -> torch.Tensor:
+    """Blocks over 60 decades (some below vLLM's 1e-4 amax floor), a zero block, a subnormal one."""
+    w = torch.randn(640, 520, generator=gen) * 10.0 ** torch.randint(-30, 31, (640, 1), generator=gen).float()
+    w[:128, :128] = 0
+    w[128:256, :128] = torch.randn(128, 128, generator=gen) * 1e-41
+    w[256:384, 128:256] *= 1e-6 / w[256:384, 128:256].abs().max()  # (amax 1e-6)
+    return w
+
+
+def test_pow2_weights_are_te_values_with_the_deepgemm_floor(gen: torch.Generator) -> None:
+    """pow2 weights hold TE's values with the weight quantizer's amax_epsilon at vLLM's 1e-4 (what the
+    trainer's TE computes with, trainer_service/fp8_linear.py), as codes vLLM keeps unchanged."""
+    w = pow2_test_weight(gen)
+    q, s = quant.quantize_blockwise(w, scale_format="pow2")
+    rq, rs = reference_quantize(w, 128, 128, "pow2", "te", amax_floor=quant.DEEPGEMM_AMAX_FLOOR)
+    assert torch.equal(quant.dequantize_blockwise(q, s), reference_dequantize(rq, rs, 128, 128))
+    assert (s == rs).any() and ((s == rs) | (s == rs / 2)).all()  # halved: blocks whose top code is 224
+    assert (s >= 2.0**-22).all()  # ceil_pow2(1e-4 / 448) = 2^-22, the floor's scale
+
+
+def test_pow2_weights_are_the_fixed_point_of_vllms_requantization(gen: torch.Generator) -> None:
+    """vLLM re-quantizes pow2 block weights at load and every refit (tests/vllm_reference.py): what we
+    ship comes back byte for byte. TE's codes without the fixed point would not: one block in ~20 has
+    its top code at 224 (vLLM halves the scale and doubles the codes: the same values, other bytes), and
+    blocks below the 1e-4 floor get a coarser scale (other values)."""
+    w = pow2_test_weight(gen)
+    q, s = quant.quantize_blockwise(w, scale_format="pow2")
+    q_held, s_held = vllm_reference.requantize_ue8m0(q, s)
+    assert torch.equal(s_held, s)
+    assert_codes_equal(q_held, q)
+
+    # What the fixed point repairs, on TE's codes without it (floor 0):
+    rq, rs = reference_quantize(w, 128, 128, "pow2", "te")
+    held_q, held_s = vllm_reference.requantize_ue8m0(rq, rs)
+    dq_te, dq_held = (reference_dequantize(*t, 128, 128) for t in ((rq, rs), (held_q, held_s)))
+    tiny = torch.tensor(
+        [
+            [w[i : i + 128, j : j + 128].abs().max() < 1e-4 for j in range(0, 520, 128)]
+            for i in range(0, 640, 128)
+        ]
+    )
+    assert ((held_s != rs) == (tiny | (held_s == rs / 2))).all()
+    values_differ = (dq_te != dq_held).view(-1)
+    assert values_differ.any()  # the sub-floor blocks (not the zero block)
+
+    # With block amaxes spread over octaves, one block in ~20 has its top code at 224 (amax * scale in
+    # (224, 232]: log2 of the amax's mantissa above 0.95 under TE's rounded-down scale):
+    spread = 2.0 ** (torch.rand(40, 1, 8, 1, generator=gen) * 8)
+    normal = (torch.randn(40, 128, 8, 128, generator=gen) * 0.02 * spread).reshape(40 * 128, 8 * 128)
+    rq, rs = reference_quantize(normal, 128, 128, "pow2", "te")
+    halved = (vllm_reference.requantize_ue8m0(rq, rs)[1] == rs / 2).float().mean().item()
+    assert 0.01 < halved < 0.12, halved
+    q, s = quant.quantize_blockwise(normal, scale_format="pow2")
+    assert_codes_equal(vllm_reference.requantize_ue8m0(q, s)[0], q)
+
+
+def test_vllms_own_requantization_keeps_pow2_weights_byte_for_byte(gen: torch.Generator) -> None:
+    """vLLM's own ``per_block_cast_to_fp8(use_ue8m0=True)`` (where vLLM is installed) on what we ship:
+    with pow2 the same bytes; the reference of tests/vllm_reference.py equals it; fp32 weights get
+    other values (vLLM re-quantizes only under VLLM_USE_DEEP_GEMM_E8M0=1, which pins pow2)."""
+    deep_gemm = pytest.importorskip("vllm.utils.deep_gemm")
+    w = pow2_test_weight(gen)
+    for scale_format in ("pow2", "fp32"):
+        q, s = quant.quantize_blockwise(w, scale_format=scale_format)
+        shipped = quant.dequantize_blockwise(q, s)
+        with torch.compiler.set_stance("force_eager"):
+            q_vllm, s_vllm = deep_gemm.per_block_cast_to_fp8(shipped, [128, 128], use_ue8m0=True)
+        q_ref, s_ref = vllm_reference.per_block_cast_to_fp8(shipped)
+        assert torch.equal(s_vllm, s_ref)
+        assert_codes_equal(q_vllm, q_ref)
+        if scale_format == "pow2":
+            assert torch.equal(s_vllm, s)
+            assert_codes_equal(q_vllm, q)
+        else:
+            assert not torch.equal(quant.dequantize_blockwise(q_vllm, s_vllm), shipped)
 
 
 def test_the_two_engines_differ_with_fp32_scales(gen: torch.Generator) -> None:
@@ -268,20 +352,6 @@ def test_pow2_activation_codes_are_identical_in_trainer_and_rollout(gen: torch.G
     assert_codes_equal(q_te, q_vllm)
     assert torch.equal(s_te[1:], s_vllm[1:])  # the all-zero row: TE's scale is 1, vLLM's its floor
     assert torch.equal(quant.dequantize_activation(q_te, s_te), quant.dequantize_activation(q_vllm, s_vllm))
-
-
-def test_vllm_requantizes_pow2_weights_to_the_same_values(gen: torch.Generator) -> None:
-    """Under DeepGEMM's E8M0 mode vLLM re-quantizes every block-FP8 weight at load and refit
-    (``requant_weight_ue8m0_inplace`` -> ``per_block_cast_to_fp8(use_ue8m0=True)``); run vLLM's own
-    function on what we ship: with ``pow2`` it gives back the same dequantized weight."""
-    deep_gemm = pytest.importorskip("vllm.utils.deep_gemm")
-    w = random_weight((384, 512), gen)
-    for scale_format, same in (("pow2", True), ("fp32", False)):
-        q, s = quant.quantize_blockwise(w, scale_format=scale_format)
-        shipped = quant.dequantize_blockwise(q, s)
-        with torch.compiler.set_stance("force_eager"):
-            q_vllm, s_vllm = deep_gemm.per_block_cast_to_fp8(shipped, [128, 128], use_ue8m0=True)
-        assert torch.equal(quant.dequantize_blockwise(q_vllm, s_vllm), shipped) is same, scale_format
 
 
 def test_pow2_requires_a_known_format() -> None:

@@ -1,6 +1,7 @@
 """FP8 numerics on FP8 hardware: our codes on CUDA equal those on CPU, and a real FP8 GEMM over them
-(torch._scaled_mm, one 128-wide K slice at a time) equals the float64 product of the dequantized
-operands. Run on a CUDA host with scripts/gpu_checks.sh."""
+(torch._scaled_mm, one 128-wide K slice at a time) lies within the tensor cores' accumulation bound
+(fp8rl/accumulation.py) of the float64 product of the dequantized operands. Run on a CUDA host with
+scripts/gpu_checks.sh (or, with torch alone, scripts/gpu_proof.py: docs/gpu.md)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from fp8rl import quant
+from fp8rl.accumulation import gemm_error_bound
 
 pytestmark = pytest.mark.gpu
 
@@ -64,20 +66,20 @@ def test_scaled_mm_over_our_codes_matches_float64(gen: torch.Generator) -> None:
         row_scale = sx[:, j : j + 1].double()
         col_scale = sw[:, j].double().repeat_interleave(128)[None, :n]
         out += partial.double() * row_scale * col_scale
-    reference = quant.dequantize_activation(qx.cpu(), sx.cpu()).double() @ (
-        quant.dequantize_blockwise(qw.cpu(), sw.cpu()).double().t()
-    )
-    # Each 128-term FP8 partial product is exact in float32 up to its accumulation order.
-    torch.testing.assert_close(out.cpu(), reference, rtol=1e-5, atol=1e-5)
+    a = quant.dequantize_activation(qx.cpu(), sx.cpu())
+    b = quant.dequantize_blockwise(qw.cpu(), sw.cpu())
+    # Not exact in float32: Hopper's FP8 tensor cores keep ~14 bits while they add (DeepSeek-V3), even
+    # without fast accumulation; the bound is that model's worst case (fp8rl/accumulation.py).
+    error = (out.cpu() - a.double() @ b.double().t()).abs()
+    assert (error <= gemm_error_bound(a, b)).all(), (error / gemm_error_bound(a, b)).max()
 
 
 @pytest.mark.parametrize("scale_format", ["fp32", "pow2"])
 def test_transformer_engine_quantizers_give_the_emulations_values(
-    scale_format: quant.ScaleFormat, gen: torch.Generator
+    scale_format: quant.ScaleFormat, gen: torch.Generator, transformer_engine: object
 ) -> None:
     """TE's own Float8BlockQuantizer (1x128 rowwise, 1x128 columnwise, 128x128) against fp8rl.quant in
     TE's arithmetic, value for value."""
-    pytest.importorskip("transformer_engine.pytorch")
     from trainer_service.fp8_linear import te_quantizer
 
     x = (torch.randn(256, 384, generator=gen) * 10.0 ** torch.randint(-3, 4, (256, 1), generator=gen)).cuda()

@@ -27,6 +27,8 @@ def trainer(tiny_model_dir_f32: Path) -> Iterator[tuple[TrainerService, trainer_
         model=tiny_model_dir_f32,
         recipe="fp8",
         compute_dtype="float32",
+        device="cpu",
+        fp8_backend="emulated",
         port=0,
         micro_batch_size=3,
         optimizer={"lr": 1e-3},
@@ -237,6 +239,23 @@ def test_padding_for_transformer_engine_changes_nothing(tiny_model_dir_f32: Path
         assert metrics_padded[key] == pytest.approx(metrics_plain[key], rel=1e-5, abs=1e-7), key
     for name, p in plain.model.named_parameters():
         torch.testing.assert_close(dict(padded.model.named_parameters())[name], p, rtol=1e-5, atol=1e-6)
+
+
+def test_the_emulation_pads_as_transformer_engine_does(tiny_model_dir_f32: Path) -> None:
+    """The emulated FP8 learner pads its sequences to TE's 16 positions, so that its wgrad quantizes the
+    same 128 tokens per feature as TE's (the grouping changes dW: tests/test_fp8_linear.py); without FP8
+    linears nothing is padded."""
+    from fp8rl.recipes import get_recipe
+    from trainer_service.learner import TE_TOKEN_MULTIPLE, Learner, SampleData
+
+    data = [SampleData([5, 6, 7], [8, 9], [-1.0, -1.0], 1.0, "0")]  # 5 positions
+    for recipe, multiple in (("fp8", TE_TOKEN_MULTIPLE), ("fp8-rollout", 1)):
+        config = TrainerConfig(
+            model=tiny_model_dir_f32, recipe=recipe, compute_dtype="float32", fp8_backend="emulated"
+        )  # type: ignore[arg-type]
+        learner = Learner(config, get_recipe(recipe))
+        assert learner.token_multiple == multiple
+        assert learner.collate(data).input_ids.shape[1] == max(5, multiple)
 
 
 def huge_advantages(batch: list[trainer_pb2.Sample], rows: range) -> list[trainer_pb2.Sample]:

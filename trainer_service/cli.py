@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     if launched_by_torchrun():
         from trainer_service.distributed import join_group
 
-        ranks = join_group()
+        ranks = join_group(config.device)
         if not ranks.is_root:
             follow_root(config, ranks)
             return

@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from fp8rl.architectures import FP8Plan, fp8_plan, read_config
+from fp8rl.devices import Device
 from fp8rl.models import TINY_ARITH, ModelDir
 from fp8rl.recipes import AdvantageNorm, ISMode, RecipeName
 from fp8rl.security import SecurityConfig
@@ -50,8 +51,12 @@ class LearnerConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
+    device: Device = "auto"
+    """Where the model trains: `cpu`, `cuda`, or `auto` ($FP8RL_DEVICE if set, else CUDA when there is a
+    device; fp8rl/devices.py)."""
     fp8_backend: Literal["auto", "te", "emulated"] = "auto"
-    """FP8 linears: Transformer Engine on CUDA when it imports (auto), else the exact emulation."""
+    """FP8 linears: Transformer Engine on CUDA (auto: on CUDA it must import), the exact emulation on
+    CPU."""
     mini_batches: int = Field(1, ge=1)
     """Optimizer steps per TrainStep (the samples are split evenly)."""
     micro_batch_size: int = Field(8, ge=1)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from fp8rl.devices import resolve_device
 from fp8rl.errors import InvalidRequest, PreconditionFailed
 
 log = logging.getLogger(__name__)
@@ -45,22 +46,22 @@ hours, a slow rollout phase): the default timeout (10 or 30 minutes) would end a
 that dies still ends the others at once (its connections close, torchrun stops the group)."""
 
 
-def join_group() -> Ranks:
-    """Join the process group torchrun set up (nccl on CUDA, gloo on CPU)."""
+def join_group(device: str = "auto") -> Ranks:
+    """Join the process group torchrun set up: nccl on CUDA, gloo on CPU (``device``: the trainer's
+    configured device, fp8rl/devices.py)."""
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if torch.cuda.is_available():
+        cuda = resolve_device(device) == "cuda"
+        if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend, timeout=GROUP_TIMEOUT)
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=GROUP_TIMEOUT)
     return Ranks(dist.get_rank(), dist.get_world_size())
 
 
 def _device() -> torch.device:
-    return (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else torch.device("cpu")
-    )
+    """Where the group's messages live: the GPU under nccl, else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def announce(kind: str, payload: bytes) -> None:

@@ -11,7 +11,14 @@
   ============  =====================================================================
 
   The weight codes are exactly those the WeightSet ships, so under the ``fp8`` recipe trainer and
-  rollout compute with bit-identical FP8 weights.
+  rollout compute with bit-identical FP8 weights. Like TE's GEMMs, each applies the FP32 scales in
+  float32 and rounds once, to the compute dtype; the learner pads sequences to TE's 16 positions, so
+  wgrad's 128-token groups are TE's. What still differs from TE: its tensor cores add with ~14 bits
+  (fp8rl/accumulation.py), the emulation in float32; and a NaN or inf operand, which the emulation
+  refuses (:class:`fp8rl.quant.NonFiniteError`, reported as a non-finite gradient) while TE's quantizer
+  never raises (scale 1 for a non-finite amax, then a saturating cast: inf becomes ±448, NaN stays NaN).
+  A NaN reaches the gradient norm under either, which skips the step; an inf is refused only by the
+  emulation.
 * ``te`` (CUDA with Transformer Engine >= 2.3): ``te.Linear`` under the ``Float8BlockScaling`` recipe,
   its scale format set on the recipe object (:func:`block_scaling_recipe`).
 
@@ -30,12 +37,17 @@ import torch
 import torch.nn.functional as F
 
 from fp8rl import quant
-from fp8rl.recipes import ScaleFormat
+from fp8rl.quant import ScaleFormat
 
 Backend = Literal["emulated", "te"]
 
 
 class _FP8LinearFunction(torch.autograd.Function):
+    """Each GEMM runs in float32 over the dequantized operands and is cast to the compute dtype once, as
+    TE's cuBLAS GEMMs apply the FP32 scales to an FP32 accumulator and round only the output: casting the
+    dequantized operands to bf16 first would round every value a second time. (TE's tensor cores add
+    with ~14 bits, fp8rl/accumulation.py; float32 adds with 24: the one difference left in a GEMM.)"""
+
     @staticmethod
     def forward(
         ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale_format: ScaleFormat
@@ -43,19 +55,21 @@ class _FP8LinearFunction(torch.autograd.Function):
         device = x.device.type
         compute = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
         x32 = x.float()
-        xq = quant.fake_quantize_activation(x32, scale_format=scale_format).to(compute)
-        wq = quant.fake_quantize_weight(weight.detach().float(), scale_format=scale_format).to(compute)
+        xq = quant.fake_quantize_activation(x32, scale_format=scale_format)
+        wq = quant.fake_quantize_weight(weight.detach().float(), scale_format=scale_format)
         # wgrad's X: the same activations quantized along the other axis (128 tokens per feature); not
         # made when no weight gradient is wanted (scoring under no_grad).
-        x_columnwise = x.new_empty(0)
+        x_columnwise = x.new_empty(0, dtype=torch.float32)
         if ctx.needs_input_grad[1]:
             x_columnwise = quant.fake_quantize_columnwise(
                 x32.reshape(-1, x.shape[-1]), scale_format=scale_format
             )
-        ctx.save_for_backward(x_columnwise.to(compute), wq)
-        ctx.has_bias, ctx.scale_format = bias is not None, scale_format
+        ctx.save_for_backward(x_columnwise, wq)
+        ctx.has_bias, ctx.scale_format, ctx.compute = bias is not None, scale_format, compute
         ctx.nonfinite_passes = quant.nonfinite_passing()  # the backward may run on another thread
-        return F.linear(xq, wq, None if bias is None else bias.to(compute))
+        with torch.autocast(device, enabled=False):  # (float32 GEMM, TE's epilogue adds the bias)
+            y = F.linear(xq, wq, None if bias is None else bias.float())
+        return y.to(compute)
 
     @staticmethod
     def backward(
@@ -74,11 +88,14 @@ class _FP8LinearFunction(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, None]:
         # The straight-through estimator for the fake quantizers; dY quantized per GEMM, as TE does.
         dy32 = dy.float()
-        dx = quant.fake_quantize_activation(dy32, scale_format=fmt).to(wq.dtype) @ wq
-        dw = None
-        if ctx.needs_input_grad[1]:
-            dy_columnwise = quant.fake_quantize_columnwise(dy32.reshape(-1, dy.shape[-1]), scale_format=fmt)
-            dw = (dy_columnwise.to(wq.dtype).t() @ x_columnwise).float()
+        with torch.autocast(dy.device.type, enabled=False):
+            dx = (quant.fake_quantize_activation(dy32, scale_format=fmt) @ wq).to(ctx.compute)
+            dw = None
+            if ctx.needs_input_grad[1]:
+                dy_columnwise = quant.fake_quantize_columnwise(
+                    dy32.reshape(-1, dy.shape[-1]), scale_format=fmt
+                )
+                dw = dy_columnwise.t() @ x_columnwise
         db = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.has_bias else None
         return dx, dw, db, None
 
@@ -181,17 +198,26 @@ def block_scaling_recipe(power_2_scales: bool = False) -> Any:
 
     TE reads ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES`` once, into class defaults, when its recipe module is
     imported; setting the variable any later changes nothing, so the quantizer parameters are replaced
-    here and checked on the object in force.
+    here and checked on the object in force. Under pow2 the weight quantizer floors the amax at vLLM's
+    re-quantization floor (:func:`amax_epsilon`), so the trainer computes with the values vLLM holds.
     """
     from transformer_engine.common.recipe import Float8BlockScaling, QParams
 
+    scale_format: ScaleFormat = "pow2" if power_2_scales else "fp32"
     recipe = Float8BlockScaling()
     for name in QUANTIZERS:
-        setattr(recipe, name, QParams(power_2_scale=power_2_scales, amax_epsilon=0.0))
+        epsilon = amax_epsilon(2 if name == "fp8_quant_fwd_weight" else 1, scale_format)
+        setattr(recipe, name, QParams(power_2_scale=power_2_scales, amax_epsilon=epsilon))
     in_force = {name: getattr(recipe, name).power_2_scale for name in QUANTIZERS}
     if set(in_force.values()) != {power_2_scales}:
         raise RuntimeError(f"Transformer Engine kept other scale formats than asked: {in_force}")
     return recipe
+
+
+def amax_epsilon(block_scaling_dim: int, scale_format: ScaleFormat) -> float:
+    """The amax floor of TE's quantizer for 1x128 (1) or 128x128 (2) tiles: fp8rl.quant's, i.e. none,
+    save for pow2 weights (:data:`fp8rl.quant.DEEPGEMM_AMAX_FLOOR`)."""
+    return quant.DEEPGEMM_AMAX_FLOOR if block_scaling_dim == 2 and scale_format == "pow2" else 0.0
 
 
 def te_quantizer(block_scaling_dim: int, rowwise: bool, scale_format: ScaleFormat) -> Any:
@@ -205,7 +231,7 @@ def te_quantizer(block_scaling_dim: int, rowwise: bool, scale_format: ScaleForma
         tex.DType.kFloat8E4M3,
         rowwise=rowwise,
         columnwise=not rowwise,
-        amax_epsilon=0.0,
+        amax_epsilon=amax_epsilon(block_scaling_dim, scale_format),
         force_pow_2_scales=scale_format == "pow2",
         block_scaling_dim=block_scaling_dim,
     )
@@ -221,6 +247,6 @@ def fp8_context(
     import transformer_engine.pytorch as te
 
     recipe = block_scaling_recipe(power_2_scales=scale_format == "pow2")
-    if hasattr(te, "autocast"):  # TE >= 2.8; fp8_autocast is deprecated there
+    if hasattr(te, "autocast"):  # TE >= 2.9; fp8_autocast is deprecated there
         return te.autocast(enabled=True, recipe=recipe)
     return te.fp8_autocast(enabled=True, fp8_recipe=recipe)

