@@ -105,9 +105,22 @@ class ArithTask:
 
 
 class ArithChatTask(ArithTask):
-    """The arith sums as a chat ("What is 37 + 48?"), for instruct models: the model's chat template
-    renders the question, and a completion scores when the last number on its first line is the sum
-    ("37 + 48 = 85" and "85" both do). SmolLM2-135M-Instruct gets about one in ten right at first."""
+    """Sums of operands 0..19 asked as a chat ("What is 7 + 12?"), for instruct models: the model's chat
+    template renders the question, and a completion scores when the last number on its first line is the
+    sum ("7 + 12 = 19" and "19" both do). SmolLM2-135M-Instruct answers about 0.3 of them right greedily
+    and 0.1 when sampling at temperature 1 at first; the 45 held-out pairs validate."""
+
+    MAX_OPERAND = 19
+
+    def __init__(self, seed: int, val_size: int = 64) -> None:
+        self.seed = seed
+        pairs = arith.val_pairs(seed, val_size, self.MAX_OPERAND)
+        self._val = [self._problem(f"val-{i}", a, b) for i, (a, b) in enumerate(pairs)]
+
+    def train_problems(self, step: int, count: int) -> list[Problem]:
+        rng = random.Random(f"arith-chat:{self.seed}:train:{step}")
+        pairs = arith.train_pairs(rng, count, self.MAX_OPERAND)
+        return [self._problem(f"s{step}-{i}", a, b) for i, (a, b) in enumerate(pairs)]
 
     @staticmethod
     def _problem(pid: str, a: int, b: int) -> Problem:

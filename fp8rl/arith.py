@@ -30,16 +30,16 @@ def hedged_answer(a: int, b: int, rng: random.Random) -> str:
     return answer(a, b) + ("?" if hedge else "")
 
 
-def train_pairs(rng: random.Random, count: int) -> list[tuple[int, int]]:
+def train_pairs(rng: random.Random, count: int, max_operand: int = MAX_OPERAND) -> list[tuple[int, int]]:
     out: list[tuple[int, int]] = []
     while len(out) < count:
-        a, b = rng.randint(0, MAX_OPERAND), rng.randint(0, MAX_OPERAND)
+        a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
         if not held_out(a, b):
             out.append((a, b))
     return out
 
 
-def val_pairs(seed: int, count: int) -> list[tuple[int, int]]:
-    pairs = [(a, b) for a in range(MAX_OPERAND + 1) for b in range(MAX_OPERAND + 1) if held_out(a, b)]
+def val_pairs(seed: int, count: int, max_operand: int = MAX_OPERAND) -> list[tuple[int, int]]:
+    pairs = [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1) if held_out(a, b)]
     random.Random(f"arith-val:{seed}").shuffle(pairs)
     return pairs[:count]
