@@ -4,7 +4,9 @@ Linear layers create exactly vLLM's block-FP8 parameters — ``weight`` (float8_
 ModelWeightParameter) and ``weight_scale_inv`` (float32 [ceil(N/128), ceil(K/128)],
 BlockQuantScaleParameter), ``layer.weight_block_size = [128, 128]`` — so vLLM's own loaders shard fused
 q/k/v and gate/up weights and their block scales, and a refit sends the same checkpoint-format tensors
-on CPU as on GPU. Three differences from vLLM's ``Fp8LinearMethod``:
+on CPU as on GPU. The linears listed in the config's ``ignored_layers`` (fp8rl.architectures: fused
+GEMMs vLLM's block-FP8 cannot serve) stay unquantized, as under vLLM's own ``fp8`` method. Three
+differences from vLLM's ``Fp8LinearMethod``:
 
 * a bf16/float32 checkpoint is quantized at first load with :mod:`fp8rl.quant` (the trainer's own
   quantizer, so both sides hold identical codes and scales);
@@ -58,7 +60,9 @@ BLOCK = list(quant.WEIGHT_BLOCK)
 
 
 class EmulatedBlockFP8Config(QuantizationConfig):
-    """Block-FP8 (128x128 weights, dynamic 1x128 activations) for every linear layer."""
+    """Block-FP8 (128x128 weights, dynamic 1x128 activations) for every linear layer but
+    ``ignored_layers`` (HF module names; a fused GEMM is skipped when all its parts are listed, as by
+    vLLM's own ``fp8`` method), which stay unquantized."""
 
     def __init__(
         self,
