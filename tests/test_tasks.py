@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.config import CoordinatorConfig
-from coordinator.tasks import ArithTask, Problem, Task, build_task, normalize_answer
+from coordinator.tasks import ArithChatTask, ArithTask, Problem, Task, build_task, normalize_answer
 from fp8rl import arith
 from fp8rl.config import load_config
 
@@ -32,6 +32,23 @@ def test_arith_is_deterministic_and_validation_is_held_out() -> None:
     assert all(arith.held_out(*map(int, p.prompt[:-1].split("+"))) for p in task.val_problems())
     p = Problem("x", "37+48=", "85")
     assert task.reward(p, "85") == 1.0 and task.reward(p, "85\nmore") == 1.0 and task.reward(p, "84") == 0.0
+
+
+def test_arith_chat_asks_small_sums_as_a_chat_and_scores_the_last_number() -> None:
+    task = build_task(CoordinatorConfig(task="arith-chat", seed=3))
+    assert isinstance(task, ArithChatTask)
+    train = task.train_problems(5, 32)
+    assert train == ArithChatTask(3).train_problems(5, 32)  # deterministic from seed and step
+    for problem in train + task.val_problems():
+        a, b = (int(x) for x in problem.prompt.removeprefix("What is ").removesuffix("?").split(" + "))
+        assert 0 <= a <= 19 and 0 <= b <= 19 and problem.answer == str(a + b)
+        assert problem.messages == (("user", problem.prompt),)
+    val = {p.prompt for p in task.val_problems()}
+    assert len(val) == 45 and not val & {p.prompt for p in task.train_problems(6, 200)}
+    problem = Problem("p", "What is 7 + 12?", "19", (("user", "What is 7 + 12?"),))
+    assert [
+        task.reward(problem, c) for c in ("7 + 12 = 19", "19", "It is 1,9.\n19", "20", "", "19 or 20")
+    ] == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
 
 
 def test_hedging_teacher_is_right_and_hedges_big_sums_more() -> None:
