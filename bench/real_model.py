@@ -13,6 +13,7 @@ counted once (a tied model's embedding is its output layer too, and ships once).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import subprocess
@@ -33,10 +34,8 @@ def tree(pid: int) -> list[int]:
         p = todo.pop()
         found.append(p)
         for task in Path(f"/proc/{p}/task").glob("*"):
-            try:
+            with contextlib.suppress(OSError):  # (a process that has just exited)
                 todo += [int(c) for c in (task / "children").read_text().split()]
-            except OSError:
-                pass
     return found
 
 
