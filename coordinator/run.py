@@ -242,6 +242,8 @@ def linear_precision(config: CoordinatorConfig) -> dict[str, Any]:
 
     if not get_recipe(config.recipe).fp8_rollout:
         return {"summary": "none in FP8 (bf16 recipe)", "high_precision_per_layer": [], "reasons": []}
+    if config.model is None and not config.embedded:  # (the trainer's own --model decides)
+        return {"summary": "as the trainer's model decides (give --model to record it)"}
     plan = fp8_plan(read_config(config.model or models.TINY_ARITH)).summary()
     kept = plan["high_precision_per_layer"]
     line = "all block linears in FP8" + (f" but {', '.join(kept)} (every layer)" if kept else "")
