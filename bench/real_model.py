@@ -45,7 +45,11 @@ def rss_and_role(pid: int) -> tuple[int, str] | None:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     except OSError:
         return None
-    rss = next(int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmRSS:"))
+    rss = next(
+        (int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmRSS:")), None
+    )
+    if rss is None:  # (a zombie: exited, not yet reaped)
+        return None
     role = next(
         (r for key, r in ROLES.items() if key in cmdline), "coordinator" if "coordinator" in cmdline else ""
     )
