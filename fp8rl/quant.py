@@ -2,7 +2,7 @@
 
 Weights are scaled per 128x128 block, activations (and gradients) per token in groups of 128 along the
 last dimension. Each engine derives a block's scale from its amax with its own float32 arithmetic, and
-the emulations mirror them bit for bit (see the README's contract table):
+the emulations mirror them bit for bit (see the contract's tables in docs/fp8-contract.md):
 
 * ``te`` (Transformer Engine, and every weight code we ship): ``scale = 448 / amax``, ``q =
   sat(x * scale)``, ``scale_inv = 1 / scale``; an all-zero block gets ``scale = 1`` and an amax so small
