@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -662,3 +664,18 @@ def test_only_the_canonical_header_is_accepted(gen: torch.Generator) -> None:
     padded[8 + header_len - 1] = ord("\n")  # the last padding space (or the closing brace) as a newline
     with pytest.raises(CorruptUpdateError):
         decode_update(bytes(padded))
+
+
+def test_the_services_never_import_the_whole_update_helpers() -> None:
+    """fp8rl.codec.testing (an update as one part in one buffer) is for tests and benches: the services
+    stream updates part by part."""
+    root = Path(__file__).resolve().parent.parent
+    for package in ("fp8rl", "rollout_service", "trainer_service", "coordinator"):
+        for path in (root / package).rglob("*.py"):
+            imported: set[str] = set()
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Import):
+                    imported |= {alias.name for alias in node.names}
+                elif isinstance(node, ast.ImportFrom) and node.module:
+                    imported |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+            assert "fp8rl.codec.testing" not in imported or path.name == "testing.py", path
