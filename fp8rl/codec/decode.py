@@ -194,15 +194,7 @@ class UpdateDecoder:
         entries = json_field(metadata, "tensors")
         if not isinstance(entries, dict) or set(entries) != set(payload):
             raise CorruptUpdateError("delta tensor list does not match its payload")
-        for name, entry in entries.items():
-            if not isinstance(entry, dict) or set(entry) != _DELTA_ENTRY_FIELDS:
-                raise CorruptUpdateError(f"delta entry for tensor {name!r} is malformed")
-            if self.admit is not None:
-                try:
-                    dtype, shape = DTYPES[str(entry["dtype"])], tuple(int(d) for d in entry["shape"])
-                except Exception as exc:
-                    raise CorruptUpdateError(f"bad entry for tensor {name!r}: {exc}") from exc
-                self.admit(name, dtype, shape)
+        self._admit_entries(entries)
         targets = [
             apply.target_of(name, entry, payload[name], held.tensors.get(name), name in self._in_place)
             for name, entry in entries.items()
@@ -225,6 +217,18 @@ class UpdateDecoder:
             self._tensors[target.name] = torch.from_numpy(target.out).view(target.dtype).reshape(target.shape)
             self._digests[target.name] = digest
         self._updated += len(entries)
+
+    def _admit_entries(self, entries: Mapping[str, object]) -> None:
+        """Checks each delta entry's fields, and shows ``admit`` what each tensor will be."""
+        for name, entry in entries.items():
+            if not isinstance(entry, dict) or set(entry) != _DELTA_ENTRY_FIELDS:
+                raise CorruptUpdateError(f"delta entry for tensor {name!r} is malformed")
+            if self.admit is not None:
+                try:
+                    dtype, shape = DTYPES[str(entry["dtype"])], tuple(int(d) for d in entry["shape"])
+                except Exception as exc:
+                    raise CorruptUpdateError(f"bad entry for tensor {name!r}: {exc}") from exc
+                self.admit(name, dtype, shape)
 
     def _finish(self) -> DecodedUpdate:
         metadata, identity = self._last, self._identity
