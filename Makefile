@@ -43,7 +43,7 @@ protos: setup
 	$(BIN)/python scripts/gen_protos.py
 
 bench: setup
-	$(BIN)/python bench/weight_sync.py
+	$(BIN)/python bench/codec.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache

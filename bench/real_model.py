@@ -74,8 +74,8 @@ def published_set(model: Path, recipe: str) -> tuple[int, int, bool]:
     from transformers import AutoModelForCausalLM
 
     from fp8rl.architectures import fp8_plan, read_config
+    from fp8rl.codec.schema import build_weight_set
     from fp8rl.recipes import get_recipe
-    from fp8rl.weights import build_weight_set
 
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     tied = hf.lm_head.weight is hf.model.embed_tokens.weight

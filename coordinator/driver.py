@@ -24,9 +24,9 @@ from coordinator.batches import Batch, BatchMaker
 from coordinator.clients import RolloutPool, TrainerClient
 from coordinator.config import CoordinatorConfig
 from coordinator.metrics import MetricsSink, committed
+from coordinator.publishing import WeightSync
 from coordinator.state import RunState, RunStore
 from coordinator.tasks import Task
-from coordinator.weight_sync import WeightSync
 from fp8rl.serving import pid_alive
 from fp8rl.v1 import trainer_pb2
 

@@ -414,12 +414,12 @@ def fp8_checkpoint(
     the checkpoint's bytes, the scale format, the layers kept in high precision (``ignored_layers``, HF
     module names) and the FP8 contract's version).
 
-    Codes and scales come from :func:`fp8rl.weights.build_weight_set`, so the checkpoint is bit-identical
+    Codes and scales come from :func:`fp8rl.codec.schema.build_weight_set`, so the checkpoint is bit-identical
     to what the trainer publishes.
     """
     from safetensors.torch import load_file, save_file
 
-    from fp8rl.weights import build_weight_set
+    from fp8rl.codec.schema import build_weight_set
 
     weights_files = sorted(model_dir.glob("*.safetensors"))
     digest = hashlib.sha256(f"fp8rl contract {quant.CONTRACT_VERSION} {scale_format}".encode())

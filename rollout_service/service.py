@@ -17,21 +17,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fp8rl.errors import InvalidRequest, Overloaded, PreconditionFailed
-from fp8rl.prometheus import Sample
-from fp8rl.recipes import WeightFormat, get_recipe, is_fp8, weight_scale_format
-from fp8rl.security import registration_proof
-from fp8rl.v1 import rollout_pb2, weights_pb2
-from fp8rl.weight_stream import decode_parts
-from fp8rl.weights import (
+from fp8rl.codec.decode import DecodedUpdate
+from fp8rl.codec.schema import (
     SCALE_SUFFIX,
-    DecodedUpdate,
-    WeightSet,
     attention_scale_names,
     is_attention_scale,
     is_fp8_linear,
     scale_name,
 )
+from fp8rl.codec.stream import decode_parts
+from fp8rl.codec.weight_set import WeightSet
+from fp8rl.errors import InvalidRequest, Overloaded, PreconditionFailed
+from fp8rl.prometheus import Sample
+from fp8rl.recipes import WeightFormat, get_recipe, is_fp8, weight_scale_format
+from fp8rl.security import registration_proof
+from fp8rl.v1 import rollout_pb2, weights_pb2
 from rollout_service.config import RolloutConfig
 from rollout_service.engine import VllmEngine
 from rollout_service.generation import GenerationLoop, Ticket
@@ -223,7 +223,7 @@ class RolloutService:
         )
 
     def update_weights(self, parts: Iterable[tuple[weights_pb2.WeightHeader, bytearray]]) -> UpdateResult:
-        """Verify, decode and apply one update, each part as it arrives (``fp8rl.weight_stream.receive_parts``
+        """Verify, decode and apply one update, each part as it arrives (``fp8rl.codec.stream.receive_parts``
         checked that the parts belong together); concurrent updates are serialized.
 
         Nothing touches the engine before every digest of every part checked out; until then a failure

@@ -7,10 +7,10 @@ from collections.abc import Iterable, Iterator
 
 import grpc
 
+from fp8rl.codec.stream import receive_parts
 from fp8rl.errors import NotReady
 from fp8rl.serving import Capacity, idle_limited, map_errors, read_ahead
 from fp8rl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, weights_pb2
-from fp8rl.weight_stream import receive_parts
 from rollout_service.service import RolloutService
 
 SERVICE_NAME = "fp8rl.v1.Rollout"

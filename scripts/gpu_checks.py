@@ -36,8 +36,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from fp8rl import quant  # noqa: E402
+from fp8rl.codec.schema import attention_scale_names  # noqa: E402
 from fp8rl.recipes import WeightFormat, get_recipe  # noqa: E402
-from fp8rl.weights import attention_scale_names  # noqa: E402
 from trainer_service.kv_cache import scale_names  # noqa: E402
 
 results: list[str] = []
@@ -105,7 +105,7 @@ def rollout_refits(recipe: str) -> Callable[[], str]:
         except ImportError as exc:
             raise SkipCheck("vLLM not installed") from exc
         from fp8rl import models
-        from fp8rl.weights import build_weight_set
+        from fp8rl.codec.schema import build_weight_set
         from rollout_service.config import RolloutConfig
         from rollout_service.engine import VllmEngine
 

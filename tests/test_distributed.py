@@ -18,12 +18,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from fp8rl.codec.schema import build_weight_set
+from fp8rl.codec.stream import decode_parts, receive_parts
+from fp8rl.codec.weight_set import WeightSet
 from fp8rl.recipes import get_recipe
 from fp8rl.sampling import SamplingSettings, sampling_settings
 from fp8rl.serving import start_server
 from fp8rl.v1 import common_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc, weights_pb2
-from fp8rl.weight_stream import decode_parts, receive_parts
-from fp8rl.weights import WeightSet, build_weight_set
 from tests.support import child_process, free_port, wait_for_line
 from tests.test_trainer import samples
 from trainer_service.config import TrainerConfig

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 REFIT = """
 import json, sys, torch
 from safetensors.torch import load_file
-from fp8rl.weights import build_weight_set
+from fp8rl.codec.schema import build_weight_set
 from rollout_service.config import RolloutConfig
 from rollout_service.engine import EngineRequest, Sampling, VllmEngine
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fp8rl import quant
-from fp8rl.weights import build_weight_set
+from fp8rl.codec.schema import build_weight_set
 from tests.test_quant import reference_dequantize, reference_quantize
 from trainer_service.fp8_linear import EmulatedFP8Linear, convert_linears, fp8_linear
 

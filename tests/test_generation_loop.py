@@ -11,10 +11,11 @@ from typing import Any
 
 import pytest
 
+from fp8rl.codec.schema import build_weight_set
+from fp8rl.codec.stream import header_of
+from fp8rl.codec.testing import encode_keyframe, to_bytes
 from fp8rl.errors import NotReady, Overloaded, PreconditionFailed
 from fp8rl.v1 import common_pb2, rollout_pb2
-from fp8rl.weight_stream import header_of
-from fp8rl.weights import build_weight_set, encode_keyframe
 from rollout_service.config import RolloutConfig
 from rollout_service.engine import EngineRequest, FinishedSample
 from rollout_service.generation import GenerationLoop
@@ -170,7 +171,7 @@ def test_failed_apply_refuses_work_until_a_keyframe(tiny_model_dir: Path) -> Non
     keyframe = encode_keyframe(weights, 1)
     engine.fail_loads = 1
     with pytest.raises(RuntimeError, match="midway"):
-        service.update_weights([(header_of(keyframe), bytearray(keyframe.blob))])
+        service.update_weights([(header_of(keyframe), bytearray(to_bytes(keyframe)))])
     assert service.status().needs_keyframe and service.held is None
     assert engine.events[-2:] == ["load", "restart"]  # a half-refitted engine is replaced at once
     request = rollout_pb2.GenerateRequest(
@@ -181,7 +182,7 @@ def test_failed_apply_refuses_work_until_a_keyframe(tiny_model_dir: Path) -> Non
     )
     with pytest.raises(PreconditionFailed, match="needs keyframe"):
         service.generate(request)
-    result = service.update_weights([(header_of(keyframe), bytearray(keyframe.blob))])
+    result = service.update_weights([(header_of(keyframe), bytearray(to_bytes(keyframe)))])
     assert (result.version, result.encoding) == (1, "keyframe") and not service.status().needs_keyframe
     assert [c.weight_version for c in service.generate(request)] == [1]
     service.loop.stop()

@@ -33,7 +33,7 @@ def test_cuda_codes_equal_cpu_codes(gen: torch.Generator) -> None:
 def test_a_weight_set_built_on_the_gpu_is_the_cpu_set(gen: torch.Generator) -> None:
     """The publisher quantizes master weights where they live: a CUDA model's set is byte for byte the
     set of the same weights on CPU."""
-    from fp8rl.weights import build_weight_set
+    from fp8rl.codec.schema import build_weight_set
 
     state = {
         "model.layers.0.mlp.down_proj.weight": torch.randn(300, 520, generator=gen) * 0.02,

@@ -12,9 +12,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from fp8rl.codec.encode import delta_parts
+from fp8rl.codec.schema import build_weight_set
+from fp8rl.codec.stream import parts_to_chunks, update_to_chunks
+from fp8rl.codec.testing import encode_delta, encode_keyframe
+from fp8rl.codec.weight_set import WeightSet
 from fp8rl.v1 import common_pb2, rollout_pb2, weights_pb2
-from fp8rl.weight_stream import parts_to_chunks, update_to_chunks
-from fp8rl.weights import WeightSet, build_weight_set, delta_parts, encode_delta, encode_keyframe
 from tests.conftest import InProcessRollout
 from tests.support import load_reference, reference_logprobs, set_weights
 from trainer_service.publisher import Publisher, Target

@@ -14,6 +14,11 @@ import grpc
 import pytest
 import torch
 
+from fp8rl.codec.encode import keyframe_parts
+from fp8rl.codec.schema import build_weight_set
+from fp8rl.codec.stream import header_of, parts_to_chunks, update_to_chunks
+from fp8rl.codec.testing import encode_keyframe
+from fp8rl.codec.weight_set import WeightSet
 from fp8rl.errors import PermissionDenied, Unauthenticated
 from fp8rl.run_secrets import BUNDLES, export_bundle, security_for, token_path, write_run_secrets
 from fp8rl.security import (
@@ -27,8 +32,6 @@ from fp8rl.security import (
 )
 from fp8rl.serving import InsecureBinding, RunningServer, start_server
 from fp8rl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc, weights_pb2
-from fp8rl.weight_stream import header_of, parts_to_chunks, update_to_chunks
-from fp8rl.weights import WeightSet, build_weight_set, encode_keyframe, keyframe_parts
 from tests.conftest import InProcessRollout
 from tests.test_rollout import random_state
 from tests.test_trainer import samples

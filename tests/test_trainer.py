@@ -10,10 +10,11 @@ import grpc
 import pytest
 import torch
 
+from fp8rl.codec.schema import build_weight_set
+from fp8rl.codec.weight_set import raw_bytes
 from fp8rl.errors import InvalidRequest, PreconditionFailed
 from fp8rl.serving import start_server
 from fp8rl.v1 import common_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc, weights_pb2
-from fp8rl.weights import build_weight_set, raw_bytes
 from tests.support import load_reference, reference_logprobs
 from trainer_service.config import TrainerConfig
 from trainer_service.publisher import Publisher, Target

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,20 +15,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fp8rl import quant
+from fp8rl.codec import apply
+from fp8rl.codec.decode import UpdateDecoder
+from fp8rl.codec.encode import delta_parts, keyframe_parts
+from fp8rl.codec.layout import header_segment, sealed
+from fp8rl.codec.schema import build_weight_set
+from fp8rl.codec.stream import Reassembler
+from fp8rl.codec.testing import decode_update, encode_delta, encode_keyframe, read_metadata, to_bytes
+from fp8rl.codec.weight_set import CHUNK_BYTES, WeightSet, bytes_digest, raw_bytes
 from fp8rl.errors import BaseMismatchError, CorruptUpdateError, InvalidRequest, WeightCodecError
-from fp8rl.weight_stream import Reassembler
-from fp8rl.weights import (
-    UpdateDecoder,
-    WeightSet,
-    build_weight_set,
-    decode_update,
-    delta_parts,
-    encode_delta,
-    encode_keyframe,
-    keyframe_parts,
-    raw_bytes,
-    read_metadata,
-)
 
 
 def model_like_state_dict(
@@ -75,7 +72,7 @@ def assert_sets_identical(a: WeightSet, b: WeightSet) -> None:
         assert (raw_bytes(t) == raw_bytes(u)).all(), name
 
 
-def test_fp8_weight_set_layout(gen: torch.Generator) -> None:
+def test_fp8_weight_setheader_segment(gen: torch.Generator) -> None:
     sd = model_like_state_dict(gen)
     ws = build_weight_set(sd, "fp8-block128")
     q_name = "model.layers.1.self_attn.k_proj.weight"
@@ -128,7 +125,7 @@ def test_keyframe_then_deltas_round_trip_bit_exact(fmt: str, gen: torch.Generato
     master = model_like_state_dict(gen)
     sent = build_weight_set(master, fmt)  # type: ignore[arg-type]
     update = encode_keyframe(sent, version=0, recipe="fp8")
-    held = decode_update(update.blob)
+    held = decode_update(to_bytes(update))
     assert held.version == 0 and held.encoding == "keyframe"
     assert_sets_identical(sent, held.weights)
     for version in range(1, 4):
@@ -137,7 +134,7 @@ def test_keyframe_then_deltas_round_trip_bit_exact(fmt: str, gen: torch.Generato
         delta = encode_delta(new, sent, version=version, base_version=version - 1)
         assert 0 < delta.density < 1
         assert delta.wire_bytes < update.wire_bytes
-        held = decode_update(delta.blob, held.weights, held_version=version - 1)
+        held = decode_update(to_bytes(delta), held.weights, held_version=version - 1)
         assert held.version == version and held.encoding == "delta"
         assert_sets_identical(new, held.weights)
         assert held.weights.digest == new.digest
@@ -149,7 +146,7 @@ def test_identical_sets_give_a_tiny_delta(gen: torch.Generator) -> None:
     delta = encode_delta(ws, ws, version=1, base_version=0)
     assert delta.density == 0.0 and delta.tensors_changed == 0
     assert delta.wire_bytes < 1024, delta.wire_bytes
-    out = decode_update(delta.blob, ws, held_version=0)
+    out = decode_update(to_bytes(delta), ws, held_version=0)
     assert out.tensors_updated == 0
     assert_sets_identical(ws, out.weights)
 
@@ -167,7 +164,7 @@ def test_delta_handles_added_removed_and_reshaped_tensors(gen: torch.Generator) 
         "bf16", {"a": base.tensors["a"], "c": torch.ones(4).bfloat16(), "d": torch.arange(5.0).bfloat16()}
     )
     delta = encode_delta(new, base, version=5, base_version=4)
-    out = decode_update(delta.blob, base, held_version=4)
+    out = decode_update(to_bytes(delta), base, held_version=4)
     assert_sets_identical(new, out.weights)
     assert out.tensors_updated == 3  # b removed, c reshaped, d added
 
@@ -178,11 +175,11 @@ def test_wrong_base_is_a_distinct_error(gen: torch.Generator) -> None:
     v1 = build_weight_set(adam_like_step(sd, gen, 1e-2), "fp8-block128")
     delta = encode_delta(v1, v0, version=1, base_version=0)
     with pytest.raises(BaseMismatchError, match="version 0"):
-        decode_update(delta.blob, v0, held_version=3)
+        decode_update(to_bytes(delta), v0, held_version=3)
     with pytest.raises(BaseMismatchError):
-        decode_update(delta.blob, None, held_version=None)
+        decode_update(to_bytes(delta), None, held_version=None)
     with pytest.raises(BaseMismatchError, match="digest"):  # right version number, other bytes
-        decode_update(delta.blob, v1, held_version=0)
+        decode_update(to_bytes(delta), v1, held_version=0)
 
 
 def test_every_flipped_byte_is_rejected_and_held_set_untouched(gen: torch.Generator) -> None:
@@ -190,7 +187,7 @@ def test_every_flipped_byte_is_rejected_and_held_set_untouched(gen: torch.Genera
     v0 = build_weight_set(sd, "fp8-block128")
     v1 = build_weight_set(adam_like_step(sd, gen, 1e-2), "fp8-block128")
     before = v0.digest
-    for blob, held in ((encode_keyframe(v1, 1).blob, None), (encode_delta(v1, v0, 1, 0).blob, v0)):
+    for blob, held in ((to_bytes(encode_keyframe(v1, 1)), None), (to_bytes(encode_delta(v1, v0, 1, 0)), v0)):
         positions = [*torch.randint(0, len(blob), (40,), generator=gen).tolist(), 0, 8, len(blob) - 1]
         for pos in positions:
             corrupted = bytearray(blob)
@@ -219,8 +216,6 @@ def snapshot(ws: WeightSet) -> dict[str, bytes]:
 def with_payload(blob: bytes, name: str, packed: bytes) -> bytes:
     """``blob`` with one tensor's packed bytes replaced (and the entry's packed digest and the layout
     made to match): a well-formed update whose stream for ``name`` decodes to the wrong length."""
-    from fp8rl.weights import _layout, bytes_digest, sealed
-
     header_len = int.from_bytes(blob[:8], "little")
     header = json.loads(blob[8 : 8 + header_len])
     metadata = {k: v for k, v in header.pop("__metadata__").items() if k != "metadata_digest"}
@@ -231,7 +226,7 @@ def with_payload(blob: bytes, name: str, packed: bytes) -> bytes:
     payloads = {n: data[spec["data_offsets"][0] : spec["data_offsets"][1]] for n, spec in header.items()}
     payloads[name] = packed
     layout = {n: (torch.uint8, [len(b)], len(b)) for n, b in payloads.items()}
-    return _layout(layout, sealed(metadata)) + b"".join(payloads.values())
+    return header_segment(layout, sealed(metadata)) + b"".join(payloads.values())
 
 
 @pytest.mark.parametrize("fmt", ["fp8-block128", "bf16"])
@@ -246,7 +241,7 @@ def test_a_delta_is_applied_in_place_and_any_refusal_puts_every_byte_back(
 
     sd = model_like_state_dict(gen)
     v0, v1 = build_weight_set(sd, fmt), build_weight_set(mixed_step(sd, gen), fmt)  # type: ignore[arg-type]
-    delta = encode_delta(v1, v0, 1, 0).blob
+    delta = to_bytes(encode_delta(v1, v0, 1, 0))
     assert encodings(delta) == {"xor-sparse", "xor-zstd"}
     entries = json.loads(read_metadata(delta)["tensors"])
     sparse = next(n for n, e in entries.items() if e["chunks"][0][0] == "xor-sparse")
@@ -290,10 +285,10 @@ def test_an_update_in_parts_is_applied_as_they_come_and_put_back_whole_if_any_fa
     sd = model_like_state_dict(gen)
     v0, v1 = build_weight_set(sd, fmt), build_weight_set(mixed_step(sd, gen), fmt)  # type: ignore[arg-type]
     small = 1 << 16
-    parts = [p.blob for p in delta_parts(v1, v0, 1, 0, part_bytes=small)]
+    parts = [to_bytes(p) for p in delta_parts(v1, v0, 1, 0, part_bytes=small)]
     assert len(parts) >= 4 and all(read_metadata(b)["parts"] == str(len(parts)) for b in parts)
-    other_version = [p.blob for p in delta_parts(v1, v0, 2, 0, part_bytes=small)]
-    other_cut = [p.blob for p in delta_parts(v1, v0, 1, 0, part_bytes=2 * small)]
+    other_version = [to_bytes(p) for p in delta_parts(v1, v0, 2, 0, part_bytes=small)]
+    other_cut = [to_bytes(p) for p in delta_parts(v1, v0, 1, 0, part_bytes=2 * small)]
     with_data = max(i for i, b in enumerate(parts) if len(b) > 8 + int.from_bytes(b[:8], "little"))
     flipped = bytearray(parts[with_data])
     flipped[-1] ^= 1
@@ -353,7 +348,7 @@ def test_an_update_in_parts_is_applied_as_they_come_and_put_back_whole_if_any_fa
 
     keyframe = UpdateDecoder()
     for part in keyframe_parts(v0, 0, part_bytes=small):
-        keyframe.add(bytearray(part.blob))
+        keyframe.add(bytearray(to_bytes(part)))
     assert_sets_identical(v0, keyframe.finish().weights)
     decoder = UpdateDecoder(v0, 0)
     for blob in parts:
@@ -377,28 +372,24 @@ def entries_of(blob: bytes) -> dict[str, Any]:
 
 def resealed(blob: bytes, edit: Callable[[dict[str, str]], None], keep_tensors: bool = True) -> bytes:
     """``blob`` with its metadata edited and sealed again (as anyone could), its tensors kept or dropped."""
-    from fp8rl.weights import _layout, sealed
-
     header_len = int.from_bytes(blob[:8], "little")
     header = json.loads(blob[8 : 8 + header_len])
     metadata = {k: v for k, v in header.pop("__metadata__").items() if k != "metadata_digest"}
     edit(metadata)
     if not keep_tensors:
-        return _layout({}, sealed(metadata))
+        return header_segment({}, sealed(metadata))
     layout = {
         n: (torch.uint8, spec["shape"], spec["data_offsets"][1] - spec["data_offsets"][0])
         for n, spec in header.items()
     }
-    return _layout(layout, sealed(metadata)) + blob[8 + header_len :]
+    return header_segment(layout, sealed(metadata)) + blob[8 + header_len :]
 
 
 def test_big_tensors_are_cut_into_chunks_each_encoded_its_own_way(gen: torch.Generator) -> None:
     """A tensor over 16 MiB is hashed, packed and unpacked in chunks on every core: an unchanged chunk
     ships nothing, a sparse one its pairs, a dense one its XOR stream, a new tensor's chunks their bytes;
     a refusal after every chunk was applied puts every chunk back."""
-    from fp8rl.weights import _CHUNK
-
-    per_chunk = _CHUNK // 4
+    per_chunk = CHUNK_BYTES // 4
     base_t = torch.randn(2 * per_chunk + 1000, generator=gen)  # three chunks, the last one short
     new_t = base_t.clone()
     new_t[per_chunk + 4 : per_chunk + 8] += 1.0
@@ -407,7 +398,7 @@ def test_big_tensors_are_cut_into_chunks_each_encoded_its_own_way(gen: torch.Gen
     new = WeightSet(
         "bf16", {"big": new_t, "small": torch.ones(3), "fresh": torch.randn(per_chunk + 1, generator=gen)}
     )
-    delta = encode_delta(new, base, 1, 0).blob
+    delta = to_bytes(encode_delta(new, base, 1, 0))
     entries = json.loads(read_metadata(delta)["tensors"])
     assert [c[0] for c in entries["big"]["chunks"]] == ["same", "xor-sparse", "xor-zstd"]
     assert [c[0] for c in entries["fresh"]["chunks"]] == ["zstd", "zstd"]
@@ -444,7 +435,7 @@ def test_tensors_that_share_memory_are_not_rewritten_in_place(gen: torch.Generat
         "bf16", {**base.tensors, "a": shared + 1, "d": torch.ones(8).bfloat16(), "tail": strided[96:] + 1}
     )
     before = snapshot(base)
-    out = decode_update(encode_delta(new, base, 1, 0).blob, base, held_version=0)
+    out = decode_update(to_bytes(encode_delta(new, base, 1, 0)), base, held_version=0)
     assert_sets_identical(new, out.weights)
     for name in ("b", "c", "every other"):  # still read the old bytes
         assert raw_bytes(base.tensors[name]).tobytes() == before[name]
@@ -463,7 +454,7 @@ def test_memory_the_codec_does_not_own_is_never_written(gen: torch.Generator) ->
         held = WeightSet("bf16", {"w": torch.frombuffer(data, dtype=torch.bfloat16)})
     original = bytearray(data)  # a copy (bytes(data) would be the same object)
     new = WeightSet("bf16", {"w": held.tensors["w"] + 1})
-    out = decode_update(encode_delta(new, held, 1, 0).blob, held, held_version=0)
+    out = decode_update(to_bytes(encode_delta(new, held, 1, 0)), held, held_version=0)
     assert_sets_identical(new, out.weights)
     assert data == original and not held.consumed
 
@@ -473,13 +464,11 @@ def test_an_interrupt_while_chunks_are_applied_leaves_the_held_set_as_it_was(
 ) -> None:
     """Ctrl-C (or any BaseException) part-way through: every chunk still being written finishes, then all
     are undone, then the interrupt propagates."""
-    import fp8rl.weights as codec
-
     sd = model_like_state_dict(gen)
     v0, v1 = build_weight_set(sd, "bf16"), build_weight_set(mixed_step(sd, gen), "bf16")
-    delta = encode_delta(v1, v0, 1, 0).blob
+    delta = to_bytes(encode_delta(v1, v0, 1, 0))
     before, digest = snapshot(v0), v0.digest
-    real, calls = codec._unpack_chunk, []
+    real, calls = apply.unpack_chunk, []
 
     def interrupted(target: Any, i: int) -> Any:
         calls.append(i)
@@ -487,7 +476,7 @@ def test_an_interrupt_while_chunks_are_applied_leaves_the_held_set_as_it_was(
             raise KeyboardInterrupt
         return real(target, i)
 
-    monkeypatch.setattr(codec, "_unpack_chunk", interrupted)
+    monkeypatch.setattr(apply, "unpack_chunk", interrupted)
     with pytest.raises(KeyboardInterrupt):
         decode_update(delta, v0, held_version=0)
     assert len(calls) > 5 and snapshot(v0) == before and fresh_digest(v0) == digest and not v0.consumed
@@ -498,24 +487,22 @@ def test_a_chunk_that_cannot_be_put_back_consumes_the_held_set(
 ) -> None:
     """A dense chunk that fails part-way and then fails to undo itself (out of memory): the held set is
     consumed, so that it can no longer pass for its version; the replica then needs a keyframe."""
-    import fp8rl.weights as codec
-
     sd = model_like_state_dict(gen)
     v0, v1 = build_weight_set(sd, "bf16"), build_weight_set(mixed_step(sd, gen), "bf16")
-    real, calls = codec._unpack_chunk, []
+    real, calls = apply.unpack_chunk, []
 
     def unrestorable(target: Any, i: int) -> Any:
         calls.append(i)
         if len(calls) == 3:
-            raise codec._Unrestorable("a chunk could not be put back")
+            raise apply.Unrestorable("a chunk could not be put back")
         return real(target, i)
 
-    monkeypatch.setattr(codec, "_unpack_chunk", unrestorable)
+    monkeypatch.setattr(apply, "unpack_chunk", unrestorable)
     with pytest.raises(CorruptUpdateError, match="could not be put back"):
-        decode_update(encode_delta(v1, v0, 1, 0).blob, v0, held_version=0)
+        decode_update(to_bytes(encode_delta(v1, v0, 1, 0)), v0, held_version=0)
     assert v0.consumed
     with pytest.raises(BaseMismatchError, match="consumed"):
-        decode_update(encode_delta(v1, build_weight_set(sd, "bf16"), 1, 0).blob, v0, held_version=0)
+        decode_update(to_bytes(encode_delta(v1, build_weight_set(sd, "bf16"), 1, 0)), v0, held_version=0)
 
 
 def test_every_bit_of_the_header_is_covered(gen: torch.Generator) -> None:
@@ -524,7 +511,7 @@ def test_every_bit_of_the_header_is_covered(gen: torch.Generator) -> None:
     sd = model_like_state_dict(gen, layers=1)
     v0 = build_weight_set(sd, "fp8-block128")
     v1 = build_weight_set(adam_like_step(sd, gen, 1e-2), "fp8-block128")
-    for blob, held in ((encode_keyframe(v1, 1).blob, None), (encode_delta(v1, v0, 1, 0).blob, v0)):
+    for blob, held in ((to_bytes(encode_keyframe(v1, 1)), None), (to_bytes(encode_delta(v1, v0, 1, 0)), v0)):
         header_end = 8 + int.from_bytes(blob[:8], "little")
         for pos in range(header_end):
             for bit in range(8):
@@ -541,7 +528,7 @@ def test_chunks_reassemble_and_reject_truncation_and_reordering(gen: torch.Gener
     update = encode_keyframe(build_weight_set(sd, "fp8-block128"), 1)
     pieces = list(update.pieces(30_000))
     assert len(update.segments) > 10 and {len(p) for p in pieces[:-1]} == {30_000}
-    assert b"".join(pieces) == update.blob and len(update.blob) == update.wire_bytes
+    assert b"".join(pieces) == to_bytes(update) and len(to_bytes(update)) == update.wire_bytes
 
     def reassembled(parts: list[bytes]) -> bytearray:
         r = Reassembler(update.wire_bytes, update.digest)
@@ -549,7 +536,7 @@ def test_chunks_reassemble_and_reject_truncation_and_reordering(gen: torch.Gener
             r.add(part)
         return r.finish()
 
-    assert decode_update(reassembled(pieces)).weights.digest == decode_update(update.blob).weights.digest
+    assert decode_update(reassembled(pieces)).weights.digest == decode_update(to_bytes(update)).weights.digest
     with pytest.raises(CorruptUpdateError, match="truncated"):
         reassembled(pieces[:-1])
     with pytest.raises(CorruptUpdateError, match="more than"):
@@ -567,9 +554,9 @@ def test_updates_are_safetensors_files(gen: torch.Generator) -> None:
 
     v0 = build_weight_set(model_like_state_dict(gen, layers=1), "fp8-block128")
     v1 = build_weight_set(adam_like_step(model_like_state_dict(gen, layers=1), gen, 1e-2), "fp8-block128")
-    loaded = load(encode_keyframe(v0, 0).blob)
+    loaded = load(to_bytes(encode_keyframe(v0, 0)))
     assert_sets_identical(WeightSet(v0.format, loaded), v0)
-    assert set(load(encode_delta(v1, v0, 1, 0).blob)) <= set(v1.tensors)
+    assert set(load(to_bytes(encode_delta(v1, v0, 1, 0)))) <= set(v1.tensors)
 
 
 _DTYPES = [torch.bfloat16, torch.float32, torch.float8_e4m3fn]
@@ -605,9 +592,9 @@ def weight_set_pairs(draw: st.DrawFn) -> tuple[WeightSet, WeightSet]:
 @given(weight_set_pairs())
 def test_property_delta_round_trip(pair: tuple[WeightSet, WeightSet]) -> None:
     base, new = pair
-    key = decode_update(encode_keyframe(base, 7).blob)
+    key = decode_update(to_bytes(encode_keyframe(base, 7)))
     assert_sets_identical(base, key.weights)
-    out = decode_update(encode_delta(new, base, 8, 7).blob, key.weights, held_version=7)
+    out = decode_update(to_bytes(encode_delta(new, base, 8, 7)), key.weights, held_version=7)
     assert out.version == 8
     assert_sets_identical(new, out.weights)
 
@@ -615,8 +602,6 @@ def test_property_delta_round_trip(pair: tuple[WeightSet, WeightSet]) -> None:
 def recrafted(blob: bytes, edit: Callable[[dict[str, Any]], None]) -> bytes:
     """``blob`` with its delta entries edited and every digest and length recomputed, as an attacker
     holding no secret could: only the receiver's own bounds can refuse it."""
-    from fp8rl.weights import _layout, sealed
-
     header_len = int.from_bytes(blob[:8], "little")
     header = json.loads(blob[8 : 8 + header_len])
     metadata = {k: v for k, v in header.pop("__metadata__").items() if k != "metadata_digest"}
@@ -627,7 +612,7 @@ def recrafted(blob: bytes, edit: Callable[[dict[str, Any]], None]) -> bytes:
         n: (torch.uint8, spec["shape"], spec["data_offsets"][1] - spec["data_offsets"][0])
         for n, spec in header.items()
     }
-    return _layout(layout, sealed(metadata)) + blob[8 + header_len :]
+    return header_segment(layout, sealed(metadata)) + blob[8 + header_len :]
 
 
 def test_sizes_claimed_by_an_update_are_bounded_before_anything_is_allocated(gen: torch.Generator) -> None:
@@ -635,7 +620,7 @@ def test_sizes_claimed_by_an_update_are_bounded_before_anything_is_allocated(gen
     v0 = build_weight_set(sd, "fp8-block128")
     stepped = adam_like_step(sd, gen, 1e-4)  # sparse changes: xor-sparse entries
     fresh = {**stepped, "model.extra.weight": torch.randn(64, 64, generator=gen)}  # no base: a zstd entry
-    delta = encode_delta(build_weight_set(fresh, "fp8-block128"), v0, 1, 0).blob
+    delta = to_bytes(encode_delta(build_weight_set(fresh, "fp8-block128"), v0, 1, 0))
 
     def claim(shape: list[int]) -> Callable[[dict[str, Any]], None]:
         return lambda entries: entries["model.extra.weight"].update(shape=shape)
@@ -669,7 +654,7 @@ def test_sizes_claimed_by_an_update_are_bounded_before_anything_is_allocated(gen
 
 def test_only_the_canonical_header_is_accepted(gen: torch.Generator) -> None:
     """Whitespace is invisible to JSON: a header re-spelled with it must still be refused."""
-    blob = encode_keyframe(build_weight_set(model_like_state_dict(gen, layers=1), "bf16"), 1).blob
+    blob = to_bytes(encode_keyframe(build_weight_set(model_like_state_dict(gen, layers=1), "bf16"), 1))
     header_len = int.from_bytes(blob[:8], "little")
     spaced = json.dumps(json.loads(blob[8 : 8 + header_len])).encode()  # ", " and ": " separators
     spaced += b" " * (-len(spaced) % 8)
@@ -679,3 +664,18 @@ def test_only_the_canonical_header_is_accepted(gen: torch.Generator) -> None:
     padded[8 + header_len - 1] = ord("\n")  # the last padding space (or the closing brace) as a newline
     with pytest.raises(CorruptUpdateError):
         decode_update(bytes(padded))
+
+
+def test_the_services_never_import_the_whole_update_helpers() -> None:
+    """fp8rl.codec.testing (an update as one part in one buffer) is for tests and benches: the services
+    stream updates part by part."""
+    root = Path(__file__).resolve().parent.parent
+    for package in ("fp8rl", "rollout_service", "trainer_service", "coordinator"):
+        for path in (root / package).rglob("*.py"):
+            imported: set[str] = set()
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Import):
+                    imported |= {alias.name for alias in node.names}
+                elif isinstance(node, ast.ImportFrom) and node.module:
+                    imported |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+            assert "fp8rl.codec.testing" not in imported or path.name == "testing.py", path

@@ -17,11 +17,13 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from fp8rl.codec.encode import delta_parts, keyframe_parts
+from fp8rl.codec.stream import decode_parts, parts_to_chunks, receive_parts, update_to_chunks
+from fp8rl.codec.testing import decode_update, encode_keyframe
+from fp8rl.codec.weight_set import WeightSet
 from fp8rl.errors import CorruptUpdateError
 from fp8rl.serving import read_ahead, start_server
 from fp8rl.v1 import rollout_pb2, rollout_pb2_grpc, trainer_pb2_grpc, weights_pb2
-from fp8rl.weight_stream import decode_parts, parts_to_chunks, receive_parts, update_to_chunks
-from fp8rl.weights import WeightSet, decode_update, delta_parts, encode_keyframe, keyframe_parts
 
 ROOT = Path(__file__).resolve().parent.parent
 GRPC_DEFAULT_LIMIT = 4 * 1024 * 1024

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from fp8rl import quant
+from fp8rl.codec.schema import ATTENTION_SCALES, attention_scale_names
 from fp8rl.quant import ScaleFormat
-from fp8rl.weights import ATTENTION_SCALES, attention_scale_names
 
 ATTENTION = "fp8rl_fp8_kv_sdpa"
 """The transformers attention implementation that attends through the emulated cache (then sdpa)."""

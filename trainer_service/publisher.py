@@ -15,19 +15,13 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from fp8rl.codec.encode import PART_BYTES, EncodedUpdate, changed_fraction, delta_parts, keyframe_parts
+from fp8rl.codec.schema import build_weight_set
+from fp8rl.codec.stream import header_of, update_to_chunks
+from fp8rl.codec.weight_set import WeightSet
 from fp8rl.recipes import WeightFormat
 from fp8rl.security import SecurityConfig, channel
 from fp8rl.v1 import rollout_pb2_grpc, weights_pb2
-from fp8rl.weight_stream import header_of, update_to_chunks
-from fp8rl.weights import (
-    PART_BYTES,
-    EncodedUpdate,
-    WeightSet,
-    build_weight_set,
-    changed_fraction,
-    delta_parts,
-    keyframe_parts,
-)
 
 log = logging.getLogger(__name__)
 UPDATE_DEADLINE_S = 600.0
@@ -69,8 +63,9 @@ class Publisher:
         part_bytes: int = PART_BYTES,
         high_precision: Collection[str] = frozenset(),
     ) -> None:
-        """``part_bytes``: tensor bytes per part of a streamed update (fp8rl.weights); ``high_precision``:
-        the block linears (module names) an FP8 format ships in ``hp_dtype`` (fp8rl.architectures)."""
+        """``part_bytes``: tensor bytes per part of a streamed update (fp8rl.codec.encode);
+        ``high_precision``: the block linears (module names) an FP8 format ships in ``hp_dtype``
+        (fp8rl.architectures)."""
         self.weight_format, self.hp_dtype, self.recipe = weight_format, hp_dtype, recipe
         self.high_precision = frozenset(high_precision)
         self.part_bytes = part_bytes

@@ -1,28 +1,25 @@
 """Weight updates as gRPC message streams: for each part of an update, one ``WeightHeader``, then data
 chunks of at most 4 MiB, cut from the part's segments as they are sent.
 
-Proto conversion and stream checks only; the bytes themselves come from and go to :mod:`fp8rl.weights`.
+Proto conversion and stream checks only; the bytes themselves come from :mod:`fp8rl.codec.encode` and go
+to :mod:`fp8rl.codec.decode`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 
+from fp8rl.codec.decode import Admit, DecodedUpdate, UpdateDecoder
+from fp8rl.codec.encode import EncodedUpdate
+from fp8rl.codec.layout import MAX_PARTS
+from fp8rl.codec.weight_set import WeightSet, bytes_digest
 from fp8rl.errors import CorruptUpdateError
 from fp8rl.security import UpdateMac, sign_update, verify_update
 from fp8rl.v1 import weights_pb2
-from fp8rl.weights import (
-    MAX_PARTS,
-    Admit,
-    DecodedUpdate,
-    EncodedUpdate,
-    UpdateDecoder,
-    WeightSet,
-    bytes_digest,
-)
 
-# gRPC's default receive limit is 4 MiB per message; leave room for the message framing.
-CHUNK_BYTES = 4 * 1024 * 1024 - 4096
+# Data bytes per WeightChunk message. gRPC's default receive limit is 4 MiB per message; leave room for the
+# message framing.
+MESSAGE_BYTES = 4 * 1024 * 1024 - 4096
 
 
 def header_of(update: EncodedUpdate, epoch: int = 0, key: bytes | None = None) -> weights_pb2.WeightHeader:
@@ -46,7 +43,7 @@ def header_of(update: EncodedUpdate, epoch: int = 0, key: bytes | None = None) -
 
 
 def update_to_chunks(
-    update: EncodedUpdate, chunk_bytes: int = CHUNK_BYTES, header: weights_pb2.WeightHeader | None = None
+    update: EncodedUpdate, chunk_bytes: int = MESSAGE_BYTES, header: weights_pb2.WeightHeader | None = None
 ) -> Iterator[weights_pb2.WeightChunk]:
     """One part's messages (a whole stream when the update is one part)."""
     yield weights_pb2.WeightChunk(header=header if header is not None else header_of(update))
@@ -55,7 +52,7 @@ def update_to_chunks(
 
 
 def parts_to_chunks(
-    parts: Iterable[EncodedUpdate], epoch: int = 0, key: bytes | None = None, chunk_bytes: int = CHUNK_BYTES
+    parts: Iterable[EncodedUpdate], epoch: int = 0, key: bytes | None = None, chunk_bytes: int = MESSAGE_BYTES
 ) -> Iterator[weights_pb2.WeightChunk]:
     """An update's messages, each part signed (with ``key``) and sent as it comes."""
     for part in parts:
@@ -120,7 +117,7 @@ def decode_parts(
     admit: Admit | None = None,
     accept: Callable[[DecodedUpdate], None] | None = None,
 ) -> tuple[DecodedUpdate, int]:
-    """Apply received parts as they come (:class:`~fp8rl.weights.UpdateDecoder`: all or nothing, even
+    """Apply received parts as they come (:class:`~fp8rl.codec.decode.UpdateDecoder`: all or nothing, even
     when the stream breaks after some parts were applied); returns the update and the bytes received."""
     received = 0
     with UpdateDecoder(held, held_version, admit) as decoder:

@@ -14,7 +14,7 @@ bf16 / FP8 sets are rebuilt from the new master. Printed, all measured in this o
 * with ``--trajectory RUN_DIR``: the real per-step delta bytes and density of a coordinator run, from
   its per-step checkpoints, split into bf16 tensors, FP8 codes and FP8 scales.
 
-    python bench/weight_sync.py [--layers 24] [--seed 0] [--trajectory runs/<id>]
+    python bench/codec.py [--layers 24] [--seed 0] [--trajectory runs/<id>]
 """
 
 from __future__ import annotations
@@ -30,16 +30,11 @@ import torch
 import xxhash
 import zstandard
 
-from fp8rl.weights import (
-    SCALE_SUFFIX,
-    WEIGHT_FORMATS,
-    WeightSet,
-    build_weight_set,
-    decode_update,
-    encode_delta,
-    encode_keyframe,
-    raw_bytes,
-)
+from fp8rl.codec.layout import planes, word_of
+from fp8rl.codec.schema import SCALE_SUFFIX, build_weight_set
+from fp8rl.codec.testing import decode_update, encode_delta, encode_keyframe, to_bytes
+from fp8rl.codec.weight_set import WeightSet, raw_bytes
+from fp8rl.recipes import WEIGHT_FORMATS
 
 HIDDEN, MLP, KV_ROWS, VOCAB = 896, 4864, 128, 151936
 
@@ -141,11 +136,7 @@ def stage_shares(new: WeightSet, base: WeightSet) -> str:
 
 
 def words(a: np.ndarray) -> np.ndarray:
-    return a.view(next(f"<u{w}" for w in (8, 4, 2, 1) if a.size % w == 0))  # as fp8rl.weights compares
-
-
-def planes(a: np.ndarray) -> np.ndarray:
-    return a.view(np.uint8).reshape(-1, a.itemsize).T.ravel()  # as fp8rl.weights lays out sparse streams
+    return a.view(word_of(a.size))  # the words the codec compares
 
 
 def scatter_all(
@@ -173,7 +164,7 @@ def codec(master: dict[str, torch.Tensor], bf16_bytes: int) -> None:
             )
 
         keyframe, enc_s = timed(lambda: encode_keyframe(fresh(base), version=0), 3)  # noqa: B023
-        buffer = received(keyframe.blob)  # decoded in place: its tensors are views of this buffer
+        buffer = received(to_bytes(keyframe))  # decoded in place: its tensors are views of this buffer
         held, dec_s = timed(lambda: decode_update(buffer).weights, 3)  # noqa: B023
         row("keyframe", None, keyframe, enc_s, dec_s)
         for relative in (1e-4, 1e-5, 1e-6):
@@ -181,7 +172,7 @@ def codec(master: dict[str, torch.Tensor], bf16_bytes: int) -> None:
             new = build_weight_set(stepped, fmt)
             base.digest, held.digest  # noqa: B018 — both sides already know their bases' digests
             delta, enc_s = timed(lambda: encode_delta(fresh(new), base, version=1, base_version=0), 3)  # noqa: B023
-            dec_s = timed_decode(received(delta.blob), held)
+            dec_s = timed_decode(received(to_bytes(delta)), held)
             row("delta", relative, delta, enc_s, dec_s)
             if relative == 1e-4:
                 shares = stage_shares(new, base)

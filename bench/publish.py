@@ -20,7 +20,7 @@ With ``--split-cores`` the trainer runs on half the cores and the replica on the
 two machines: only then can one side encode while the other decodes (on shared cores, streaming only
 overlaps the codec with gRPC's own work).
 
-    python bench/weight_sync_e2e.py [--layers 24] [--format fp8-block128] [--split-cores]
+    python bench/publish.py [--layers 24] [--format fp8-block128] [--split-cores]
 """
 
 from __future__ import annotations
@@ -40,14 +40,16 @@ import grpc
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/weight_sync.py: the model's shapes
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/codec.py: the model's shapes
 
+from fp8rl.codec.encode import PART_BYTES
+from fp8rl.codec.schema import build_weight_set
+from fp8rl.codec.stream import MESSAGE_BYTES, Reassembler, decode_parts, receive_parts
+from fp8rl.codec.weight_set import WeightSet
 from fp8rl.recipes import WEIGHT_FORMATS
 from fp8rl.security import SecurityConfig
 from fp8rl.serving import read_ahead, start_server
 from fp8rl.v1 import rollout_pb2_grpc, weights_pb2
-from fp8rl.weight_stream import CHUNK_BYTES, Reassembler, decode_parts, receive_parts
-from fp8rl.weights import PART_BYTES, WeightSet, build_weight_set
 from trainer_service.publisher import Publisher, Target
 
 
@@ -108,8 +110,8 @@ def raw_seconds(address: str, nbytes: int) -> float:
 
     def chunks() -> Iterator[weights_pb2.WeightChunk]:
         yield weights_pb2.WeightChunk(header=weights_pb2.WeightHeader(encoding="raw", total_bytes=nbytes))
-        for start in range(0, nbytes, CHUNK_BYTES):
-            yield weights_pb2.WeightChunk(data=bytes(payload[start : start + CHUNK_BYTES]))
+        for start in range(0, nbytes, MESSAGE_BYTES):
+            yield weights_pb2.WeightChunk(data=bytes(payload[start : start + MESSAGE_BYTES]))
 
     with grpc.insecure_channel(address) as channel:
         stub = rollout_pb2_grpc.RolloutStub(channel)
@@ -145,7 +147,7 @@ def main() -> None:
     if args.replica:
         serve_replica()
         return
-    from weight_sync import qwen2_05b_shapes
+    from codec import qwen2_05b_shapes
 
     torch.manual_seed(0)
     master = {
