@@ -5,7 +5,7 @@
 each move a compare-and-set under the leader lease, so a coordinator that crashes anywhere resumes
 where the state says: a stored batch is not regenerated, a trained step is replayed by the trainer (never
 trained twice), a commit is written once. See coordinator/state.py for the keys. The work of the phases
-lives beside it: batches (coordinator/batches.py) and weight sync (coordinator/weight_sync.py).
+lives beside it: batches (coordinator/batches.py) and publishing (coordinator/publishing.py).
 """
 
 from __future__ import annotations
