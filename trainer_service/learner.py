@@ -19,7 +19,6 @@ import torch
 
 from fp8rl import grpo, quant
 from fp8rl.devices import resolve_device
-from fp8rl.errors import PreconditionFailed
 from fp8rl.logprobs import token_logprobs
 from fp8rl.recipes import ImportanceSampling, Recipe
 from fp8rl.sampling import SamplingSettings
@@ -32,7 +31,8 @@ T = TypeVar("T")
 
 
 class NonFiniteGradient(Exception):
-    """A mini-batch's gradient (or a tensor FP8 had to quantize on the way) is NaN or inf."""
+    """A mini-batch's gradient (or a tensor FP8 had to quantize on the way) is NaN or inf. Out of
+    :meth:`Learner.train` it means the step was skipped: the weights and optimizer state are unchanged."""
 
 
 @dataclass(frozen=True)
@@ -282,7 +282,7 @@ class Learner:
             self.optimizer.zero_grad(set_to_none=True)
             if before is not None:
                 self._restore(before)
-            raise PreconditionFailed(
+            raise NonFiniteGradient(
                 f"step {self.step}: non-finite gradient: {exc} (rewards or advantages too large?); "
                 f"the update was skipped, the weights stay at version {self.step}"
             ) from None

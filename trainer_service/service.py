@@ -30,7 +30,7 @@ from fp8rl.v1 import trainer_pb2
 from trainer_service import checkpoint, distributed
 from trainer_service.config import TrainerConfig
 from trainer_service.distributed import Ranks
-from trainer_service.learner import Learner, SampleData
+from trainer_service.learner import Learner, NonFiniteGradient, SampleData
 from trainer_service.publisher import Publisher, Target
 
 log = logging.getLogger(__name__)
@@ -207,8 +207,19 @@ class TrainerService:
         sampling: SamplingSettings,
         digest: str,
     ) -> trainer_pb2.TrainStepResponse:
-        """The step itself, and a scheduled checkpoint (on every rank)."""
-        metrics = self.learner.train(samples, sampling)
+        """The step itself, and a scheduled checkpoint (on every rank). A skipped step is an answer, not
+        an error: every rank skips it alike (the gradient norm is global), and nothing is remembered."""
+        try:
+            metrics = self.learner.train(samples, sampling)
+        except NonFiniteGradient as exc:
+            log.warning("%s", exc)
+            return trainer_pb2.TrainStepResponse(
+                step=request.step,
+                weight_version=self.step,
+                skipped=trainer_pb2.StepSkipped(
+                    reason=trainer_pb2.StepSkipped.REASON_NON_FINITE_GRADIENT, detail=str(exc)
+                ),
+            )
         self.steps_trained += 1
         self.train_seconds += metrics["train_s"]
         self.last_metrics = metrics
