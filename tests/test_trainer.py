@@ -320,6 +320,42 @@ def test_checkpoints_are_kept_to_the_newest_and_leftovers_cleaned(
     assert resumed.step == 3 and weight_bytes(resumed) == weight_bytes(service)
 
 
+def older_layout(service: TrainerService, root: Path) -> Path:
+    """Checkpoint ``service`` as one process did before every checkpoint had shards: whole tensors in
+    model/optimizer.safetensors, AdamW's state by parameter index (its non-tensors in trainer.json)."""
+    from trainer_service import checkpoint
+
+    adam = service.learner.optimizer.state_dict()
+    tensors, scalars = {}, {}
+    for index, fields in adam["state"].items():
+        for key, value in fields.items():
+            (tensors if isinstance(value, torch.Tensor) else scalars)[f"{index}.{key}"] = value
+    parts = {
+        "model": dict(service.learner.master_weights()),
+        "optimizer": tensors,
+        "rng": {"torch": torch.get_rng_state()},
+    }
+    optimizer = {"param_groups": adam["param_groups"], "scalars": scalars}
+    return checkpoint.save(
+        root, service.step, parts, service._meta() | {"step": service.step, "optimizer": optimizer}
+    )
+
+
+def test_a_checkpoint_of_the_older_one_process_layout_still_resumes(
+    tiny_model_dir_f32: Path, tmp_path: Path
+) -> None:
+    config = checkpointing(tiny_model_dir_f32, tmp_path / "ckpt")
+    service = TrainerService(config)
+    for step in range(2):
+        service.train_step(step_request(step, samples(step)))
+    older_layout(service, tmp_path / "ckpt")
+    resumed = TrainerService(config.model_copy(update={"resume": True}))
+    assert resumed.step == 2 and weight_bytes(resumed) == weight_bytes(service)
+    assert resumed.train_step(step_request(1, samples(1))).replayed
+    assert (Path(resumed.save_checkpoint().path) / "shards").is_dir()  # written again in today's layout
+    assert weight_bytes(TrainerService(config.model_copy(update={"resume": True}))) == weight_bytes(service)
+
+
 def test_a_failed_checkpoint_does_not_fail_the_step_and_is_retried(
     tiny_model_dir_f32: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -93,8 +93,10 @@ TRAINER_THREADS = 8  # calls wait for one model anyway; 4 of them stay with heal
 
 
 def serve(config: TrainerConfig, ranks: Ranks | None = None) -> None:
+    """Serve Trainer: as the only process (``ranks`` None), or as rank 0 of torchrun's group."""
     from fp8rl import serving
     from fp8rl.v1 import trainer_pb2_grpc
+    from trainer_service.distributed import ONE_PROCESS
     from trainer_service.service import TrainerService
     from trainer_service.servicer import SERVICE_NAME, TrainerServicer
 
@@ -105,7 +107,7 @@ def serve(config: TrainerConfig, ranks: Ranks | None = None) -> None:
     )
 
     def load(port: int) -> tuple[str, Callable[[], None]]:
-        service = TrainerService(config, ranks=ranks)
+        service = TrainerService(config, ranks=ranks or ONE_PROCESS)
         servicer.attach(service)
         loaded.append(service)
 
