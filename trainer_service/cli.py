@@ -28,7 +28,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, st
         "--nproc-per-node",
         type=int,
         help="ranks on this machine (one per GPU): starts them through torchrun, the model fully sharded "
-        "(FSDP2); rank 0 serves (1 also runs sharded, e.g. to resume a sharded checkpoint on one device). "
+        "(FSDP2) over more than one; rank 0 serves. Any number of ranks resumes any checkpoint. "
         "Several machines: `torchrun --nnodes M ... -m trainer_service.cli serve`.",
     )
     flags = add_config_flags(serve_parser, TrainerConfig)
