@@ -65,6 +65,20 @@ def torchrun(nproc: int, *args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
 
 
+def test_a_world_of_one_runs_its_collectives_without_a_group() -> None:
+    import torch.distributed as dist
+
+    from trainer_service.distributed import ONE_PROCESS
+
+    assert not dist.is_initialized() and ONE_PROCESS.is_root and not ONE_PROCESS.sharded
+    rows = torch.randn(5, 3)
+    assert ONE_PROCESS.all_sum(2.5) == 2.5 and ONE_PROCESS.all_max(rows) is rows
+    assert ONE_PROCESS.gather_rows(rows, [torch.arange(5)]) is rows
+    assert ONE_PROCESS.from_root("step-00000001") == "step-00000001"
+    ONE_PROCESS.announce("train", b"request")  # nobody to tell
+    ONE_PROCESS.barrier()
+
+
 @pytest.mark.parametrize(
     ("recipe", "tolerance", "update_tolerance"),
     [

@@ -90,9 +90,10 @@ class TrainerService:
         """``ranks``: this process's place in the trainer (trainer_service/distributed.py). Rank 0 serves:
         each method checks its request, then announces it to the other ranks, which run the same method
         on it."""
-        self.config, self.ranks = config, ranks
+        self.config = config
         self.recipe = get_recipe(config.recipe)
         self.learner = learner or Learner(config, self.recipe, ranks)
+        self.ranks = self.learner.ranks
         hp_dtype = torch.float32 if config.compute_dtype == "float32" else torch.bfloat16
         self.publisher = Publisher(
             self.recipe.rollout_weights,
@@ -111,7 +112,7 @@ class TrainerService:
         self.save_failures = 0
         self.save_pending = False
         self._lock = threading.Lock()  # one TrainStep / checkpoint at a time
-        if config.checkpoint_dir is not None and ranks.is_root:
+        if config.checkpoint_dir is not None and self.ranks.is_root:
             for path in checkpoint.clean_stale(config.checkpoint_dir):
                 log.warning("removed %s, left by an interrupted checkpoint", path)
         if config.resume:
