@@ -1,5 +1,5 @@
-"""The sharded trainer on 1 and 2 ranks (CPU, gloo): step time and memory per rank for the same global
-batch, measured in one run and printed side by side.
+"""The trainer on 1 rank (the model whole) and 2 (sharded; CPU, gloo): step time and memory per rank for
+the same global batch, measured in one run and printed side by side.
 
 A Qwen2-shaped model of about 30 M parameters (8 layers, hidden 512) is written to a temporary directory;
 each rank count runs under torchrun (one thread per rank), trains 2 warm-up and 3 timed GRPO steps on the

@@ -18,8 +18,6 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import grpc
-
 from coordinator.batches import Batch, BatchMaker
 from coordinator.clients import RolloutPool, TrainerClient
 from coordinator.config import CoordinatorConfig
@@ -156,15 +154,9 @@ class Driver:
         if self.config.max_staleness >= 1 and k + 1 < self.config.steps:
             ahead = self._ahead.submit(self.batches.generate_ahead, k + 1)  # overlaps training of step k
         t = time.perf_counter()
-        try:
-            result = self.trainer.train(batch.request)  # replays the stored result if step k was trained
-        except grpc.RpcError as exc:
-            if (
-                exc.code() != grpc.StatusCode.FAILED_PRECONDITION
-                or "non-finite gradient" not in exc.details()
-            ):
-                raise
-            self._refused(k, exc.details())
+        result = self.trainer.train(batch.request)  # replays the stored result if step k was trained
+        if result.HasField("skipped"):
+            self._refused(k, result.skipped)
             return ahead
         train_s = time.perf_counter() - t
         if state.phase == "train":
@@ -185,9 +177,16 @@ class Driver:
             self.store.event("warning", warning, k + 1)
         return ahead
 
-    def _refused(self, k: int, detail: str) -> None:
-        """The trainer skipped step k for a non-finite gradient (weights unchanged). Policy: generate the
-        step's batch afresh once; if that fails too, stop the run (resuming retries it again)."""
+    def _refused(self, k: int, skipped: trainer_pb2.StepSkipped) -> None:
+        """The trainer skipped step k (weights unchanged). Policy for a non-finite gradient: generate the
+        step's batch afresh once; if that fails too, stop the run (resuming retries it again). A reason
+        this coordinator does not know stops the run."""
+        detail = skipped.detail
+        if skipped.reason != trainer_pb2.StepSkipped.REASON_NON_FINITE_GRADIENT:
+            raise TrainingRefused(
+                f"the trainer skipped step {k} for reason {skipped.reason}, unknown here ({detail}); "
+                f"the run stopped at step {k}"
+            )
         self.store.event("non-finite-gradient", detail, k)
         if self._redone.get(k, 0) >= REDO_NON_FINITE:
             raise TrainingRefused(

@@ -332,7 +332,7 @@ def launch_embedded(
             file=sys.stderr,
         )
         raise SystemExit(2)
-    if config.trainer_procs > 1 or any((c / "shards").is_dir() for c in checkpoints):
+    if config.trainer_procs > 1:  # (one process resumes any number of ranks' checkpoints)
         trainer_args += ["--nproc-per-node", str(config.trainer_procs)]
     rollout_args = [
         "serve",

@@ -29,6 +29,7 @@ from tests.support import child_process, free_port, wait_for_line
 from tests.test_trainer import samples
 from trainer_service.config import TrainerConfig
 from trainer_service.learner import Learner, SampleData
+from trainer_service.service import TrainerService
 
 ROOT = Path(__file__).resolve().parent.parent
 LR = 1e-3
@@ -63,6 +64,20 @@ def sampling() -> SamplingSettings:
 
 def torchrun(nproc: int, *args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+
+
+def test_a_world_of_one_runs_its_collectives_without_a_group() -> None:
+    import torch.distributed as dist
+
+    from trainer_service.distributed import ONE_PROCESS
+
+    assert not dist.is_initialized() and ONE_PROCESS.is_root and not ONE_PROCESS.sharded
+    rows = torch.randn(5, 3)
+    assert ONE_PROCESS.all_sum(2.5) == 2.5 and ONE_PROCESS.all_max(rows) is rows
+    assert ONE_PROCESS.gather_rows(rows, [torch.arange(5)]) is rows
+    assert ONE_PROCESS.from_root("step-00000001") == "step-00000001"
+    ONE_PROCESS.announce("train", b"request")  # nobody to tell
+    ONE_PROCESS.barrier()
 
 
 @pytest.mark.parametrize(
@@ -232,6 +247,43 @@ def test_sharded_service_trains_publishes_and_resumes_on_another_rank_count(
         publish(stub, 1, address, -1)
         assert replica.held.digest == after_step
         assert stub.TrainStep(step_request(0), timeout=60).replayed  # the step's result came back with it
+        assert stub.TrainStep(step_request(1), timeout=300).weight_version == 2
+    # And one plain process (no torchrun) resumes it too: one layout for any number of ranks.
+    plain_service = TrainerService(
+        service_config(tiny_model_dir_f32, ckpt).model_copy(update={"resume": True})
+    )
+    assert plain_service.step == 1 and digest(plain_service) == after_step
+    plain_service.publisher.close()
+
+
+def service_config(model: Path, ckpt: Path) -> TrainerConfig:
+    """sharded_trainer's config, for a trainer in this process."""
+    return learner_config(model, "fp8").model_copy(update={"checkpoint_dir": ckpt, "checkpoint_every": 0})
+
+
+def digest(service: TrainerService) -> str:
+    return build_weight_set(service.learner.master_weights(), "fp8-block128", torch.float32).digest
+
+
+def test_two_ranks_resume_the_checkpoint_of_one_process(
+    tiny_model_dir_f32: Path, tmp_path: Path, kept: tuple[KeptUpdates, str]
+) -> None:
+    replica, address = kept
+    ckpt = tmp_path / "ckpt"
+    plain = TrainerService(service_config(tiny_model_dir_f32, ckpt))
+    plain.train_step(step_request(0))
+    plain.save_checkpoint()
+    saved = digest(plain)
+    plain.publisher.close()
+    with contextlib.contextmanager(sharded_trainer)(tiny_model_dir_f32, 2, ckpt, tmp_path / "two.log") as (
+        _,
+        trainer,
+    ):
+        stub = trainer_pb2_grpc.TrainerStub(grpc.insecure_channel(trainer))
+        assert stub.GetStatus(common_pb2.GetStatusRequest(), timeout=30).step == 1
+        publish(stub, 1, address, -1)
+        assert replica.held is not None and replica.held.digest == saved  # resharded, bit for bit
+        assert stub.TrainStep(step_request(0), timeout=60).replayed
         assert stub.TrainStep(step_request(1), timeout=300).weight_version == 2
 
 

@@ -101,6 +101,9 @@ class FakeTrainer:
         self.crash_publishing: int | None = None
         self.refuse: set[str] = set()  # replicas whose update fails
         self.non_finite: dict[int, int] = {}  # step -> how many more times its gradient is non-finite
+        self.skip_detail = "step {k}: non-finite gradient: the gradient norm of mini-batch 0 is inf"
+        self.skip_reason = trainer_pb2.StepSkipped.REASON_NON_FINITE_GRADIENT
+        self.refusal: grpc.RpcError | None = None  # raised by the next TrainStep
         self.on_train: Callable[[int], None] = lambda step: None  # runs as a step starts training
 
     def status(self) -> trainer_pb2.TrainerStatus:
@@ -116,10 +119,13 @@ class FakeTrainer:
         assert k == self.step, f"asked to train step {k} at step {self.step}"
         assert len(request.samples) > 0
         self.on_train(k)
-        if self.non_finite.get(k, 0) > 0:
+        if self.refusal is not None:
+            refusal, self.refusal = self.refusal, None
+            raise refusal
+        if self.non_finite.get(k, 0) > 0:  # skipped, as the trainer answers it: weights unchanged
             self.non_finite[k] -= 1
-            detail = f"step {k}: non-finite gradient: the gradient norm of mini-batch 0 is inf"
-            raise FakeRpcError(grpc.StatusCode.FAILED_PRECONDITION, detail)
+            skipped = trainer_pb2.StepSkipped(reason=self.skip_reason, detail=self.skip_detail.format(k=k))
+            return trainer_pb2.TrainStepResponse(step=k, weight_version=k, skipped=skipped)
         self.step += 1
         self.trained.append(k)
         metrics = trainer_pb2.TrainMetrics(token_mult_prob_error=1.0, loss=0.1 * k)
@@ -399,3 +405,27 @@ def test_a_step_that_stays_non_finite_stops_the_run_and_resumes_later(
     assert run.trainer.trained == [0] and run.store.read() == RunState(1, "train")
     run.drive()  # fixed (here: the trainer no longer refuses): the run resumes at step 1
     assert run.trainer.trained == [0, 1, 2] and run.steps() == [0, 1, 2, 3]
+
+
+def test_the_driver_reads_a_skipped_step_from_its_typed_outcome_not_its_message(
+    client: redis.Redis, tmp_path: Path
+) -> None:
+    run = Run(client, tmp_path)
+    run.trainer.non_finite = {1: 1}
+    run.trainer.skip_detail = "step {k}: the update overflowed"  # reworded: the policy still applies
+    run.drive()
+    assert run.trainer.trained == [0, 1, 2] and run.events("non-finite-gradient") == [
+        "step 1: the update overflowed"
+    ]
+    # An error that merely reads like one is an error: it propagates, and nothing is redone.
+    run = Run(client, tmp_path)
+    run.trainer.refusal = FakeRpcError(grpc.StatusCode.FAILED_PRECONDITION, "step 0: non-finite gradient")
+    with pytest.raises(grpc.RpcError):
+        run.drive()
+    assert run.trainer.trained == [] and run.events("redo-batch") == []
+    # A reason this driver does not know stops the run rather than retrying blindly.
+    run = Run(client, tmp_path)
+    run.trainer.non_finite, run.trainer.skip_reason = {0: 1}, 7  # type: ignore[assignment]
+    with pytest.raises(TrainingRefused, match="reason 7, unknown here"):
+        run.drive()
+    assert run.trainer.trained == [] and run.store.read() == RunState(0, "train")

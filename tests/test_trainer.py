@@ -12,7 +12,7 @@ import torch
 
 from fp8rl.codec.schema import build_weight_set
 from fp8rl.codec.weight_set import raw_bytes
-from fp8rl.errors import InvalidRequest, PreconditionFailed
+from fp8rl.errors import InvalidRequest
 from fp8rl.serving import start_server
 from fp8rl.v1 import common_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc, weights_pb2
 from tests.support import load_reference, reference_logprobs
@@ -269,13 +269,10 @@ def test_a_non_finite_gradient_skips_the_step_and_changes_nothing(trainer) -> No
     service, stub = trainer
     stub.TrainStep(step_request(0, samples(0)), timeout=120)
     before = weight_bytes(service)
-    with pytest.raises(grpc.RpcError) as refused:
-        stub.TrainStep(step_request(1, huge_advantages(samples(1), range(6))), timeout=120)
-    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert (
-        "step 1: non-finite gradient" in refused.value.details()
-        and "update was skipped" in refused.value.details()
-    )
+    skipped = stub.TrainStep(step_request(1, huge_advantages(samples(1), range(6))), timeout=120)
+    assert skipped.HasField("skipped") and skipped.step == 1 and skipped.weight_version == 1
+    assert skipped.skipped.reason == trainer_pb2.StepSkipped.REASON_NON_FINITE_GRADIENT
+    assert "step 1: non-finite gradient" in skipped.skipped.detail
     assert weight_bytes(service) == before and service.step == 1
     assert stub.TrainStep(step_request(1, samples(1)), timeout=120).weight_version == 2  # the next try trains
 
@@ -293,8 +290,8 @@ def test_a_non_finite_gradient_in_a_later_mini_batch_undoes_the_earlier_ones(
     service = TrainerService(config)
     service.train_step(step_request(0, samples(0)))
     before = weight_bytes(service)
-    with pytest.raises(PreconditionFailed, match="mini-batch 1"):
-        service.train_step(step_request(1, huge_advantages(samples(1), range(3, 6))))
+    skipped = service.train_step(step_request(1, huge_advantages(samples(1), range(3, 6))))
+    assert skipped.HasField("skipped") and "mini-batch 1" in skipped.skipped.detail
     assert weight_bytes(service) == before and service.step == 1
 
 
@@ -322,6 +319,42 @@ def test_checkpoints_are_kept_to_the_newest_and_leftovers_cleaned(
     assert checkpoint_steps(root) == ["step-00000002", "step-00000003"]
     resumed = TrainerService(config.model_copy(update={"resume": True}))
     assert resumed.step == 3 and weight_bytes(resumed) == weight_bytes(service)
+
+
+def older_layout(service: TrainerService, root: Path) -> Path:
+    """Checkpoint ``service`` as one process did before every checkpoint had shards: whole tensors in
+    model/optimizer.safetensors, AdamW's state by parameter index (its non-tensors in trainer.json)."""
+    from trainer_service import checkpoint
+
+    adam = service.learner.optimizer.state_dict()
+    tensors, scalars = {}, {}
+    for index, fields in adam["state"].items():
+        for key, value in fields.items():
+            (tensors if isinstance(value, torch.Tensor) else scalars)[f"{index}.{key}"] = value
+    parts = {
+        "model": dict(service.learner.master_weights()),
+        "optimizer": tensors,
+        "rng": {"torch": torch.get_rng_state()},
+    }
+    optimizer = {"param_groups": adam["param_groups"], "scalars": scalars}
+    return checkpoint.save(
+        root, service.step, parts, service._meta() | {"step": service.step, "optimizer": optimizer}
+    )
+
+
+def test_a_checkpoint_of_the_older_one_process_layout_still_resumes(
+    tiny_model_dir_f32: Path, tmp_path: Path
+) -> None:
+    config = checkpointing(tiny_model_dir_f32, tmp_path / "ckpt")
+    service = TrainerService(config)
+    for step in range(2):
+        service.train_step(step_request(step, samples(step)))
+    older_layout(service, tmp_path / "ckpt")
+    resumed = TrainerService(config.model_copy(update={"resume": True}))
+    assert resumed.step == 2 and weight_bytes(resumed) == weight_bytes(service)
+    assert resumed.train_step(step_request(1, samples(1))).replayed
+    assert (Path(resumed.save_checkpoint().path) / "shards").is_dir()  # written again in today's layout
+    assert weight_bytes(TrainerService(config.model_copy(update={"resume": True}))) == weight_bytes(service)
 
 
 def test_a_failed_checkpoint_does_not_fail_the_step_and_is_retried(

@@ -1,29 +1,152 @@
-"""Atomic, pickle-free checkpoints: safetensors for tensors, JSON for everything else.
+"""Atomic checkpoints of the trainer, one layout for any number of ranks, which any number resumes.
 
-Layout: ``<root>/step-00000042/{model,optimizer,rng}.safetensors, trainer.json, manifest.json``. A
-checkpoint is written into a temporary directory, every file fsynced, ``manifest.json`` (sizes and
-digests of the others) last, then renamed into place — so a directory named ``step-*`` is complete, and
-one whose manifest does not verify (a torn copy, a bad disk) is skipped on resume.
+Layout: ``<root>/step-00000042/shards/`` (torch.distributed.checkpoint: each rank's shards of the
+weights and AdamW state, resharded on load), ``{rng,kv_cache}.safetensors``, ``trainer.json`` (the step
+and the service's state), ``manifest.json``. A checkpoint is written into a staging directory, every file
+fsynced, ``manifest.json`` (sizes and digests of the others) last, then renamed into place — so a
+directory named ``step-*`` is complete, and one whose manifest does not verify (a torn copy, a bad disk)
+is skipped on resume. Our files are safetensors and JSON; ``shards/.metadata`` is torch's own (pickled).
+Checkpoints of one process from before the layout was one (``{model,optimizer}.safetensors``, whole
+tensors) still resume in one process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import shutil
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from fp8rl.serving import pid_alive
 
+if TYPE_CHECKING:
+    from trainer_service.learner import Learner
+
 log = logging.getLogger(__name__)
 PREFIX = "step-"
+SHARDS = "shards"  # torch.distributed.checkpoint's directory in a checkpoint
+SHARDED = ("model", "optimizer")  # the parts of Learner.state_dict() that live in it
+
+
+def write(root: Path, learner: Learner, meta: Mapping[str, Any], keep: int | None = None) -> Path:
+    """Checkpoint ``learner`` as step ``learner.step``, with ``meta`` (its service's state, JSON), every
+    rank calling: each writes its shards into one staging directory; rank 0 then seals them with the rest
+    and renames it into place (:func:`save`). A failed write leaves nothing behind."""
+    import torch.distributed.checkpoint as dcp
+
+    ranks, step = learner.ranks, learner.step
+    staged = staging(root, step)
+    path = root / f"{PREFIX}{step:08d}"
+    try:
+        if ranks.is_root:
+            shutil.rmtree(staged, ignore_errors=True)
+            staged.mkdir(parents=True)
+        ranks.barrier()
+        state = learner.state_dict()
+        shards = {k: state.pop(k) for k in SHARDED if k in state}
+        with _one_process_quiet():
+            dcp.save(shards, checkpoint_id=staged / SHARDS, no_dist=not dist.is_initialized())
+        ranks.barrier()
+        if ranks.is_root:
+            tensors = {"rng": _rng_state()}
+            if "kv_cache" in state:
+                tensors["kv_cache"] = {"scales": state["kv_cache"]}
+            sealed = {**meta, "step": step, "ranks": ranks.world, "optimizer_saved": "optimizer" in shards}
+            path = save(root, step, tensors, sealed, keep, staged)
+            log.info("checkpoint %s written by %d rank(s)", path, ranks.world)
+    except BaseException:  # (across ranks the group ends too: the next start cleans up after the others)
+        shutil.rmtree(staged, ignore_errors=True)
+        raise
+    ranks.barrier()
+    return path
+
+
+def resume(root: Path | None, learner: Learner) -> tuple[Path, dict[str, Any]] | None:
+    """Load the newest complete checkpoint of ``root`` into ``learner``, every rank calling (rank 0
+    chooses it for all: every rank must load the same one), resharded to these ranks; return it with its
+    meta, or None when there is none."""
+    ranks = learner.ranks
+    chosen = latest(root) if root is not None and ranks.is_root else None
+    named = ranks.from_root(str(chosen or ""))
+    if not named:
+        return None
+    path = Path(named)
+    tensors, meta = load(path)
+    state = (
+        _sharded_state(path, learner, meta)
+        if (path / SHARDS).is_dir()
+        else _whole_state(path, learner, tensors, meta)
+    )
+    if "kv_cache" in tensors:
+        state["kv_cache"] = tensors["kv_cache"]["scales"]
+    elif learner.kv_cache is not None:  # (written under another recipe, or before scales were calibrated)
+        log.warning("%s holds no FP8 attention scales: they restart at 1.0", path)
+    state["step"] = meta["step"]
+    learner.load_state_dict(state)
+    torch.set_rng_state(tensors["rng"]["torch"])
+    if "cuda" in tensors["rng"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors["rng"]["cuda"])
+    return path, meta
+
+
+def _sharded_state(path: Path, learner: Learner, meta: Mapping[str, Any]) -> dict[str, Any]:
+    """The learner's state from ``path``'s shards, loaded in place into its own (so resharded)."""
+    import torch.distributed.checkpoint as dcp
+
+    state = learner.state_dict(optimizer=meta.get("optimizer_saved", True))
+    state.pop("kv_cache", None)
+    shards = {k: state.pop(k) for k in SHARDED if k in state}
+    with _one_process_quiet():
+        dcp.load(shards, checkpoint_id=path / SHARDS, no_dist=not dist.is_initialized())
+    return state | shards
+
+
+def _whole_state(
+    path: Path, learner: Learner, tensors: Mapping[str, Mapping[str, torch.Tensor]], meta: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The learner's state from a checkpoint of one process in the older layout (whole tensors, AdamW's
+    state by parameter index), shaped as :meth:`Learner.state_dict`'s."""
+    if learner.ranks.sharded:
+        raise RuntimeError(f"{path} was written by one process of an older version: resume it in one process")
+    names = list(learner.master_weights())  # the parameters' order: the optimizer's indices
+    state = learner.state_dict(optimizer=False)
+    state.pop("kv_cache", None)
+    state["model"] = {**state["model"], **tensors["model"]}
+    adam = unflatten_optimizer(tensors["optimizer"], meta["optimizer"])
+    if adam["state"]:
+        groups = [{**g, "params": [names[i] for i in g["params"]]} for g in adam["param_groups"]]
+        state["optimizer"] = {
+            "state": {names[i]: v for i, v in adam["state"].items()},
+            "param_groups": groups,
+        }
+    return state
+
+
+@contextlib.contextmanager
+def _one_process_quiet() -> Iterator[None]:
+    """Around torch.distributed.checkpoint in a process without a group: it warns, at every call, that it
+    assumes one process, which is what is meant."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        yield
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    """This process's RNG states (rank 0's, in a checkpoint of several)."""
+    rng = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    return rng
 
 
 def _fsync_write(path: Path, data: bytes) -> None:
@@ -148,19 +271,9 @@ def load(path: Path) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]
     return tensors, json.loads((path / "trainer.json").read_text())
 
 
-def flatten_optimizer(state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """``optimizer.state_dict()`` -> (tensors keyed ``<param index>.<field>``, JSON-able rest)."""
-    tensors, scalars = {}, {}
-    for index, fields in state["state"].items():
-        for key, value in fields.items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"{index}.{key}"] = value
-            else:
-                scalars[f"{index}.{key}"] = value
-    return tensors, {"param_groups": state["param_groups"], "scalars": scalars}
-
-
 def unflatten_optimizer(tensors: Mapping[str, torch.Tensor], rest: Mapping[str, Any]) -> dict[str, Any]:
+    """An older checkpoint's AdamW state (tensors keyed ``<param index>.<field>``, the JSON rest) as
+    ``optimizer.state_dict()`` had it."""
     state: dict[int, dict[str, Any]] = {}
     for flat, value in [*tensors.items(), *rest["scalars"].items()]:
         index, key = flat.split(".", 1)

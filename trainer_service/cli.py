@@ -28,7 +28,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, st
         "--nproc-per-node",
         type=int,
         help="ranks on this machine (one per GPU): starts them through torchrun, the model fully sharded "
-        "(FSDP2); rank 0 serves (1 also runs sharded, e.g. to resume a sharded checkpoint on one device). "
+        "(FSDP2) over more than one; rank 0 serves. Any number of ranks resumes any checkpoint. "
         "Several machines: `torchrun --nnodes M ... -m trainer_service.cli serve`.",
     )
     flags = add_config_flags(serve_parser, TrainerConfig)
@@ -93,8 +93,10 @@ TRAINER_THREADS = 8  # calls wait for one model anyway; 4 of them stay with heal
 
 
 def serve(config: TrainerConfig, ranks: Ranks | None = None) -> None:
+    """Serve Trainer: as the only process (``ranks`` None), or as rank 0 of torchrun's group."""
     from fp8rl import serving
     from fp8rl.v1 import trainer_pb2_grpc
+    from trainer_service.distributed import ONE_PROCESS
     from trainer_service.service import TrainerService
     from trainer_service.servicer import SERVICE_NAME, TrainerServicer
 
@@ -105,7 +107,7 @@ def serve(config: TrainerConfig, ranks: Ranks | None = None) -> None:
     )
 
     def load(port: int) -> tuple[str, Callable[[], None]]:
-        service = TrainerService(config, ranks=ranks)
+        service = TrainerService(config, ranks=ranks or ONE_PROCESS)
         servicer.attach(service)
         loaded.append(service)
 

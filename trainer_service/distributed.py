@@ -32,12 +32,51 @@ COMMANDS = ("train", "logprobs", "publish", "save", "stop")
 
 @dataclass(frozen=True)
 class Ranks:
-    rank: int
-    world: int
+    """This process's place in the trainer: rank ``rank`` of ``world``. A world of one (a plain process,
+    or torchrun with one rank) is the same code path: its collectives return their input and send
+    nothing, and its model is not sharded."""
+
+    rank: int = 0
+    world: int = 1
 
     @property
     def is_root(self) -> bool:
         return self.rank == 0
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the model is split over ranks (FSDP2), so that every rank takes part in each step."""
+        return self.world > 1
+
+    def all_sum(self, value: float) -> float:
+        """``value`` summed over ranks (float64)."""
+        return _all_sum(value) if self.sharded else value
+
+    def all_max(self, t: torch.Tensor) -> torch.Tensor:
+        """The elementwise maximum of ``t`` over ranks (a collective every rank calls)."""
+        return _all_max(t) if self.sharded else t
+
+    def gather_rows(self, local: torch.Tensor, owners: list[torch.Tensor]) -> torch.Tensor:
+        """Rank r computed the rows ``owners[r]`` (``local`` is this rank's, in that order); return every
+        row, in order, on every rank (in a world of one, ``owners[0]`` is every row in order: ``local``)."""
+        return _gather_rows(local, owners, self.world) if self.sharded else local
+
+    def barrier(self) -> None:
+        if self.sharded:
+            dist.barrier()
+
+    def from_root(self, text: str) -> str:
+        """Rank 0's ``text`` on every rank (what the others pass is ignored)."""
+        return _broadcast_text(text if self.is_root else None) if self.sharded else text
+
+    def announce(self, kind: str, payload: bytes) -> None:
+        """Rank 0: tell every other rank to run ``kind`` on ``payload`` (a request's bytes); nothing on
+        the ranks that follow, who run the command already, nor in a world of one."""
+        if self.sharded and self.is_root:
+            _announce(kind, payload)
+
+
+ONE_PROCESS = Ranks()
 
 
 GROUP_TIMEOUT = datetime.timedelta(days=7)
@@ -64,8 +103,7 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def announce(kind: str, payload: bytes) -> None:
-    """Rank 0: tell every rank to run ``kind`` on ``payload`` (a request's bytes)."""
+def _announce(kind: str, payload: bytes) -> None:
     header = torch.tensor([COMMANDS.index(kind), len(payload)], dtype=torch.int64, device=_device())
     dist.broadcast(header, src=0)
     if payload:
@@ -73,7 +111,7 @@ def announce(kind: str, payload: bytes) -> None:
         dist.broadcast(data, src=0)
 
 
-def broadcast_text(text: str | None) -> str:
+def _broadcast_text(text: str | None) -> str:
     """Rank 0's ``text`` on every rank (the others pass None)."""
     payload = (text or "").encode()
     size = torch.tensor([len(payload)], dtype=torch.int64, device=_device())
@@ -116,7 +154,7 @@ def follow(handlers: dict[str, Callable[[bytes], object]]) -> None:
 
 
 @contextlib.contextmanager
-def in_step(ranks: Ranks | None) -> Iterator[None]:
+def in_step(ranks: Ranks) -> Iterator[None]:
     """Around rank 0's part of a command: an error other than a domain error may have left the ranks out
     of step, so the process ends and torchrun ends the group (the trainer turns unhealthy and restarts
     from its checkpoint) rather than serve on with ranks waiting in different collectives."""
@@ -125,20 +163,20 @@ def in_step(ranks: Ranks | None) -> Iterator[None]:
     except (InvalidRequest, PreconditionFailed):
         raise
     except BaseException:
-        if ranks is None or ranks.world == 1:
+        if not ranks.sharded:
             raise
         log.exception("rank %d failed in a collective step; ending the group", ranks.rank)
         logging.shutdown()
         os._exit(1)
 
 
-def gather_rows(local: torch.Tensor, owners: list[torch.Tensor], ranks: Ranks) -> torch.Tensor:
-    """Rank r computed the rows ``owners[r]`` (``local`` is this rank's, in that order); return every row,
-    in order, on every rank. Shares may differ in size: they are padded for the gather."""
+def _gather_rows(local: torch.Tensor, owners: list[torch.Tensor], world: int) -> torch.Tensor:
+    """:meth:`Ranks.gather_rows` across processes. Shares may differ in size: they are padded for the
+    gather."""
     share = max(len(rows) for rows in owners)
     padded = local.new_zeros((share, *local.shape[1:]))
     padded[: len(local)] = local
-    gathered = [torch.empty_like(padded) for _ in range(ranks.world)]
+    gathered = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(gathered, padded)
     out = local.new_empty((sum(len(rows) for rows in owners), *local.shape[1:]))
     for rows, part in zip(owners, gathered, strict=True):
@@ -146,18 +184,13 @@ def gather_rows(local: torch.Tensor, owners: list[torch.Tensor], ranks: Ranks) -
     return out
 
 
-def all_sum(value: float) -> float:
+def _all_sum(value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=_device())
     dist.all_reduce(t)
     return float(t.item())
 
 
-def all_max(t: torch.Tensor) -> torch.Tensor:
-    """The elementwise maximum of ``t`` over ranks (a collective every rank calls)."""
+def _all_max(t: torch.Tensor) -> torch.Tensor:
     out = t.detach().to(_device(), copy=True)
     dist.all_reduce(out, op=dist.ReduceOp.MAX)
     return out.to(t.device)
-
-
-def barrier() -> None:
-    dist.barrier()

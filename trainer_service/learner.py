@@ -19,12 +19,11 @@ import torch
 
 from fp8rl import grpo, quant
 from fp8rl.devices import resolve_device
-from fp8rl.errors import PreconditionFailed
 from fp8rl.logprobs import token_logprobs
 from fp8rl.recipes import ImportanceSampling, Recipe
 from fp8rl.sampling import SamplingSettings
 from trainer_service.config import TrainerConfig
-from trainer_service.distributed import Ranks, all_max, all_sum, gather_rows
+from trainer_service.distributed import ONE_PROCESS, Ranks
 from trainer_service.fp8_linear import Backend, convert_linears, fp8_context, resolve_backend
 from trainer_service.kv_cache import KVCache
 
@@ -32,7 +31,8 @@ T = TypeVar("T")
 
 
 class NonFiniteGradient(Exception):
-    """A mini-batch's gradient (or a tensor FP8 had to quantize on the way) is NaN or inf."""
+    """A mini-batch's gradient (or a tensor FP8 had to quantize on the way) is NaN or inf. Out of
+    :meth:`Learner.train` it means the step was skipped: the weights and optimizer state are unchanged."""
 
 
 @dataclass(frozen=True)
@@ -94,16 +94,40 @@ def split(n: int, parts: int) -> list[torch.Tensor]:
     return [c for c in torch.arange(n).tensor_split(min(parts, n)) if len(c)]
 
 
+@dataclass(frozen=True)
+class StepInputs:
+    """What every mini-batch of one TrainStep reads: the batch and, over its rows and tokens, the
+    figures computed once before the first update."""
+
+    batch: Batch
+    sampling: SamplingSettings
+    prev: torch.Tensor  # [B, L-1] logprobs under the weights before the step
+    support: torch.Tensor  # [B, L-1] float, the tokens the loss and metrics cover
+    weights: torch.Tensor  # [B, L-1] importance weights
+    advantages: torch.Tensor  # [B]
+    ref: torch.Tensor | None  # [B, L-1] reference logprobs, when the loss has a KL term
+
+
+@dataclass(frozen=True)
+class Update:
+    """One optimizer step's figures, summed over every rank's micro-batches."""
+
+    loss: float
+    grad_norm: float
+    clipped: float  # the micro-batches' PPO clipped fractions, summed
+    micro_batches: int
+
+
 class Learner:
-    def __init__(self, config: TrainerConfig, recipe: Recipe, ranks: Ranks | None = None) -> None:
-        """``ranks``: the group this learner is one rank of (torchrun); its model is then fully sharded,
-        and every rank works on its share of each batch (trainer_service/distributed.py)."""
+    def __init__(self, config: TrainerConfig, recipe: Recipe, ranks: Ranks = ONE_PROCESS) -> None:
+        """``ranks``: the group this learner is one rank of (torchrun); with more than one, its model is
+        fully sharded and every rank works on its share of each batch (trainer_service/distributed.py)."""
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(config.seed)
         self.config, self.recipe, self.ranks = config, recipe, ranks
         self.device = torch.device(resolve_device(config.device))
-        if ranks is not None and self.device.type == "cuda":
+        if self.device.type == "cuda":  # (the device torchrun's rank was given: join_group)
             self.device = torch.device("cuda", torch.cuda.current_device())
         model: Any = AutoModelForCausalLM.from_pretrained(config.model, dtype=torch.float32)
         self.model = model.to(self.device)
@@ -129,12 +153,12 @@ class Learner:
             self.kv_cache.install(self.model)
         self.reference = None
         if config.loss.kl_coef > 0:
-            if ranks is not None:
+            if ranks.sharded:
                 raise ValueError("loss.kl_coef > 0 (a reference model) is not supported across ranks yet")
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
             if self.kv_cache is not None:  # the same FP8 attention, with the policy's scales
                 self.kv_cache.install(self.reference)
-        if ranks is not None:
+        if ranks.sharded:
             shard(self.model)
         opt = config.optimizer
         self.optimizer = torch.optim.AdamW(
@@ -171,7 +195,7 @@ class Learner:
         attention scales."""
         # Across ranks NaN must not raise on one rank while the others wait in a collective: it flows
         # into the global gradient norm, which every rank refuses alike.
-        passes = quant.nonfinite_passes() if self.ranks is not None else contextlib.nullcontext()
+        passes = quant.nonfinite_passes() if self.ranks.sharded else contextlib.nullcontext()
         recording = (
             self.kv_cache.recording(batch.attention_mask)
             if calibrate and self.kv_cache is not None
@@ -190,8 +214,6 @@ class Learner:
         """``logprobs`` without grad, in micro-batches; across ranks each scores its share of them and
         every rank gets them all."""
         micros = list(torch.arange(len(batch.input_ids)).split(self.config.micro_batch_size))
-        if self.ranks is None:
-            return torch.cat([self.logprobs(batch.rows(m), sampling, calibrate=calibrate) for m in micros])
         scored = [
             (self.logprobs(batch.rows(m), sampling, calibrate=calibrate), real)
             for m, real in self._share(micros)
@@ -200,14 +222,14 @@ class Learner:
         owners = [
             torch.cat(micros[r :: self.ranks.world] or [micros[0][:0]]) for r in range(self.ranks.world)
         ]
-        return gather_rows(local, owners, self.ranks)
+        return self.ranks.gather_rows(local, owners)
 
     def _share(self, micros: list[torch.Tensor]) -> list[tuple[torch.Tensor, bool]]:
         """This rank's micro-batches, with whether each is real: whole micro-batches, round robin, so each
         is exactly one a single process runs (FP8's wgrad quantizes 128 consecutive tokens per feature:
         the same rows give the same groups), as many on every rank (FSDP's collectives run per forward
-        and backward); a rank short of one takes a stand-in (one row, weighed zero or dropped)."""
-        assert self.ranks is not None
+        and backward); a rank short of one takes a stand-in (one row, weighed zero or dropped). A world
+        of one runs them all, in order."""
         mine = [(m, True) for m in micros[self.ranks.rank :: self.ranks.world]]
         return mine + [(micros[0][:1], False)] * (_ceil_div(len(micros), self.ranks.world) - len(mine))
 
@@ -217,8 +239,37 @@ class Learner:
         return self.config.optimizer.lr * scale
 
     def train(self, samples: Sequence[SampleData], sampling: SamplingSettings) -> dict[str, Any]:
-        """One GRPO step on ``samples``; afterwards the weights are version ``step + 1``."""
+        """One GRPO step on ``samples``; afterwards the weights are version ``step + 1``. Raises
+        :class:`NonFiniteGradient` when it skipped the step instead (weights and AdamW state unchanged)."""
         start = time.perf_counter()
+        inputs, metrics = self._inputs(samples, sampling)
+        lr = self.learning_rate()
+        updates = self._updates(inputs, lr)
+        if self.kv_cache is not None:
+            self.kv_cache.calibrate(self.ranks.all_max)
+        self.step += 1
+        seconds = time.perf_counter() - start
+        tokens = int(inputs.batch.mask.sum().item())
+        micro_batches = sum(u.micro_batches for u in updates)
+        return metrics | {
+            "loss": _mean([u.loss for u in updates]),
+            "grad_norm": _mean([u.grad_norm for u in updates]),
+            "learning_rate": lr,
+            "ppo_clipped_fraction": sum(u.clipped for u in updates) / micro_batches
+            if micro_batches
+            else math.nan,
+            "num_tokens": tokens,
+            "num_samples": len(samples),
+            "tokens_per_s": tokens / seconds,
+            "train_s": seconds,
+            "reward_mean": sum(s.reward for s in samples) / len(samples),
+        }
+
+    def _inputs(
+        self, samples: Sequence[SampleData], sampling: SamplingSettings
+    ) -> tuple[StepInputs, dict[str, Any]]:
+        """The step's batch and what is computed over it before any update, with the metrics of the
+        rollout's divergence from the trainer."""
         batch = self.collate(samples)
         if self.kv_cache is not None:  # (whatever a failed step recorded does not count)
             self.kv_cache.amax.zero_()
@@ -230,78 +281,76 @@ class Learner:
         metrics["out_of_support_fraction"] = 1 - support.sum().item() / max(batch.mask.sum().item(), 1)
         advantages = self._advantages(samples).to(self.device)
         ref = self._reference_logprobs(batch, sampling)
-        lr = self.learning_rate()
-        losses, norms, clip_fractions = [], [], []
-        # With several optimizer steps per TrainStep, a non-finite gradient in a later one must undo the
-        # earlier ones: the step is applied whole or not at all.
+        return StepInputs(batch, sampling, prev, support, weights.weights, advantages, ref), metrics
+
+    def _updates(self, inputs: StepInputs, lr: float) -> list[Update]:
+        """An optimizer step per mini-batch that covers a token. With several, a non-finite gradient in
+        a later one must undo the earlier ones: the TrainStep is applied whole or not at all."""
         before = self._snapshot() if self.config.mini_batches > 1 else None
+        minis = split(len(inputs.advantages), self.config.mini_batches)
         try:
-            for index, mini in enumerate(split(len(samples), self.config.mini_batches)):
-                self.optimizer.zero_grad(set_to_none=True)
-                normalizer = support[mini].sum().item()  # every rank has the whole batch: the global count
-                if normalizer == 0:  # no token this mini-batch covers: Adam would still move on its moments
-                    continue
-                loss_sum, fractions = 0.0, []
-                split_mini = list(mini.split(self.config.micro_batch_size))
-                micros = [(m, True) for m in split_mini] if self.ranks is None else self._share(split_mini)
-                for micro, counts in micros:
-                    rows = batch.rows(micro)
-                    cur = self._checked(functools.partial(self.logprobs, rows, sampling), index)
-                    terms = grpo.ppo_loss(
-                        cur,
-                        prev[micro],
-                        advantages[micro],
-                        support[micro]
-                        if counts
-                        else torch.zeros_like(support[micro]),  # a stand-in: no weight
-                        weights.weights[micro],
-                        self.config.loss.clip_eps,
-                        normalizer,
-                        None if ref is None else ref[micro],
-                        self.config.loss.kl_coef,
-                    )
-                    self._checked(terms.loss.backward, index)
-                    if counts:
-                        loss_sum += terms.loss.item()
-                        fractions.append(terms.clipped_fraction.item())
-                if self.ranks is not None:
-                    loss_sum = all_sum(loss_sum)
-                    clipped, counted = all_sum(sum(fractions)), all_sum(len(fractions))
-                    fractions = [clipped / counted] * int(counted)  # every rank's micro-batches
-                clip_fractions += fractions
-                clip = self.config.optimizer.grad_clip
-                norm = _item(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
-                if not math.isfinite(norm):
-                    raise NonFiniteGradient(f"the gradient norm of mini-batch {index} is {norm}")
-                norms.append(norm)
-                for group in self.optimizer.param_groups:
-                    group["lr"] = lr
-                self.optimizer.step()
-                losses.append(loss_sum)
+            done = [self._mini_batch(inputs, mini, index, lr) for index, mini in enumerate(minis)]
         except NonFiniteGradient as exc:
             self.optimizer.zero_grad(set_to_none=True)
             if before is not None:
                 self._restore(before)
-            raise PreconditionFailed(
+            raise NonFiniteGradient(
                 f"step {self.step}: non-finite gradient: {exc} (rewards or advantages too large?); "
                 f"the update was skipped, the weights stay at version {self.step}"
             ) from None
-        if self.kv_cache is not None:
-            self.kv_cache.calibrate(None if self.ranks is None else all_max)
-        self.step += 1
-        seconds = time.perf_counter() - start
-        tokens = int(batch.mask.sum().item())
-        return metrics | {
-            "loss": sum(losses) / len(losses) if losses else math.nan,
-            "grad_norm": sum(norms) / len(norms) if norms else math.nan,
-            "learning_rate": lr,
-            "ppo_clipped_fraction": sum(clip_fractions) / len(clip_fractions) if clip_fractions else math.nan,
-            "num_tokens": tokens,
-            "num_samples": len(samples),
-            "tokens_per_s": tokens / seconds,
-            "train_s": seconds,
-            "reward_mean": sum(s.reward for s in samples) / len(samples),
-        }
+        return [u for u in done if u is not None]
+
+    def _mini_batch(self, inputs: StepInputs, mini: torch.Tensor, index: int, lr: float) -> Update | None:
+        """One optimizer step on the rows ``mini`` (mini-batch ``index``), each rank on its share of
+        its micro-batches; None when the rows cover no token (Adam would still move on its moments)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        normalizer = inputs.support[mini].sum().item()  # every rank has the whole batch: the global count
+        if normalizer == 0:
+            return None
+        figures = []  # (loss, PPO clipped fraction) of this rank's real micro-batches
+        for micro, real in self._share(list(mini.split(self.config.micro_batch_size))):
+            terms = self._micro_batch(inputs, micro, real, normalizer, index)
+            if real:
+                figures.append((terms.loss.item(), terms.clipped_fraction.item()))
+        loss, clipped, counted = self._reduced(
+            sum(f[0] for f in figures), sum(f[1] for f in figures), len(figures)
+        )
+        clip = self.config.optimizer.grad_clip
+        norm = _item(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
+        if not math.isfinite(norm):
+            raise NonFiniteGradient(f"the gradient norm of mini-batch {index} is {norm}")
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        return Update(loss, norm, clipped, counted)
+
+    def _micro_batch(
+        self, inputs: StepInputs, micro: torch.Tensor, real: bool, normalizer: float, index: int
+    ) -> grpo.LossTerms:
+        """The loss on the rows ``micro``, its gradient added to the mini-batch's (a stand-in, not
+        ``real``, weighs nothing); ``normalizer``: the mini-batch's token count."""
+        cur = self._checked(
+            functools.partial(self.logprobs, inputs.batch.rows(micro), inputs.sampling), index
+        )
+        support = inputs.support[micro]
+        terms = grpo.ppo_loss(
+            cur,
+            inputs.prev[micro],
+            inputs.advantages[micro],
+            support if real else torch.zeros_like(support),
+            inputs.weights[micro],
+            self.config.loss.clip_eps,
+            normalizer,
+            None if inputs.ref is None else inputs.ref[micro],
+            self.config.loss.kl_coef,
+        )
+        self._checked(terms.loss.backward, index)
+        return terms
+
+    def _reduced(self, loss: float, clipped: float, counted: int) -> tuple[float, float, int]:
+        """This rank's sums over its real micro-batches (loss, PPO clipped fractions, how many) -> every
+        rank's."""
+        return self.ranks.all_sum(loss), self.ranks.all_sum(clipped), int(self.ranks.all_sum(counted))
 
     @staticmethod
     def _checked(compute: Callable[[], T], index: int) -> T:
@@ -336,6 +385,34 @@ class Learner:
         with torch.no_grad():
             return self.logprobs(batch, sampling, self.reference)
 
+    def state_dict(self, optimizer: bool | None = None) -> dict[str, Any]:
+        """What a checkpoint holds of the learner: ``"model"``, this rank's shards of the float32
+        weights, and ``"optimizer"``, of AdamW's state (torch.distributed.checkpoint's state dicts under
+        HF names, which it saves and loads in place; a world of one holds them whole); ``"kv_cache"``,
+        the FP8 attention scales [layers, 3] under a -kv recipe (alike on every rank); ``"step"``.
+        ``optimizer``: whether AdamW's state is in it; by default once it has any (before the first step,
+        asking for it would make it up with a step of lr 0, which advances AdamW's count)."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        state: dict[str, Any] = {"model": get_model_state_dict(self.model), "step": self.step}
+        if bool(self.optimizer.state) if optimizer is None else optimizer:
+            state["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
+        if self.kv_cache is not None:
+            state["kv_cache"] = self.kv_cache.scales
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Take ``state``, shaped as :meth:`state_dict`'s (sharded as this learner is). Without
+        ``"optimizer"`` AdamW starts afresh; without ``"kv_cache"`` the scales stay as they are."""
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        set_model_state_dict(self.model, state["model"])
+        if "optimizer" in state:
+            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+        if self.kv_cache is not None and "kv_cache" in state:
+            self.kv_cache.load(state["kv_cache"])
+        self.step = int(state["step"])
+
     def published_weights(self) -> Mapping[str, torch.Tensor]:
         """What the rollout's weight set is built from: the master weights, then (under a -kv recipe) the
         FP8 attention scales of this version; read like :meth:`master_weights`."""
@@ -346,8 +423,6 @@ class Learner:
         """float32 master weights under HF names (detached views; copy before mutating). Sharded, a view
         that gathers each whole as it is read, one at a time, on every rank: all ranks must read the same
         tensors in the same order (build_weight_set and the checkpoint read each once, in order)."""
-        if self.ranks is None:
-            return {name: p.detach() for name, p in self.model.named_parameters()}
         return Gathered(dict(self.model.named_parameters()))
 
 
@@ -399,6 +474,10 @@ def shard(model: torch.nn.Module) -> None:
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no pre-multiplied sum
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else math.nan
 
 
 def _ceil_div(a: int, b: int) -> int:

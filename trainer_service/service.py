@@ -9,12 +9,10 @@ import contextlib
 import hashlib
 import logging
 import math
-import shutil
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,12 +27,11 @@ from fp8rl.security import is_loopback, proof_valid
 from fp8rl.v1 import trainer_pb2
 from trainer_service import checkpoint, distributed
 from trainer_service.config import TrainerConfig
-from trainer_service.distributed import Ranks
-from trainer_service.learner import Learner, SampleData
+from trainer_service.distributed import ONE_PROCESS, Ranks
+from trainer_service.learner import Learner, NonFiniteGradient, SampleData
 from trainer_service.publisher import Publisher, Target
 
 log = logging.getLogger(__name__)
-SHARDS = "shards"  # a sharded checkpoint's torch.distributed.checkpoint directory
 KEPT_RESULTS = 64  # replayable TrainStep results (the last ones; also saved with each checkpoint)
 
 
@@ -88,13 +85,15 @@ def parse_samples(
 
 class TrainerService:
     def __init__(
-        self, config: TrainerConfig, learner: Learner | None = None, ranks: Ranks | None = None
+        self, config: TrainerConfig, learner: Learner | None = None, ranks: Ranks = ONE_PROCESS
     ) -> None:
-        """``ranks``: one rank of a sharded trainer (trainer_service/distributed.py). Rank 0 serves: each
-        method checks its request, then announces it to the other ranks, which run the same method on it."""
-        self.config, self.ranks = config, ranks
+        """``ranks``: this process's place in the trainer (trainer_service/distributed.py). Rank 0 serves:
+        each method checks its request, then announces it to the other ranks, which run the same method
+        on it."""
+        self.config = config
         self.recipe = get_recipe(config.recipe)
         self.learner = learner or Learner(config, self.recipe, ranks)
+        self.ranks = self.learner.ranks
         hp_dtype = torch.float32 if config.compute_dtype == "float32" else torch.bfloat16
         self.publisher = Publisher(
             self.recipe.rollout_weights,
@@ -113,7 +112,7 @@ class TrainerService:
         self.save_failures = 0
         self.save_pending = False
         self._lock = threading.Lock()  # one TrainStep / checkpoint at a time
-        if config.checkpoint_dir is not None and (ranks is None or ranks.is_root):
+        if config.checkpoint_dir is not None and self.ranks.is_root:
             for path in checkpoint.clean_stale(config.checkpoint_dir):
                 log.warning("removed %s, left by an interrupted checkpoint", path)
         if config.resume:
@@ -128,8 +127,7 @@ class TrainerService:
         """Around the part of a call that runs collectives: once a request passed its checks, rank 0 has
         the other ranks run the same method on it (which reach here too, and announce nothing); an
         unexpected failure then ends the group rather than leave ranks out of step."""
-        if self.ranks is not None and self.ranks.is_root:
-            distributed.announce(kind, request.SerializeToString() if request is not None else b"")
+        self.ranks.announce(kind, request.SerializeToString() if request is not None else b"")
         with distributed.in_step(self.ranks):
             yield
 
@@ -147,14 +145,9 @@ class TrainerService:
     def stop_ranks(self) -> None:
         """Rank 0, shutting down: the other ranks stop after any command in flight (a call still running
         holds the lock; past the wait, torchrun ends them with this process)."""
-        if (
-            self.ranks is not None
-            and self.ranks.is_root
-            and self.ranks.world > 1
-            and self._lock.acquire(timeout=10)
-        ):
+        if self.ranks.sharded and self._lock.acquire(timeout=10):
             try:
-                distributed.announce("stop", b"")
+                self.ranks.announce("stop", b"")
             finally:
                 self._lock.release()
 
@@ -207,8 +200,19 @@ class TrainerService:
         sampling: SamplingSettings,
         digest: str,
     ) -> trainer_pb2.TrainStepResponse:
-        """The step itself, and a scheduled checkpoint (on every rank)."""
-        metrics = self.learner.train(samples, sampling)
+        """The step itself, and a scheduled checkpoint (on every rank). A skipped step is an answer, not
+        an error: every rank skips it alike (the gradient norm is global), and nothing is remembered."""
+        try:
+            metrics = self.learner.train(samples, sampling)
+        except NonFiniteGradient as exc:
+            log.warning("%s", exc)
+            return trainer_pb2.TrainStepResponse(
+                step=request.step,
+                weight_version=self.step,
+                skipped=trainer_pb2.StepSkipped(
+                    reason=trainer_pb2.StepSkipped.REASON_NON_FINITE_GRADIENT, detail=str(exc)
+                ),
+            )
         self.steps_trained += 1
         self.train_seconds += metrics["train_s"]
         self.last_metrics = metrics
@@ -230,7 +234,7 @@ class TrainerService:
         try:
             self._save()
         except OSError as exc:
-            if self.ranks is not None and self.ranks.world > 1:
+            if self.ranks.sharded:
                 raise  # a rank's failed write leaves the ranks out of step: the group ends (in_step)
             self.save_failures += 1
             self.save_pending = True
@@ -289,7 +293,7 @@ class TrainerService:
                     f"trainer holds version {self.step}, cannot publish version {request.version}"
                 )
             built = None
-            if self.ranks is not None:  # every rank takes part in gathering each tensor whole
+            if self.ranks.sharded:  # every rank takes part in gathering each tensor whole
                 with self._collective("publish", request):
                     built = self.publisher.build(self.learner.published_weights(), keep=self.ranks.is_root)
                 if not self.ranks.is_root:
@@ -348,78 +352,19 @@ class TrainerService:
             raise PreconditionFailed("no checkpoint_dir configured")
         with self._lock, self._collective("save"):
             path = self._save()
-        return trainer_pb2.SaveCheckpointResponse(path=str(path), step=self.step)
+        return trainer_pb2.SaveCheckpointResponse(path=path, step=self.step)
 
-    def _save(self) -> Path:
+    def _save(self) -> str:
         if self.config.checkpoint_dir is None:
             raise PreconditionFailed("no checkpoint_dir configured")
-        if self.ranks is not None:
-            return self._save_sharded(self.config.checkpoint_dir)
-        optimizer_tensors, optimizer_rest = checkpoint.flatten_optimizer(self.learner.optimizer.state_dict())
-        tensors = {
-            "model": self.learner.master_weights(),
-            "optimizer": optimizer_tensors,
-        } | self._replicated()
-        path = checkpoint.save(
-            self.config.checkpoint_dir,
-            self.step,
-            tensors,
-            self._meta() | {"optimizer": optimizer_rest},
-            keep=self.config.keep_checkpoints,
+        path = checkpoint.write(
+            self.config.checkpoint_dir, self.learner, self._meta(), self.config.keep_checkpoints
         )
-        log.info("checkpoint %s written", path)
-        return path
-
-    def _save_sharded(self, root: Path) -> Path:
-        """Every rank writes its shards of the weights and optimizer state (torch.distributed.checkpoint)
-        into one staging directory; rank 0 then seals them with the rest and renames it into place."""
-        import torch.distributed.checkpoint as dcp
-
-        assert self.ranks is not None
-        staged = checkpoint.staging(root, self.step)
-        if self.ranks.is_root:
-            shutil.rmtree(staged, ignore_errors=True)
-            staged.mkdir(parents=True)
-        distributed.barrier()
-        # Before the first step AdamW has no state yet: the shards are the weights alone (asking for the
-        # optimizer's state dict would make it up with a step of lr 0, which advances AdamW's count).
-        with_optimizer = bool(self.learner.optimizer.state)
-        dcp.save(self._sharded_state(with_optimizer), checkpoint_id=staged / SHARDS)
-        distributed.barrier()
-        path = root / f"{checkpoint.PREFIX}{self.step:08d}"
-        if self.ranks.is_root:
-            meta = self._meta() | {"ranks": self.ranks.world, "optimizer_saved": with_optimizer}
-            path = checkpoint.save(
-                root, self.step, self._replicated(), meta, self.config.keep_checkpoints, staged
-            )
-            log.info("checkpoint %s written by %d ranks", path, self.ranks.world)
-        distributed.barrier()
-        return path
-
-    def _sharded_state(self, with_optimizer: bool) -> dict[str, Any]:
-        """The ranks' shards of the weights (and AdamW state): what torch.distributed.checkpoint writes and
-        loads in place."""
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-        state: dict[str, Any] = {"model": get_model_state_dict(self.learner.model)}
-        if with_optimizer:
-            state["optimizer"] = get_optimizer_state_dict(self.learner.model, self.learner.optimizer)
-        return state
-
-    def _replicated(self) -> dict[str, dict[str, torch.Tensor]]:
-        """What every rank holds alike: the RNG states and, under a -kv recipe, the KV-cache scales."""
-        kv = self.learner.kv_cache
-        return {"rng": self._rng()} | ({} if kv is None else {"kv_cache": {"scales": kv.scales}})
-
-    def _rng(self) -> dict[str, torch.Tensor]:
-        rng = {"torch": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            rng["cuda"] = torch.cuda.get_rng_state()
-        return rng
+        return str(path)
 
     def _meta(self) -> dict[str, Any]:
+        """The service's part of a checkpoint (JSON; the learner's is checkpoint.write's)."""
         return {
-            "step": self.step,
             "run_id": self.run_id,
             "recipe": self.recipe.name,
             "config_hash": config_hash(self.config.model_copy(update={"resume": False})),
@@ -429,53 +374,13 @@ class TrainerService:
         }
 
     def restore(self) -> None:
-        """Load the latest complete checkpoint of ``checkpoint_dir``, if any."""
-        chooses = self.ranks is None or self.ranks.is_root
-        path = (
-            checkpoint.latest(self.config.checkpoint_dir) if self.config.checkpoint_dir and chooses else None
-        )
-        if self.ranks is not None:  # rank 0's choice for all (every rank must load the same one)
-            chosen = distributed.broadcast_text(str(path or "") if self.ranks.is_root else None)
-            path = Path(chosen) if chosen else None
-        if path is None:
+        """Load the latest complete checkpoint of ``checkpoint_dir``, if any (written by any number of
+        ranks)."""
+        found = checkpoint.resume(self.config.checkpoint_dir, self.learner)
+        if found is None:
             log.info("no checkpoint to resume from; starting at step 0")
             return
-        tensors, meta = checkpoint.load(path)
-        learner = self.learner
-        if ("ranks" in meta) != (self.ranks is not None):
-            raise RuntimeError(
-                f"{path} was written by "
-                + (
-                    f"{meta['ranks']} ranks: resume it under torchrun (any number of ranks)"
-                    if "ranks" in meta
-                    else "one process: resume it in one process"
-                )
-            )
-        if self.ranks is not None:  # the shards, resharded to this many ranks
-            import torch.distributed.checkpoint as dcp
-            from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
-            state = self._sharded_state(with_optimizer=meta.get("optimizer_saved", True))
-            dcp.load(state, checkpoint_id=path / SHARDS)
-            set_model_state_dict(learner.model, state["model"])
-            if "optimizer" in state:
-                set_optimizer_state_dict(learner.model, learner.optimizer, state["optimizer"])
-        else:
-            with torch.no_grad():
-                for name, p in learner.model.named_parameters():
-                    p.copy_(tensors["model"][name])
-            learner.optimizer.load_state_dict(
-                checkpoint.unflatten_optimizer(tensors["optimizer"], meta["optimizer"])
-            )
-        if learner.kv_cache is not None:
-            if "kv_cache" in tensors:
-                learner.kv_cache.load(tensors["kv_cache"]["scales"])
-            else:  # (written under another recipe, or before scales were calibrated: vLLM's 1.0 then)
-                log.warning("%s holds no FP8 attention scales: they restart at 1.0", path)
-        torch.set_rng_state(tensors["rng"]["torch"])
-        if "cuda" in tensors["rng"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state(tensors["rng"]["cuda"])
-        learner.step = meta["step"]
+        path, meta = found
         self.run_id = meta["run_id"]
         self.fence = int(meta.get("fence", 0))
         digests = meta.get("request_digests", {})  # (absent from checkpoints of older versions)
@@ -484,7 +389,7 @@ class TrainerService:
             self._remember(int(step), response, digests.get(step))
         if meta["config_hash"] != config_hash(self.config.model_copy(update={"resume": False})):
             log.warning("resuming %s under a different trainer config", path)
-        log.info("resumed from %s at step %d", path, learner.step)
+        log.info("resumed from %s at step %d", path, self.step)
 
     def prometheus(self) -> list[Sample]:
         """The trainer's figures for /metrics (fp8rl/prometheus.py), read at scrape time."""

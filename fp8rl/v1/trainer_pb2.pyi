@@ -1,5 +1,6 @@
 from fp8rl.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -78,16 +79,32 @@ class TrainMetrics(_message.Message):
     def __init__(self, loss: _Optional[float] = ..., grad_norm: _Optional[float] = ..., learning_rate: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., token_mult_prob_error: _Optional[float] = ..., gen_kl_error: _Optional[float] = ..., is_weight_mean: _Optional[float] = ..., is_weight_min: _Optional[float] = ..., is_weight_max: _Optional[float] = ..., is_clipped_fraction: _Optional[float] = ..., max_seq_mult_prob_error: _Optional[float] = ..., num_tokens: _Optional[int] = ..., num_samples: _Optional[int] = ..., train_s: _Optional[float] = ..., ppo_clipped_fraction: _Optional[float] = ..., reward_mean: _Optional[float] = ..., out_of_support_fraction: _Optional[float] = ..., abs_log_ratio_counts: _Optional[_Iterable[int]] = ..., is_weight_counts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TrainStepResponse(_message.Message):
-    __slots__ = ("step", "weight_version", "metrics", "replayed")
+    __slots__ = ("step", "weight_version", "metrics", "replayed", "skipped")
     STEP_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
     REPLAYED_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
     step: int
     weight_version: int
     metrics: TrainMetrics
     replayed: bool
-    def __init__(self, step: _Optional[int] = ..., weight_version: _Optional[int] = ..., metrics: _Optional[_Union[TrainMetrics, _Mapping]] = ..., replayed: _Optional[bool] = ...) -> None: ...
+    skipped: StepSkipped
+    def __init__(self, step: _Optional[int] = ..., weight_version: _Optional[int] = ..., metrics: _Optional[_Union[TrainMetrics, _Mapping]] = ..., replayed: _Optional[bool] = ..., skipped: _Optional[_Union[StepSkipped, _Mapping]] = ...) -> None: ...
+
+class StepSkipped(_message.Message):
+    __slots__ = ("reason", "detail")
+    class Reason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        REASON_UNSPECIFIED: _ClassVar[StepSkipped.Reason]
+        REASON_NON_FINITE_GRADIENT: _ClassVar[StepSkipped.Reason]
+    REASON_UNSPECIFIED: StepSkipped.Reason
+    REASON_NON_FINITE_GRADIENT: StepSkipped.Reason
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    reason: StepSkipped.Reason
+    detail: str
+    def __init__(self, reason: _Optional[_Union[StepSkipped.Reason, str]] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class TokenSequence(_message.Message):
     __slots__ = ("prompt_token_ids", "completion_token_ids")
