@@ -50,8 +50,8 @@ class RunExit(Exception):
 
 
 def run_paths(config: CoordinatorConfig) -> tuple[str, Path]:
-    run_id = config.run_id or time.strftime("run-%Y%m%d-%H%M%S")
-    return run_id, (config.run_dir or Path("runs") / run_id).resolve()
+    run_id = config.run.run_id or time.strftime("run-%Y%m%d-%H%M%S")
+    return run_id, (config.run.run_dir or Path("runs") / run_id).resolve()
 
 
 def start(config: CoordinatorConfig) -> int:
@@ -66,9 +66,9 @@ def start(config: CoordinatorConfig) -> int:
 
 def run(config: CoordinatorConfig) -> int:
     """:func:`start`, but raising :class:`RunExit` for every end but success."""
-    if has_password(config.redis_url):
+    if has_password(config.distributed.redis_url):
         print(PASSWORD_IN_URL.format(prog="coordinator"), file=sys.stderr)
-    missing = config.security.missing_files()
+    missing = config.distributed.security.missing_files()
     if missing:
         raise RunExit(2, f"no such file: {'; '.join(missing)}")
     from coordinator.tasks import build_task
@@ -154,17 +154,19 @@ class Supervisor:
         self.unrecorded: list[str] = []
 
     def run(self) -> int:
-        config = self.config
+        limit = self.config.embedded.max_restarts
         while True:
             with ExitStack() as stack:
-                embedded = EmbeddedProcesses(config, self.run_dir, stack) if config.embedded else None
+                embedded = (
+                    EmbeddedProcesses(self.config, self.run_dir, stack) if self.config.is_embedded else None
+                )
                 try:
                     return self.drive(stack, embedded)
                 except RunExit:
                     raise
                 except Exception as exc:
                     dead = embedded.dead() if embedded else []
-                    if not dead or self.restarts >= config.max_restarts:
+                    if not dead or self.restarts >= limit:
                         raise
                     self.restarts += 1
                     what = ", ".join(f"{c.name} (exit status {c.proc.returncode})" for c in dead)
@@ -172,7 +174,7 @@ class Supervisor:
                         f"{what} died ({type(exc).__name__}); restarted the run's processes"
                     )
                     print(
-                        f"coordinator: {what} died; restarting ({self.restarts}/{config.max_restarts})",
+                        f"coordinator: {what} died; restarting ({self.restarts}/{limit})",
                         file=sys.stderr,
                         flush=True,
                     )
@@ -220,16 +222,16 @@ class Supervisor:
         stack.callback(pool.close)
         sink = MetricsSink(
             run_dir,
-            config.steps,
-            config.progress,
-            config.mult_prob_warn,
-            config.tensorboard,
-            config.wandb_project,
+            config.run.steps,
+            config.metrics.progress,
+            config.metrics.mult_prob_warn,
+            config.metrics.tensorboard,
+            config.metrics.wandb_project,
             run_id,
             config.model_dump(mode="json"),
         )
         stack.callback(sink.close)
-        sink.say(f"run {run_id}: recipe {config.recipe}, {config.steps} steps, run dir {run_dir}")
+        sink.say(f"run {run_id}: recipe {config.run.recipe}, {config.run.steps} steps, run dir {run_dir}")
         sink.say(f"linears: {precision['summary']}")
         try:
             records = Driver(config, run_id, store, trainer, pool, self.task, sink).run()
@@ -248,7 +250,8 @@ class Supervisor:
 
 
 def distributed_services(config: CoordinatorConfig) -> Services:
-    return Services(str(config.redis_url), str(config.trainer), list(config.rollout), config.security)
+    given = config.distributed
+    return Services(str(given.redis_url), str(given.trainer), list(given.rollout), given.security)
 
 
 def linear_precision(config: CoordinatorConfig) -> dict[str, Any]:
@@ -257,11 +260,11 @@ def linear_precision(config: CoordinatorConfig) -> dict[str, Any]:
     from fp8rl.architectures import fp8_plan, read_config
     from fp8rl.recipes import get_recipe
 
-    if not get_recipe(config.recipe).fp8_rollout:
+    if not get_recipe(config.run.recipe).fp8_rollout:
         return {"summary": "none in FP8 (bf16 recipe)", "high_precision_per_layer": [], "reasons": []}
-    if config.model is None and not config.embedded:  # (the trainer's own --model decides)
+    if config.run.model is None and not config.is_embedded:  # (the trainer's own --model decides)
         return {"summary": "as the trainer's model decides (give --model to record it)"}
-    plan = fp8_plan(read_config(config.model or models.TINY_ARITH)).summary()
+    plan = fp8_plan(read_config(config.run.model or models.TINY_ARITH)).summary()
     kept = plan["high_precision_per_layer"]
     line = "all block linears in FP8" + (f" but {', '.join(kept)} (every layer)" if kept else "")
     return {"summary": line, **plan}
@@ -288,16 +291,16 @@ def embedded_trainer(config: CoordinatorConfig, model: Path, dtype: str, run_dir
     """The embedded trainer's config: the run's learner, model, recipe and seed, a port of its own choosing
     on loopback, checkpoints in the run directory (resumed from when the run is), the run's secrets."""
     return TrainerConfig(
-        security=security_for(secrets_dir(run_dir), "trainer", config.tls),
-        **config.learner.model_dump(),
+        security=security_for(secrets_dir(run_dir), "trainer", config.embedded.tls),
+        **config.embedded.learner.model_dump(),
         model=model,
-        recipe=config.recipe,
+        recipe=config.run.recipe,
         host="127.0.0.1",
         port=0,
         compute_dtype=dtype,
         checkpoint_dir=run_dir / "checkpoints",
         resume=True,
-        seed=config.seed,
+        seed=config.run.seed,
     )
 
 
@@ -328,13 +331,13 @@ class EmbeddedProcesses:
 
         config, run_dir, stack = self.config, self.run_dir, self.stack
         logs = run_dir / "logs"
-        model = config.model or models.verified(models.TINY_ARITH)
-        dtype = resolve_dtype(config.compute_dtype)
+        model = config.run.model or models.verified(models.TINY_ARITH)
+        dtype = resolve_dtype(config.embedded.compute_dtype)
         from rollout_service.config import RolloutConfig
         from rollout_service.engine import Platform, unsupported_reason
 
         reason = unsupported_reason(
-            RolloutConfig(model=model, recipe=config.recipe, dtype=dtype), Platform.here()
+            RolloutConfig(model=model, recipe=config.run.recipe, dtype=dtype), Platform.here()
         )
         if reason:  # refused before anything starts
             raise RunExit(2, reason)
@@ -352,7 +355,7 @@ class EmbeddedProcesses:
         )
         # The run's secrets (written here, first): tokens and the update key always, a CA with certificates
         # with --tls; other local users can reach loopback ports too.
-        me = security_for(secrets_dir(run_dir), "coordinator", config.tls)
+        me = security_for(secrets_dir(run_dir), "coordinator", config.embedded.tls)
         trainer_yaml = run_dir / "trainer.yaml"  # the embedded trainer's whole TrainerConfig, validated here
         trainer_yaml.write_text(
             yaml.safe_dump(embedded_trainer(config, model, dtype, run_dir).model_dump(mode="json"))
@@ -377,7 +380,7 @@ class EmbeddedProcesses:
 
     def trainer_ranks(self) -> list[str]:
         """The trainer's torchrun flags: with --trainer-procs > 1, or to resume sharded checkpoints."""
-        procs = self.config.trainer_procs
+        procs = self.config.embedded.trainer_procs
         checkpoints = list((self.run_dir / "checkpoints").glob("step-*"))
         if procs > 1 and any(not (c / "shards").is_dir() for c in checkpoints):
             raise RunExit(
@@ -392,7 +395,17 @@ class EmbeddedProcesses:
     def rollout_args(self, model: Path, dtype: str) -> list[str]:
         """The rollout replica's command line: the run's model, recipe, seed and secrets, port 0."""
         config = self.config
-        args = ["serve", "--model", str(model), "--recipe", config.recipe, "--port", "0", "--dtype", dtype]
-        args += ["--kv-cache-gib", str(config.kv_cache_gib)]
-        security = security_for(secrets_dir(self.run_dir), "replica", config.tls)
-        return args + as_sets({"seed": config.seed, "security": security.model_dump(mode="json")})
+        args = [
+            "serve",
+            "--model",
+            str(model),
+            "--recipe",
+            config.run.recipe,
+            "--port",
+            "0",
+            "--dtype",
+            dtype,
+        ]
+        args += ["--kv-cache-gib", str(config.embedded.kv_cache_gib)]
+        security = security_for(secrets_dir(self.run_dir), "replica", config.embedded.tls)
+        return args + as_sets({"seed": config.run.seed, "security": security.model_dump(mode="json")})
