@@ -1,9 +1,9 @@
 """`coordinator start`: run one GRPO run, embedded (a private redis-server, the trainer and one rollout
 replica as child processes on loopback, stopped on exit, error or Ctrl-C) or against running services.
 
-Every way out of a run that is not success raises :class:`RunExit`; :func:`start` prints its one line
-and returns its status (2: bad input, 3: someone else drives the run, 1: the trainer refused, 130:
-interrupted)."""
+Each expected way a run ends short of success raises :class:`RunExit` (2: bad input, 3: another
+coordinator drives the run, 1: the trainer refused a step, 130: interrupted); :func:`start` prints its
+one line and returns its status. Anything else (a child that died past max_restarts) propagates."""
 
 from __future__ import annotations
 
