@@ -41,7 +41,7 @@ class BatchMaker:
     ) -> None:
         self.config, self.run_id, self.store, self.pool, self.task = config, run_id, store, pool, task
         self.ensure_version = ensure_version  # replicas holding a version, after publishing it to them
-        c = config
+        c = config.sampling
         self.sampling = common_pb2.SamplingParams(
             temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, max_tokens=c.max_tokens, stop=c.stop
         )
@@ -53,7 +53,7 @@ class BatchMaker:
 
     def batch_for(self, k: int, ahead: Future[Batch | None] | None) -> Batch:
         """The stored batch of step k if fresh enough, else the one generated ahead, else a new one."""
-        limit = self.config.max_staleness
+        limit = self.config.run.max_staleness
         stored = self.find(k)
         if stored is None and ahead is not None:
             stored = ahead.result()
@@ -72,7 +72,7 @@ class BatchMaker:
         try:
             held = self.pool.held_versions()
             version = max(held.values())
-            if step - version > self.config.max_staleness:
+            if step - version > self.config.run.max_staleness:
                 return None
             batch = self.generate(step, version, [a for a, v in held.items() if v == version])
             self._store(step, batch)
@@ -93,9 +93,11 @@ class BatchMaker:
         self.store.put_batch(k, batch.request.SerializeToString(), batch.version, batch.info)
 
     def generate(self, step: int, version: int, replicas: list[str]) -> Batch:
-        problems = self.task.train_problems(step, self.config.prompts_per_step)
+        problems = self.task.train_problems(step, self.config.sampling.prompts_per_step)
         start = time.perf_counter()
-        completions = self._complete(problems, self.config.group_size, self.sampling, version, replicas)
+        completions = self._complete(
+            problems, self.config.sampling.group_size, self.sampling, version, replicas
+        )
         generate_s = time.perf_counter() - start
         rewards, timeouts = self._rewards_of(problems, completions)
         score_s = time.perf_counter() - start - generate_s

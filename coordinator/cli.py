@@ -12,19 +12,23 @@ import logging
 import sys
 from pathlib import Path
 
-from coordinator.config import CoordinatorConfig
+from coordinator.config import FIELDS, CoordinatorConfig, public_name
 from fp8rl.config import ConfigError, add_config_flags, config_from_cli, load_config
 from fp8rl.recipes import RECIPE_NAMES
 
-# Flags beyond CoordinatorConfig's own fields: shortcuts to a field of a section.
-SHORTCUTS = {"lr": "learner.optimizer.lr"}
+# Flags beyond the fields users write (FIELDS, one flag each): shortcuts to a field of a section.
+SHORTCUTS = {"lr": "embedded.learner.optimizer.lr"}
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, str]]:
     parser = argparse.ArgumentParser(prog="coordinator", description="FP8 GRPO driver")
     sub = parser.add_subparsers(dest="command", required=True)
     start = sub.add_parser("start", help="start (or resume, with the same --run-id) a run")
-    flags = add_config_flags(start, CoordinatorConfig, SHORTCUTS)
+    # Help and defaults from the slice field each flag sets; the value goes in under the name users write.
+    flags = {
+        dest: public_name(path)
+        for dest, path in add_config_flags(start, CoordinatorConfig, FIELDS | SHORTCUTS).items()
+    }
     compare = sub.add_parser(
         "compare", help="run several recipes from the same base and seed; compare.md + plots"
     )

@@ -64,8 +64,8 @@ def render(runs: dict[str, list[dict[str, Any]]], base: CoordinatorConfig, no_is
     lines = [
         f"# Recipes compared: {', '.join(runs)}",
         "",
-        f"Task `{base.task}`, {base.steps} GRPO steps of {base.prompts_per_step} prompts x "
-        f"{base.group_size} samples, seed {base.seed}, importance sampling "
+        f"Task `{base.task.name}`, {base.run.steps} GRPO steps of {base.sampling.prompts_per_step} prompts x "
+        f"{base.sampling.group_size} samples, seed {base.run.seed}, importance sampling "
         f"{'off' if no_is else 'per recipe (TIS, cap 2, for FP8 recipes)'}.",
         "",
         "| recipe | " + " | ".join(c[0] for c in COLUMNS) + " |",

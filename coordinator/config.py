@@ -1,11 +1,27 @@
-"""The coordinator's one typed config: YAML + CLI overrides, validated before any process starts."""
+"""The coordinator's one typed config: YAML + CLI overrides, validated before any process starts.
+
+The code reads it in typed slices (``config.sampling.top_k``); users write it by the flat names of
+:data:`FIELDS` (``--top-k``, ``top_k:`` in YAML, ``--set top_k=5``), and it is dumped, compared when a run
+resumes, and named in its errors by those names too.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ModelWrapValidatorHandler,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+from pydantic_core import InitErrorDetails
 
 from fp8rl.credentials import check_run_id
 from fp8rl.models import ModelDir
@@ -50,14 +66,46 @@ def over(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
-class CoordinatorConfig(BaseModel):
+class _Slice(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+
+class RunConfig(_Slice):
+    """What the run is, how long it goes and where its files are."""
 
     recipe: RecipeName = "fp8"
     """Precision recipe for rollout and trainer."""
     model: ModelDir | None = None
     """HF checkpoint directory; default: the tiny arith model shipped with fp8rl (fp8rl/models/tiny-arith)."""
-    task: Literal["arith", "arith-chat", "dataset", "jsonl"] = "arith"
+    steps: int = Field(60, ge=1)
+    """GRPO steps to run (a resumed run continues up to this many)."""
+    run_id: str | None = None
+    """Names the run; the same id again resumes it (letters, digits, `_`, `.`, `-`; not `.` or `..`).
+    Default: a fresh time-stamped id."""
+    run_dir: Path | None = None
+    """Where metrics, logs, checkpoints and plots go; default runs/<run-id>."""
+    seed: int = 0
+    max_staleness: int = Field(0, ge=0)
+    """0: on-policy. S >= 1: generation of step k+1 overlaps training of step k on weights at most S
+    versions old; a stored batch staler than S is regenerated."""
+    val_every: int = Field(10, ge=0)
+    """Validate (greedy, held-out prompts) every N steps, plus before the first and after the last; 0: only
+    those two."""
+
+    @field_validator("run_id")
+    @classmethod
+    def _run_id(cls, value: str | None) -> str | None:
+        return None if value is None else check_run_id(value)
+
+    def check(self) -> None:
+        if self.model is not None and not (self.model / "config.json").is_file():
+            raise ValueError(f"model {self.model} is not an HF checkpoint directory (no config.json)")
+
+
+class TaskConfig(_Slice):
+    """The problems and their reward: arithmetic, or a dataset's rows."""
+
+    name: Literal["arith", "arith-chat", "dataset", "jsonl"] = "arith"
     """`arith` (the tiny model's sums), `arith-chat` (the same sums asked in chat form, for instruct
     models) or `dataset` (`jsonl` is the same): records with a prompt and an answer from `dataset`."""
     dataset: Path | None = None
@@ -73,14 +121,38 @@ class CoordinatorConfig(BaseModel):
     """Task dataset: hold out this fraction of the rows (seeded) instead of the first val_size."""
     reward: str | None = None
     """`module:function(prompt, completion, answer) -> float` replacing the task's reward."""
-    steps: int = Field(60, ge=1)
-    """GRPO steps to run (a resumed run continues up to this many)."""
-    run_id: str | None = None
-    """Names the run; the same id again resumes it (letters, digits, `_`, `.`, `-`; not `.` or `..`).
-    Default: a fresh time-stamped id."""
-    run_dir: Path | None = None
-    """Where metrics, logs, checkpoints and plots go; default runs/<run-id>."""
-    seed: int = 0
+    val_size: int = Field(128, ge=1)
+    """Validation problems (the most kept from a held-out split or val_dataset). Held out by count, the
+    first val_size rows of a dataset, but never more than half of its rows."""
+
+    @field_validator("dataset", "val_dataset", mode="before")
+    @classmethod
+    def _shipped_sample(cls, value: Any) -> Any:
+        from coordinator.datasets import resolve
+
+        return resolve(Path(value)) if isinstance(value, str | Path) else value
+
+    def check_dataset(self) -> None:
+        if self.name in ("dataset", "jsonl") and self.dataset is None:
+            raise ValueError(
+                f"task {self.name} needs dataset (a .jsonl or .parquet file, or a datasets directory)"
+            )
+        if self.name not in ("dataset", "jsonl") and (self.dataset or self.val_dataset or self.val_fraction):
+            raise ValueError("dataset, val_dataset and val_fraction are for task dataset (--task dataset)")
+        for path in (self.dataset, self.val_dataset):
+            if path is not None and not path.exists():
+                raise ValueError(f"dataset {path} does not exist")
+        if self.val_fraction is not None and self.val_dataset is not None:
+            raise ValueError("give val_fraction or val_dataset, not both")
+
+    def check_reward(self) -> None:
+        if self.reward is not None and ":" not in self.reward:
+            raise ValueError(f"reward {self.reward!r} is not of the form module:function")
+
+
+class SamplingConfig(_Slice):
+    """What each step generates: prompts, samples per prompt and the sampling parameters."""
+
     prompts_per_step: int = Field(32, ge=1)
     group_size: int = Field(8, ge=1)
     """Samples per prompt (GRPO group)."""
@@ -89,17 +161,24 @@ class CoordinatorConfig(BaseModel):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
     stop: list[str] = ["\n"]
-    max_staleness: int = Field(0, ge=0)
-    """0: on-policy. S >= 1: generation of step k+1 overlaps training of step k on weights at most S
-    versions old; a stored batch staler than S is regenerated."""
-    val_every: int = Field(10, ge=0)
-    """Validate (greedy, held-out prompts) every N steps, plus before the first and after the last; 0: only
-    those two."""
-    val_size: int = Field(128, ge=1)
-    """Validation problems (the most kept from a held-out split or val_dataset). Held out by count, the
-    first val_size rows of a dataset, but never more than half of its rows."""
+
+
+class MetricsConfig(_Slice):
+    """Where the run's metrics are shown and logged."""
+
     mult_prob_warn: float = Field(1.05, gt=1)
     """Warn when token_mult_prob_error exceeds this."""
+    progress: Literal["auto", "rich", "plain"] = "auto"
+    """Live display: rich on a terminal, plain lines otherwise."""
+    tensorboard: bool = True
+    """Write TensorBoard event files to RUN_DIR/tensorboard (`tensorboard --logdir runs/`)."""
+    wandb_project: str | None = None
+    """Also log to Weights & Biases, in this project (WANDB_MODE=offline works without a network)."""
+
+
+class EmbeddedConfig(_Slice):
+    """Embedded mode: the processes the coordinator starts itself."""
+
     max_restarts: int = Field(3, ge=0)
     """Embedded mode: how many times the processes are restarted after a child (redis-server, trainer,
     rollout) died, before the run gives up."""
@@ -110,6 +189,25 @@ class CoordinatorConfig(BaseModel):
     """Embedded mode: the trainer's learner (trainer_service/config.py, LearnerConfig); what you set here
     is laid over DEMO_LEARNER, so `learner: {optimizer: {lr: 1e-6}}` changes only the learning rate.
     A distributed trainer is configured on its own command line."""
+    tls: bool = False
+    """Embedded mode: the run's processes talk mutual TLS under a private CA in RUN_DIR/secrets (bearer
+    tokens and signed weight updates are always on)."""
+    trainer_procs: int = Field(1, ge=1)
+    """Embedded mode: trainer ranks (torchrun; one per GPU), the model fully sharded (FSDP2) and checkpoints
+    sharded; a run may resume on another number of ranks. 1: one plain process (unless the run's
+    checkpoints are sharded already)."""
+    kv_cache_gib: float = Field(1.0, gt=0)
+    """Embedded rollout: KV-cache space (GiB)."""
+
+    @field_validator("learner", mode="before")
+    @classmethod
+    def _over_demo(cls, value: Any) -> Any:
+        return over(DEMO_LEARNER, value) if isinstance(value, dict) else value
+
+
+class DistributedConfig(_Slice):
+    """Distributed mode: the running services the coordinator drives (none given: embedded mode)."""
+
     redis_url: str | None = None
     """Distributed mode: the Redis holding run state (embedded mode starts a private one)."""
     trainer: str | None = None
@@ -119,72 +217,149 @@ class CoordinatorConfig(BaseModel):
     security: SecurityConfig = SecurityConfig()
     """Distributed mode: the coordinator's identity towards trainer and replicas (its token or client
     certificate, the CA it checks them against: fp8rl/security.py)."""
-    tls: bool = False
-    """Embedded mode: the run's processes talk mutual TLS under a private CA in RUN_DIR/secrets (bearer
-    tokens and signed weight updates are always on)."""
-    progress: Literal["auto", "rich", "plain"] = "auto"
-    """Live display: rich on a terminal, plain lines otherwise."""
-    trainer_procs: int = Field(1, ge=1)
-    """Embedded mode: trainer ranks (torchrun; one per GPU), the model fully sharded (FSDP2) and checkpoints
-    sharded; a run may resume on another number of ranks. 1: one plain process (unless the run's
-    checkpoints are sharded already)."""
-    kv_cache_gib: float = Field(1.0, gt=0)
-    """Embedded rollout: KV-cache space (GiB)."""
-    tensorboard: bool = True
-    """Write TensorBoard event files to RUN_DIR/tensorboard (`tensorboard --logdir runs/`)."""
-    wandb_project: str | None = None
-    """Also log to Weights & Biases, in this project (WANDB_MODE=offline works without a network)."""
 
-    @field_validator("dataset", "val_dataset", mode="before")
+    def check(self) -> None:
+        if bool(self.trainer) != bool(self.redis_url):
+            raise ValueError("give redis_url and trainer together (distributed mode), or neither (embedded)")
+
+
+# Every name users write (a `coordinator start` flag, a YAML key, a `--set` key) and the slice field it
+# sets, in the order of `coordinator start --help`; a dumped config has these keys, in this order.
+FIELDS: dict[str, str] = {
+    "recipe": "run.recipe",
+    "model": "run.model",
+    "task": "task.name",
+    "dataset": "task.dataset",
+    "prompt_key": "task.prompt_key",
+    "answer_key": "task.answer_key",
+    "val_dataset": "task.val_dataset",
+    "val_fraction": "task.val_fraction",
+    "reward": "task.reward",
+    "steps": "run.steps",
+    "run_id": "run.run_id",
+    "run_dir": "run.run_dir",
+    "seed": "run.seed",
+    "prompts_per_step": "sampling.prompts_per_step",
+    "group_size": "sampling.group_size",
+    "max_tokens": "sampling.max_tokens",
+    "temperature": "sampling.temperature",
+    "top_p": "sampling.top_p",
+    "top_k": "sampling.top_k",
+    "stop": "sampling.stop",
+    "max_staleness": "run.max_staleness",
+    "val_every": "run.val_every",
+    "val_size": "task.val_size",
+    "mult_prob_warn": "metrics.mult_prob_warn",
+    "max_restarts": "embedded.max_restarts",
+    "compute_dtype": "embedded.compute_dtype",
+    "learner": "embedded.learner",
+    "redis_url": "distributed.redis_url",
+    "trainer": "distributed.trainer",
+    "rollout": "distributed.rollout",
+    "security": "distributed.security",
+    "tls": "embedded.tls",
+    "progress": "metrics.progress",
+    "trainer_procs": "embedded.trainer_procs",
+    "kv_cache_gib": "embedded.kv_cache_gib",
+    "tensorboard": "metrics.tensorboard",
+    "wandb_project": "metrics.wandb_project",
+}
+_PATHS = {name: tuple(path.split(".")) for name, path in FIELDS.items()}
+_SLICES = ("run", "task", "sampling", "metrics", "embedded", "distributed")
+# The slices are filled from FIELDS' names only: their input keys are none a user writes (nor one that
+# `--set` can make), so `--set run.steps=3` is refused as an unknown field, as it was before the slicing.
+_INPUT = {name: f"{name}." for name in _SLICES}
+_SLICE_OF_INPUT = {key: name for name, key in _INPUT.items()}
+
+
+def public_name(dotted: str) -> str:
+    """The name users write for a slice's field (``embedded.learner.optimizer.lr`` ->
+    ``learner.optimizer.lr``)."""
+    for name, path in FIELDS.items():
+        if dotted == path or dotted.startswith(path + "."):
+            return name + dotted[len(path) :]
+    return dotted
+
+
+def _nest(data: dict[str, Any]) -> dict[str, Any]:
+    """Flat input (YAML, flags, ``--set``) as the slices' input; an unknown key stays, to be refused."""
+    nested: dict[str, Any] = {}
+    for key, value in data.items():
+        if key in _PATHS:
+            part, field = _PATHS[key]
+            nested.setdefault(_INPUT[part], {})[field] = value
+        else:
+            nested[key] = value
+    return nested
+
+
+def _public_loc(loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
+    if not loc or loc[0] not in _SLICE_OF_INPUT:
+        return loc  # an unknown key, or the whole config's check
+    if len(loc) == 1:
+        return ()  # a slice's own check reads as the whole config's
+    field = public_name(f"{_SLICE_OF_INPUT[str(loc[0])]}.{loc[1]}")
+    return (*field.split("."), *loc[2:])
+
+
+def _public_errors(exc: ValidationError) -> ValidationError:
+    """``exc`` with its locations under the names users write, in FIELDS' order: as the flat model's were."""
+    errors = [
+        InitErrorDetails(type=e["type"], loc=_public_loc(e["loc"]), input=e["input"], ctx=e.get("ctx", {}))
+        for e in exc.errors()
+    ]
+    order = {name: i for i, name in enumerate(FIELDS)}  # unknown keys last, as pydantic reports them
+    errors.sort(key=lambda e: order.get(str(e["loc"][0]), len(order)) if e["loc"] else len(order))
+    return ValidationError.from_exception_data(exc.title, errors)
+
+
+class CoordinatorConfig(BaseModel):
+    """The run's config in slices, each read by the part of the coordinator it configures; input, dump and
+    errors use the flat names of FIELDS."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    run: RunConfig = Field(default_factory=RunConfig, validation_alias=_INPUT["run"])
+    task: TaskConfig = Field(default_factory=TaskConfig, validation_alias=_INPUT["task"])
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig, validation_alias=_INPUT["sampling"])
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig, validation_alias=_INPUT["metrics"])
+    embedded: EmbeddedConfig = Field(default_factory=EmbeddedConfig, validation_alias=_INPUT["embedded"])
+    distributed: DistributedConfig = Field(
+        default_factory=DistributedConfig, validation_alias=_INPUT["distributed"]
+    )
+
+    @model_validator(mode="wrap")
     @classmethod
-    def _shipped_sample(cls, value: Any) -> Any:
-        from coordinator.datasets import resolve
-
-        return resolve(Path(value)) if isinstance(value, str | Path) else value
-
-    @field_validator("run_id")
-    @classmethod
-    def _run_id(cls, value: str | None) -> str | None:
-        return None if value is None else check_run_id(value)
-
-    @field_validator("learner", mode="before")
-    @classmethod
-    def _over_demo(cls, value: Any) -> Any:
-        return over(DEMO_LEARNER, value) if isinstance(value, dict) else value
+    def _flat(cls, data: Any, handler: ModelWrapValidatorHandler[CoordinatorConfig]) -> CoordinatorConfig:
+        try:
+            return handler(_nest(data) if isinstance(data, dict) else data)
+        except ValidationError as exc:
+            raise _public_errors(exc) from None
 
     @model_validator(mode="after")
     def _consistent(self) -> CoordinatorConfig:
-        if self.task in ("dataset", "jsonl") and self.dataset is None:
-            raise ValueError(
-                f"task {self.task} needs dataset (a .jsonl or .parquet file, or a datasets directory)"
-            )
-        if self.task not in ("dataset", "jsonl") and (self.dataset or self.val_dataset or self.val_fraction):
-            raise ValueError("dataset, val_dataset and val_fraction are for task dataset (--task dataset)")
-        for path in (self.dataset, self.val_dataset):
-            if path is not None and not path.exists():
-                raise ValueError(f"dataset {path} does not exist")
-        if self.val_fraction is not None and self.val_dataset is not None:
-            raise ValueError("give val_fraction or val_dataset, not both")
-        if self.model is not None and not (self.model / "config.json").is_file():
-            raise ValueError(f"model {self.model} is not an HF checkpoint directory (no config.json)")
-        if bool(self.trainer) != bool(self.redis_url):
-            raise ValueError("give redis_url and trainer together (distributed mode), or neither (embedded)")
-        if self.embedded and self.security != SecurityConfig():
+        # Once every field is valid, the checks across fields; the first problem found is the one reported.
+        self.task.check_dataset()
+        self.run.check()
+        self.distributed.check()
+        if self.is_embedded and self.distributed.security != SecurityConfig():
             raise ValueError("security configures a distributed coordinator; an embedded run makes its own")
-        if not self.embedded and self.learner != CoordinatorConfig.model_fields["learner"].get_default(
-            call_default_factory=True
-        ):
+        if not self.is_embedded and self.embedded.learner != EmbeddedConfig().learner:
             raise ValueError(
                 "learner configures the embedded trainer; give a distributed trainer its own config"
             )
-        if self.reward is not None and ":" not in self.reward:
-            raise ValueError(f"reward {self.reward!r} is not of the form module:function")
+        self.task.check_reward()
         return self
 
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        nested = handler(self)
+        return {name: nested[part][field] for name, (part, field) in _PATHS.items()}
+
     @property
-    def embedded(self) -> bool:
-        return self.redis_url is None
+    def is_embedded(self) -> bool:
+        return self.distributed.redis_url is None
 
     def identity(self) -> dict[str, Any]:
         """What defines the run: compared when a run is resumed."""
-        return self.model_dump(mode="json", exclude=set(RESUMABLE_FIELDS))
+        return {k: v for k, v in self.model_dump(mode="json").items() if k not in RESUMABLE_FIELDS}

@@ -80,10 +80,10 @@ class Driver:
             self.sink.rebuild(self.store.metrics(), self.store.read().step + 1)
             self._base_validation()
             ahead: Future[Batch | None] | None = None
-            while (state := self.store.read()).step < self.config.steps:
+            while (state := self.store.read()).step < self.config.run.steps:
                 if self.store.stop_requested():
                     self.store.event("stop", "stopped on request at a step boundary", state.step)
-                    self.sink.say(f"stopped on request after step {state.step}/{self.config.steps}")
+                    self.sink.say(f"stopped on request after step {state.step}/{self.config.run.steps}")
                     break
                 ahead = self._step(state, ahead)
             return committed(self.store.metrics())
@@ -151,7 +151,7 @@ class Driver:
                 raise RuntimeError(f"the batch of step {k} ({state.phase}) is missing from Redis")
             batch = found
         ahead = None
-        if self.config.max_staleness >= 1 and k + 1 < self.config.steps:
+        if self.config.run.max_staleness >= 1 and k + 1 < self.config.run.steps:
             ahead = self._ahead.submit(self.batches.generate_ahead, k + 1)  # overlaps training of step k
         t = time.perf_counter()
         result = self.trainer.train(batch.request)  # replays the stored result if step k was trained
@@ -168,8 +168,8 @@ class Driver:
         if state.phase == "publish":
             self.store.transition(state, RunState(k, "commit"))
         record = self._record(k, batch, result, train_s, publish)
-        every = self.config.val_every
-        if k + 1 == self.config.steps or (every and (k + 1) % every == 0):
+        every = self.config.run.val_every
+        if k + 1 == self.config.run.steps or (every and (k + 1) % every == 0):
             record["val_accuracy"] = self.batches.validate(k + 1, self.weights.ensure_version(k + 1))
         record["step_s"] = time.perf_counter() - started
         self.store.commit(k, record)

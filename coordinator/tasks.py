@@ -247,22 +247,23 @@ def build_task(config: CoordinatorConfig) -> Task:
     """The run's task. Raises :class:`ConfigError` (one line, naming the field) for a dataset that cannot
     be read or split, or a reward that cannot be loaded."""
     task: Task
-    if config.task in ("arith", "arith-chat"):
-        task = (ArithChatTask if config.task == "arith-chat" else ArithTask)(config.seed, config.val_size)
+    wanted, seed = config.task, config.run.seed
+    if wanted.name in ("arith", "arith-chat"):
+        task = (ArithChatTask if wanted.name == "arith-chat" else ArithTask)(seed, wanted.val_size)
     else:
         from coordinator.datasets import load_problems, split
 
-        assert config.dataset is not None  # the config checked it
+        assert wanted.dataset is not None  # the config checked it
         with _field("dataset"):
-            rows = load_problems(config.dataset, config.prompt_key, config.answer_key, "row")
+            rows = load_problems(wanted.dataset, wanted.prompt_key, wanted.answer_key, "row")
         held = None
-        if config.val_dataset is not None:
+        if wanted.val_dataset is not None:
             with _field("val_dataset"):
-                held = load_problems(config.val_dataset, config.prompt_key, config.answer_key, "val")
+                held = load_problems(wanted.val_dataset, wanted.prompt_key, wanted.answer_key, "val")
         with _field("dataset"):
-            train, val = split(rows, config.seed, config.val_size, config.val_fraction, held)
-        task = DatasetTask(train, val, config.seed)
-    if config.reward:
+            train, val = split(rows, seed, wanted.val_size, wanted.val_fraction, held)
+        task = DatasetTask(train, val, seed)
+    if wanted.reward:
         with _field("reward"):
-            return CustomReward(task, config.reward)
+            return CustomReward(task, wanted.reward)
     return task

@@ -156,7 +156,8 @@ def add_config_flags(
     a list field's flag repeats), a flag per ``shortcuts`` entry (flag name -> dotted field) and ``--set
     KEY=VALUE`` for everything else. Returns what :func:`config_from_cli` reads: argparse dest -> field."""
     parser.add_argument("--config", type=Path, help=f"YAML file with {cls.__name__} fields")
-    fields = {name: name for name in cls.model_fields} | dict(shortcuts or {})
+    shortcuts = dict(shortcuts or {})  # (one named as a field stands in its place, in shortcuts' order)
+    fields = {name: name for name in cls.model_fields if name not in shortcuts} | shortcuts
     flags = {}
     for name, dotted in fields.items():
         info, default = field_info(cls, dotted)

@@ -21,7 +21,7 @@ def test_shipped_model_matches_its_manifest_and_is_every_process_default() -> No
 
     path = models.verified(models.TINY_ARITH)
     assert RolloutConfig().model == TrainerConfig().model == path
-    assert CoordinatorConfig().model is None  # embedded runs launch the services on the shipped model
+    assert CoordinatorConfig().run.model is None  # embedded runs launch the services on the shipped model
     manifest = models.read_manifest(path)
     assert {"model.safetensors", "config.json", "tokenizer.json"} <= manifest["files"].keys()
     assert manifest["built_by"].startswith("python -m fp8rl.tiny --out DIR --trained --seed 0")

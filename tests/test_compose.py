@@ -61,7 +61,7 @@ def test_the_compose_trainer_learns_as_the_embedded_demo_does(config: str) -> No
         yaml.safe_load((ROOT / "deploy" / config / "trainer.yaml").read_text())
     )
     learner = LearnerConfig.model_validate(trainer.model_dump(include=set(LearnerConfig.model_fields)))
-    assert learner == CoordinatorConfig().learner
+    assert learner == CoordinatorConfig().embedded.learner
 
 
 def test_dockerfiles_install_what_make_setup_installs() -> None:

@@ -18,6 +18,7 @@ from fp8rl.config import (
     config_diff,
     config_from_cli,
     config_hash,
+    field_info,
     load_config,
     parse_override,
 )
@@ -112,14 +113,40 @@ def test_the_learner_section_lays_what_is_set_over_the_demo_and_reaches_the_trai
     path = tmp_path / "run.yaml"
     path.write_text("learner:\n  optimizer:\n    lr: 1.0e-6\n  mini_batches: 2\n")
     config = load_config(CoordinatorConfig, path, dotted=["learner.loss.clip_eps=0.1"])
-    assert config.learner.optimizer.lr == 1e-6 and config.learner.mini_batches == 2
-    assert config.learner.loss.clip_eps == 0.1
-    assert config.learner.optimizer.warmup_steps == DEMO_LEARNER["optimizer"]["warmup_steps"]  # kept
-    assert config.learner.loss.advantage_norm == "mean" and config.learner.micro_batch_size == 64
+    learner = config.embedded.learner
+    assert learner.optimizer.lr == 1e-6 and learner.mini_batches == 2
+    assert learner.loss.clip_eps == 0.1
+    assert learner.optimizer.warmup_steps == DEMO_LEARNER["optimizer"]["warmup_steps"]  # kept
+    assert learner.loss.advantage_norm == "mean" and learner.micro_batch_size == 64
     trainer = embedded_trainer(config, tmp_path, "float32", tmp_path / "run")
     sent = TrainerConfig.model_validate(yaml.safe_load(yaml.safe_dump(trainer.model_dump(mode="json"))))
     assert sent == trainer and sent.optimizer.lr == 1e-6 and sent.port == 0 and sent.resume
     assert sent.checkpoint_dir == tmp_path / "run" / "checkpoints"
+
+
+def test_the_coordinator_config_is_written_dumped_and_named_by_flat_fields() -> None:
+    """The code reads typed slices; users write, dumps hold (a resumed run's identity among them) and
+    errors name the flat fields, in one order, as before the slicing."""
+    from coordinator.config import FIELDS, CoordinatorConfig
+
+    config = load_config(
+        CoordinatorConfig, dotted=["top_k=5", "learner.optimizer.lr=1e-6", "task=arith-chat"]
+    )
+    assert config.sampling.top_k == 5 and config.task.name == "arith-chat"
+    assert config.embedded.learner.optimizer.lr == 1e-6 and config.embedded.learner.micro_batch_size == 64
+    assert list(config.model_dump()) == list(FIELDS) and config.model_dump()["top_k"] == 5
+    assert (
+        CoordinatorConfig.model_validate(config.model_dump())
+        == config
+        == CoordinatorConfig(**config.model_dump())
+    )
+    wrong = ["bogus=1", "learner.optimizer.lr=-1", "top_k=-1", "steps=0"]
+    with pytest.raises(
+        ConfigError, match=r"^invalid config: steps: .+; top_k: .+; learner.optimizer.lr: .+; bogus: "
+    ):
+        load_config(CoordinatorConfig, dotted=wrong)
+    with pytest.raises(ConfigError, match=r"^invalid config: run: Extra inputs are not permitted$"):
+        load_config(CoordinatorConfig, dotted=["run.steps=3"])  # the slices are no input
 
 
 def test_the_learner_section_is_refused_in_distributed_mode() -> None:
@@ -177,10 +204,15 @@ def test_every_scalar_config_field_has_a_flag(module: str) -> None:
     config_cls = {"coordinator.cli": "CoordinatorConfig", "rollout_service.cli": "RolloutConfig"}.get(
         module, "TrainerConfig"
     )
-    cls = getattr(import_module(module.replace(".cli", ".config")), config_cls)
+    config_module = import_module(module.replace(".cli", ".config"))
+    cls = getattr(config_module, config_cls)
+    # (The coordinator's fields sit in slices, under the flat names of its FIELDS.)
+    names = getattr(config_module, "FIELDS", {n: n for n in cls.model_fields})
+    fields = {name: field_info(cls, path)[0] for name, path in names.items()}
     scalar = {
         n
-        for n, f in cls.model_fields.items()
+        for n, f in fields.items()
         if not (isinstance(f.annotation, type) and issubclass(f.annotation, (BaseModel, dict)))
     }
+    assert scalar
     assert scalar <= set(flags)

@@ -126,7 +126,8 @@ def test_chat_prompts_and_the_config_options(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"dataset .* does not exist"):
         load_config(CoordinatorConfig, dotted=["dataset=/nonexistent.parquet", "task=dataset"])
     assert (
-        load_config(CoordinatorConfig, dotted=["task=jsonl", "dataset=gsm8k-sample"]).dataset == GSM8K_SAMPLE
+        load_config(CoordinatorConfig, dotted=["task=jsonl", "dataset=gsm8k-sample"]).task.dataset
+        == GSM8K_SAMPLE
     )
 
 
@@ -226,6 +227,7 @@ def test_a_dataset_the_run_cannot_use_is_one_config_error(
             build_task(config)
         assert "\n" not in str(caught.value)
         run_dir = tmp_path / "run"
-        assert start(config.model_copy(update={"run_dir": run_dir})) == 2  # before anything starts
+        config = CoordinatorConfig.model_validate(config.model_dump() | {"run_dir": run_dir})
+        assert start(config) == 2  # before anything starts
         err = capsys.readouterr().err
         assert err == f"coordinator: {caught.value}\n" and not run_dir.exists()

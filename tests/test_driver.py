@@ -174,9 +174,9 @@ class Run:
         self.store.init_config(self.config.identity(), config_hash(self.config))
 
     def drive(self, task: Task | None = None, **changes: object) -> list[dict]:
-        config = self.config.model_copy(update=changes)
-        sink = MetricsSink(self.run_dir, config.steps, "plain")
-        task = task or ArithTask(config.seed, config.val_size)
+        config = CoordinatorConfig.model_validate(self.config.model_dump() | changes)
+        sink = MetricsSink(self.run_dir, config.run.steps, "plain")
+        task = task or ArithTask(config.run.seed, config.task.val_size)
         return Driver(config, self.id, self.store, self.trainer, self.pool, task, sink).run()  # type: ignore[arg-type]
 
     def put_batch(self, step: int, version: int, reward: float) -> None:
