@@ -15,8 +15,9 @@ import grpc
 
 from coordinator.clients import RolloutPool, rpc_code
 from coordinator.config import CoordinatorConfig
+from coordinator.problems import Problem, RewardTimeout
 from coordinator.state import RunStore
-from coordinator.tasks import Problem, RewardTimeout, Task
+from coordinator.tasks import Task
 from fp8rl.v1 import common_pb2, rollout_pb2, trainer_pb2
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from coordinator.tasks import Problem, parse_prompt
+from coordinator.problems import Problem, parse_prompt
 
 log = logging.getLogger(__name__)
 SAMPLES = {"gsm8k-sample"}  # names of datasets shipped with fp8rl (fp8rl/data)

@@ -29,7 +29,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from coordinator.tasks import RewardTimeout
+from coordinator.problems import RewardTimeout
 
 DEADLINE_S = 5.0  # per completion (math-verify's own default is 5 s per parse and per comparison)
 STARTUP_S = 120.0  # a worker imports sympy and math-verify before it answers

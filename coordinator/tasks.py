@@ -20,9 +20,10 @@ import random
 import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol
 
+from coordinator.problems import Problem
 from fp8rl import arith
 from fp8rl.config import ConfigError
 
@@ -31,39 +32,6 @@ if TYPE_CHECKING:
     from coordinator.math_reward import MathVerifier
 
 RewardFn = Callable[[str, str, str], float]
-
-
-Messages = tuple[tuple[str, str], ...]  # (role, content) per turn
-
-
-class RewardTimeout(RuntimeError):
-    """A reward that could not be computed in time (its worker was killed): the batch scores it 0 and
-    counts it."""
-
-
-@dataclass(frozen=True)
-class Problem:
-    id: str
-    prompt: str  # the text sent, or a conversation's last message (what a reward function sees)
-    answer: str
-    messages: Messages | None = None  # a chat-format prompt, sent instead of ``prompt``
-
-
-def parse_prompt(value: object, where: str, key: str = "prompt") -> tuple[str, Messages | None]:
-    """A dataset row's prompt: text, or a list of {"role", "content"} messages (chat format)."""
-    if isinstance(value, str):
-        return value, None
-    if (
-        isinstance(value, list)
-        and value
-        and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in value
-        )
-    ):
-        messages = tuple((m["role"], m["content"]) for m in value)
-        return messages[-1][1], messages
-    raise ValueError(f"{where}: {key!r} must be text or a non-empty list of {{role, content}} messages")
 
 
 class Task(Protocol):

@@ -12,7 +12,8 @@ import pytest
 
 from coordinator.config import CoordinatorConfig
 from coordinator.datasets import final_answer, load_problems, records, split
-from coordinator.tasks import DatasetTask, Problem, build_task
+from coordinator.problems import Problem
+from coordinator.tasks import DatasetTask, build_task
 from fp8rl.config import ConfigError, load_config
 from fp8rl.data import GSM8K_SAMPLE
 

@@ -18,8 +18,9 @@ from coordinator.clients import ReplicaFailed
 from coordinator.config import CoordinatorConfig
 from coordinator.driver import Driver, TrainingRefused
 from coordinator.metrics import MetricsSink
+from coordinator.problems import Problem, RewardTimeout
 from coordinator.state import RunState, RunStore
-from coordinator.tasks import ArithTask, Problem, RewardTimeout, Task
+from coordinator.tasks import ArithTask, Task
 from fp8rl.config import config_hash
 from fp8rl.v1 import common_pb2, rollout_pb2, trainer_pb2
 from tests.support import redis_server

@@ -15,7 +15,8 @@ import pytest
 
 from coordinator.config import CoordinatorConfig
 from coordinator.math_reward import MathVerifier
-from coordinator.tasks import DatasetTask, RewardTimeout, build_task
+from coordinator.problems import RewardTimeout
+from coordinator.tasks import DatasetTask, build_task
 from fp8rl.config import load_config
 
 pytestmark = pytest.mark.skipif(

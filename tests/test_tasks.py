@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from coordinator.config import CoordinatorConfig
-from coordinator.tasks import ArithChatTask, ArithTask, Problem, Task, build_task, normalize_answer
+from coordinator.problems import Problem
+from coordinator.tasks import ArithChatTask, ArithTask, Task, build_task, normalize_answer
 from fp8rl import arith
 from fp8rl.config import load_config
 

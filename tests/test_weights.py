@@ -505,6 +505,7 @@ def test_a_chunk_that_cannot_be_put_back_consumes_the_held_set(
         decode_update(to_bytes(encode_delta(v1, build_weight_set(sd, "bf16"), 1, 0)), v0, held_version=0)
 
 
+@pytest.mark.slow  # an exhaustive sweep: about 100,000 decodes, half a minute
 def test_every_bit_of_the_header_is_covered(gen: torch.Generator) -> None:
     """Flip each bit of the safetensors header in turn (names, dtypes, shapes, offsets and the metadata,
     version numbers included): every one is refused with a codec error, none is read as another update."""
