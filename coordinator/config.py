@@ -46,7 +46,7 @@ RESUMABLE_FIELDS = (
 )
 
 # The demo's learner: TrainerConfig's defaults but for these, tuned for the tiny model. Each knob has this
-# one demo value (deploy/config/trainer.yaml repeats them for compose, checked by tests/test_compose.py).
+# one demo value (deploy/config/trainer.yaml repeats them for compose, checked by tests/e2e/test_compose.py).
 # A real model wants far less: lr 1e-6 for a 1B model, set with --lr or in a YAML file.
 DEMO_LEARNER: dict[str, Any] = {
     "micro_batch_size": 64,

@@ -1,5 +1,5 @@
 """How far a real FP8 GEMM may lie from exact arithmetic over the same FP8 operands: the bound that checks
-of tensor-core GEMMs against the emulation use (tests/test_quant_gpu.py, scripts/gpu_proof.py).
+of tensor-core GEMMs against the emulation use (tests/unit/test_quant_gpu.py, scripts/gpu_proof.py).
 
 Products of two E4M3 values are exact (4 x 4 significant bits), so all the error is in the sums.
 Hopper's FP8 tensor cores do not add in full FP32: DeepSeek-V3 (arXiv 2412.19437, section 3.3.2)

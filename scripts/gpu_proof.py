@@ -13,13 +13,14 @@ b  fp8rl.quant on CUDA = on CPU, bit for bit: weights (fp32, pow2), activations 
 c  pow2 weights are the fixed point of vLLM's DeepGEMM re-quantization (on CUDA where there is one);
 d  blockwise FP8 GEMM (torch's scaled_mm, 1x128 activations x 128x128 weights) against float64 over the
    same FP8 operands, within the accumulation bound of fp8rl/accumulation.py;
-e  per-slice FP8 GEMM (torch._scaled_mm per 128-wide K slice, unit scales; what tests/test_quant_gpu.py
+e  per-slice FP8 GEMM (torch._scaled_mm per 128-wide K slice, unit scales; what tests/unit/test_quant_gpu.py
    does) within the same bound;
 f  the emulated FP8 trainer step (two FP8 linears, loss, backward, AdamW) on CUDA against the CPU;
 g  FP8 against BF16 GEMM time at Llama-3.1-8B's linear shapes (the "FP8 GEMMs ~2x BF16" claim).
 
 ``--dry-run-on-cpu`` runs the CUDA checks with the CPU in the GPU's place (small GEMM shapes, no
-blockwise kernel): a test of this script's code (tests/test_gpu_proof.py), not a proof of anything.
+blockwise kernel): a test of this script's code (tests/integration/test_gpu_proof.py), not a proof of
+anything.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Run under torchrun by tests/test_distributed.py: one GRPO step of a sharded Learner, the gathered
-weights and the step's figures written by rank 0.
+"""Run under torchrun by tests/integration/test_distributed.py: one GRPO step of a sharded Learner, the
+gathered weights and the step's figures written by rank 0.
 
     torchrun --nproc-per-node N tests/rank_worker.py MODEL RECIPE OUT_DIR
 """
@@ -14,7 +14,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from fp8rl.recipes import get_recipe
-from tests.test_distributed import STEP_SAMPLES, learner_config, sampling
+from tests.integration.test_distributed import STEP_SAMPLES, learner_config, sampling
 from trainer_service.distributed import join_group
 from trainer_service.learner import Learner
 

@@ -74,7 +74,7 @@ def build_weight_set(
 
     def convert(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
         # On the weight's own device, then to the host: a GPU quantizes fast and sends the host a quarter
-        # of the bytes, and its codes equal the CPU's bit for bit (tests/test_quant_gpu.py).
+        # of the bytes, and its codes equal the CPU's bit for bit (tests/unit/test_quant_gpu.py).
         if is_fp8(weight_format) and is_fp8_linear(name, t.ndim, high_precision):
             codes, scales = quant.quantize_blockwise(t, scale_format=scale_format)
             return {name: codes.cpu(), scale_name(name): scales.cpu()}

@@ -33,8 +33,8 @@ from fp8rl.security import (
 from fp8rl.serving import InsecureBinding, RunningServer, start_server
 from fp8rl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc, weights_pb2
 from tests.conftest import InProcessRollout
-from tests.test_rollout import random_state
-from tests.test_trainer import samples
+from tests.integration.test_rollout import random_state
+from tests.integration.test_trainer import samples
 from trainer_service.config import TrainerConfig
 from trainer_service.service import TrainerService
 from trainer_service.servicer import SERVICE_NAME as TRAINER

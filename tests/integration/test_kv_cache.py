@@ -1,7 +1,7 @@
 """FP8 attention over the FP8 KV cache of the `-kv` recipes: scales and rounding against float32
 references, the trainer's emulation and calibration against Q, K and V recomputed here, and the scales
 surviving a checkpoint. (The rollout's emulation in real vLLM, and the two engines' agreement:
-tests/test_consistency.py.)"""
+tests/integration/test_consistency.py.)"""
 
 from __future__ import annotations
 

@@ -244,7 +244,7 @@ def test_padding_for_transformer_engine_changes_nothing(tiny_model_dir_f32: Path
 
 def test_the_emulation_pads_as_transformer_engine_does(tiny_model_dir_f32: Path) -> None:
     """The emulated FP8 learner pads its sequences to TE's 16 positions, so that its wgrad quantizes the
-    same 128 tokens per feature as TE's (the grouping changes dW: tests/test_fp8_linear.py); without FP8
+    same 128 tokens per feature as TE's (the grouping changes dW: tests/unit/test_fp8_linear.py); without FP8
     linears nothing is padded."""
     from fp8rl.recipes import get_recipe
     from trainer_service.learner import TE_TOKEN_MULTIPLE, Learner, SampleData

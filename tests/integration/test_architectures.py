@@ -13,8 +13,8 @@ import pytest
 from fp8rl.architectures import UnsupportedArchitecture, check_supported, fp8_plan
 from fp8rl.v1 import rollout_pb2_grpc
 from tests.families import FAMILIES, SMOLLM2_SHAPE, Family, write_checkpoint
+from tests.integration.test_consistency import mult_prob_errors
 from tests.support import service_process
-from tests.test_consistency import mult_prob_errors
 
 TEXTS = ("What is 12 + 34?", "Write a haiku about the sea.", "The capital of France is", "def add(a, b):")
 

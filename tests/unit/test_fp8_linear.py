@@ -1,6 +1,6 @@
 """The emulated FP8 linear: each GEMM's operands quantized as Transformer Engine's Float8BlockScaling
 quantizes them, checked against float64 GEMMs over operands quantized tile by tile by the reference of
-tests/test_quant.py; weight codes identical to the WeightSet's; with pow2 scales, the trainer's forward
+tests/unit/test_quant.py; weight codes identical to the WeightSet's; with pow2 scales, the trainer's forward
 bit-identical to the rollout's."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 from fp8rl import quant
 from fp8rl.codec.schema import build_weight_set
-from tests.test_quant import reference_dequantize, reference_quantize
+from tests.unit.test_quant import reference_dequantize, reference_quantize
 from trainer_service.fp8_linear import EmulatedFP8Linear, convert_linears, fp8_linear
 
 
@@ -168,8 +168,8 @@ def test_forward_codes_are_the_weight_set_codes(gen: torch.Generator) -> None:
 @pytest.mark.gpu
 def test_te_backend_matches_the_emulation(gen: torch.Generator, transformer_engine: object) -> None:
     """Transformer Engine's Float8BlockScaling linear against the exact emulation (CUDA, TE >= 2.3):
-    the same FP8 operands (TE's quantizers equal fp8rl.quant: tests/test_quant_gpu.py), the scales applied
-    in FP32 by both, so fprop and wgrad differ only by the tensor cores' accumulation."""
+    the same FP8 operands (TE's quantizers equal fp8rl.quant: tests/unit/test_quant_gpu.py), the scales
+    applied in FP32 by both, so fprop and wgrad differ only by the tensor cores' accumulation."""
     from fp8rl.accumulation import gemm_error_bound
     from trainer_service.fp8_linear import fp8_context
 

@@ -670,7 +670,7 @@ def test_only_the_canonical_header_is_accepted(gen: torch.Generator) -> None:
 def test_the_services_never_import_the_whole_update_helpers() -> None:
     """fp8rl.codec.testing (an update as one part in one buffer) is for tests and benches: the services
     stream updates part by part."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     for package in ("fp8rl", "rollout_service", "trainer_service", "coordinator"):
         for path in (root / package).rglob("*.py"):
             imported: set[str] = set()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ABSENT = ("pydantic", "zstandard", "vllm", "transformer_engine", "transformer_engine_torch", "grpc", "yaml")
 
 # A meta-path finder that refuses the absent packages (as on the bare host), then the imports under test,

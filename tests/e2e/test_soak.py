@@ -23,7 +23,7 @@ from fp8rl.credentials import redis_url_with_password
 from fp8rl.run_secrets import security_for
 from fp8rl.security import channel
 from fp8rl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
-from tests.test_coordinator_run import FAST, assert_children_gone, coordinator
+from tests.e2e.test_coordinator_run import FAST, assert_children_gone, coordinator
 
 pytestmark = pytest.mark.slow
 STEPS, KILL_AT = 30, (5, 13, 21)

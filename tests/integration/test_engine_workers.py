@@ -47,7 +47,7 @@ def refit_in_worker_processes(model: Path, state: dict[str, torch.Tensor], tmp: 
         text=True,
         timeout=600,
         env=env,
-        cwd=Path(__file__).resolve().parent.parent,
+        cwd=Path(__file__).resolve().parents[2],
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]

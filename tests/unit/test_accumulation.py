@@ -51,7 +51,7 @@ def test_a_14_bit_accumulator_stays_within_the_bound(
     # Exact-FP32 accumulation sits far inside it: FP32's unit roundoff is 2^-24, the model's 2^-13.
     fp32 = sum(a[:, s : s + 128] @ b[:, s : s + 128].t() for s in range(0, shape[2], 128))
     assert ((fp32.double() - exact).abs() <= bound * 2.0**-6).all()
-    # And the expectation that each 128-product chunk is exact in float32 (what tests/test_quant_gpu.py
+    # And the expectation that each 128-product chunk is exact in float32 (what tests/unit/test_quant_gpu.py
     # assumed, with rtol = atol = 1e-5) fails under the 14-bit model.
     assert ((truncating_gemm(a, b) - exact).abs() > 1e-5 + 1e-5 * exact.abs()).any()
 

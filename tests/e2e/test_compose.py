@@ -22,7 +22,7 @@ from coordinator.metrics import read_metrics
 from fp8rl.credentials import redis_url_with_password
 from tests.support import child_process, free_port, wait_for_line
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import grpc
 
 from fp8rl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+from tests.integration.test_rollout_cli import scrape
+from tests.integration.test_trainer import samples, step_request
 from tests.support import child_process, free_port, wait_for_line
-from tests.test_rollout_cli import scrape
-from tests.test_trainer import samples, step_request
 
 PROBE = trainer_pb2.ComputeLogprobsRequest(
     sequences=[trainer_pb2.TokenSequence(prompt_token_ids=[5, 6, 7], completion_token_ids=[8, 9, 10, 11])],

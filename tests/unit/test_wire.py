@@ -25,7 +25,7 @@ from fp8rl.errors import CorruptUpdateError
 from fp8rl.serving import read_ahead, start_server
 from fp8rl.v1 import rollout_pb2, rollout_pb2_grpc, trainer_pb2_grpc, weights_pb2
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 GRPC_DEFAULT_LIMIT = 4 * 1024 * 1024
 
 

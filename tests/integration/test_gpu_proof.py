@@ -1,5 +1,5 @@
 """scripts/gpu_proof.py as the bare GPU host runs it, here on the CPU: in an interpreter that cannot import
-pydantic, zstandard, vLLM, Transformer Engine, grpc or yaml (tests/test_torch_only.py), it exits 0 with
+pydantic, zstandard, vLLM, Transformer Engine, grpc or yaml (tests/unit/test_torch_only.py), it exits 0 with
 the CUDA checks skipped for the reason and the others passed; and its CUDA checks' own code runs, with
 the CPU in the GPU's place (--dry-run-on-cpu)."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_torch_only import run_torch_only
+from tests.unit.test_torch_only import run_torch_only
 
 RUN = """
 import runpy, sys
