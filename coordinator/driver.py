@@ -22,7 +22,7 @@ from coordinator.batches import Batch, BatchMaker
 from coordinator.clients import RolloutPool, TrainerClient
 from coordinator.config import CoordinatorConfig
 from coordinator.metrics import MetricsSink, committed
-from coordinator.publishing import WeightSync
+from coordinator.publishing import Publishing
 from coordinator.state import RunState, RunStore
 from coordinator.tasks import Task
 from fp8rl.serving import pid_alive
@@ -59,7 +59,7 @@ class Driver:
     ) -> None:
         self.config, self.run_id, self.store = config, run_id, store
         self.trainer, self.sink = trainer, sink
-        self.weights = WeightSync(store, trainer, pool, sink)
+        self.weights = Publishing(store, trainer, pool, sink)
         self.batches = BatchMaker(config, run_id, store, pool, task, self.weights.ensure_version)
         self._ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generate-ahead")
         self._stop_renewing = threading.Event()

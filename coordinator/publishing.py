@@ -15,7 +15,10 @@ from fp8rl.v1 import trainer_pb2
 log = logging.getLogger(__name__)
 
 
-class WeightSync:
+class Publishing:
+    """The publishing phase of a step: the new version to every replica, and the run's record of who holds
+    what."""
+
     def __init__(self, store: RunStore, trainer: TrainerClient, pool: RolloutPool, sink: MetricsSink) -> None:
         self.store, self.trainer, self.pool, self.sink = store, trainer, pool, sink
 

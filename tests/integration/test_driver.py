@@ -1,4 +1,4 @@
-"""The step loop's branches, fast: the real Driver, BatchMaker and WeightSync over a real redis-server,
+"""The step loop's branches, fast: the real Driver, BatchMaker and Publishing over a real redis-server,
 with in-process stand-ins for the trainer and rollout *clients* (the remote services, not the code under
 test). Crashes are injected into the stand-ins; a second Driver then resumes the run from Redis."""
 
