@@ -161,6 +161,7 @@ def expert_weights(checkpoint: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     return {n: t for n, t in checkpoint.items() if ".mlp.experts." in n}
 
 
+@pytest.mark.slow  # (one engine for the module: about 40 s to start on 2 cores)
 def test_experts_load_as_fp8rl_quant_codes_and_scales(engine: Any, moe_dir: Path) -> None:
     # The checkpoint is float32 HF: each expert's gate, up and down quantized 128x128 at load.
     assert_experts_hold(engine, quantized(expert_weights(_checkpoint(moe_dir))))
@@ -195,6 +196,7 @@ def reference_moe(
     return out
 
 
+@pytest.mark.slow  # (one engine for the module: about 40 s to start on 2 cores)
 def test_experts_compute_the_fp8_contract(engine: Any, moe_dir: Path, gen: torch.Generator) -> None:
     wire = quantized(expert_weights(_checkpoint(moe_dir)))
     tokens = 37
@@ -228,6 +230,7 @@ def assert_routers_compute(engine: Any, weights: dict[str, torch.Tensor], gen: t
         assert logits[name].dtype == torch.float32 and error < 1e-6, (name, error)
 
 
+@pytest.mark.slow  # (one engine for the module: about 40 s to start on 2 cores)
 def test_routers_stay_high_precision_and_experts_run_fp8(
     engine: Any, moe_dir: Path, gen: torch.Generator
 ) -> None:
@@ -252,6 +255,7 @@ def test_an_exact_router_name_does_not_skip_a_gate_up_projection() -> None:
         assert not is_layer_skipped(dense, config.ignored_layers, config.packed_modules_mapping)
 
 
+@pytest.mark.slow  # (one engine for the module: about 40 s to start on 2 cores)
 def test_refits_leave_every_expert_scale_as_sent(engine: Any, moe_dir: Path, gen: torch.Generator) -> None:
     from rollout_service.engine import EngineRequest, Sampling
 
