@@ -338,14 +338,34 @@ class EmulatedBlockFP8MoEMethod(FusedMoEMethodBase):
                 scale,
                 {
                     **extra_weight_attrs,
-                    "weight_loader": weight_loader,
+                    "weight_loader": self._recording_loader(f"{stem}_weight_scale_inv", weight_loader),
                     "quant_method": FusedMoeWeightScaleSupported.BLOCK.value,
                 },
             )
+        self.num_experts = num_experts
+        self.loaded: set[tuple[str, str, int]] = set()
+
+    def _recording_loader(self, name: str, weight_loader: Any) -> Any:
+        """vLLM's expert loader for parameter ``name``, noting which expert shard it loaded."""
+
+        def load_expert_tensor(
+            param: torch.nn.Parameter,
+            loaded_weight: torch.Tensor,
+            weight_name: str,
+            shard_id: str,
+            expert_id: int,
+            return_success: bool = False,
+        ) -> Any:
+            self.loaded.add((name, shard_id, expert_id))
+            return weight_loader(param, loaded_weight, weight_name, shard_id, expert_id, return_success)
+
+        return load_expert_tensor
 
     def _quantizing_loader(self, layer: Any, stem: str, weight_loader: Any) -> Any:
         """vLLM's expert loader for ``{stem}_weight``, quantizing a high-precision expert slice (one
         expert's gate, up or down [N, K]) 128x128 first and loading its scales alongside."""
+        load_weight = self._recording_loader(f"{stem}_weight", weight_loader)
+        load_scale = self._recording_loader(f"{stem}_weight_scale_inv", weight_loader)
 
         def load_expert_weight(
             param: torch.nn.Parameter,
@@ -359,26 +379,41 @@ class EmulatedBlockFP8MoEMethod(FusedMoEMethodBase):
                 loaded_weight, scale_inv = quant.quantize_blockwise(
                     loaded_weight, scale_format=self.scale_format
                 )
-                weight_loader(
-                    getattr(layer, f"{stem}_weight_scale_inv"),
-                    scale_inv,
-                    f"{weight_name}_scale_inv",
-                    shard_id,
-                    expert_id,
-                    return_success=True,
-                )
-            return weight_loader(param, loaded_weight, weight_name, shard_id, expert_id, return_success)
+                scale = getattr(layer, f"{stem}_weight_scale_inv")
+                load_scale(scale, scale_inv, f"{weight_name}_scale_inv", shard_id, expert_id, True)
+            return load_weight(param, loaded_weight, weight_name, shard_id, expert_id, return_success)
 
         return load_expert_weight
 
+    def _check_loaded(self, layer: Any) -> None:
+        """Every expert's codes and scales came in this load. vLLM's in-place reload materializes every
+        parameter empty and loads what came, so an expert shard that did not come would compute with
+        leftover memory (vime#248: NaN expert scales after a layerwise reload)."""
+        shards = {"w13": ("w1", "w3"), "w2": ("w2",)}
+        missing = [
+            (name, shard, e)
+            for stem in MOE_STEMS
+            for name in (f"{stem}_weight", f"{stem}_weight_scale_inv")
+            for shard in shards[stem]
+            for e in range(self.num_experts)
+            if (name, shard, e) not in self.loaded
+        ]
+        self.loaded = set()
+        if missing:
+            name, shard, expert = missing[0]
+            raise ValueError(
+                f"{NAME}: {layer.layer_name}: {len(missing)} expert tensors did not load (the first: "
+                f"{name} of expert {expert}, shard {shard}); a refit must bring every expert's codes and "
+                "scales"
+            )
+
     def process_weights_after_loading(self, layer: Any) -> None:
+        self._check_loaded(layer)
         # As for linears: dequantize once, keep the scales (re-quantizing recovers the codes).
         for stem in MOE_STEMS:
             codes = getattr(layer, f"{stem}_weight").data
             scales = getattr(layer, f"{stem}_weight_scale_inv").data
             if not (torch.isfinite(scales).all() and (scales > 0).all()):
-                # vLLM's in-place reload materializes every parameter empty and loads what came: an
-                # expert whose scales did not come would compute with garbage (vime#248).
                 raise ValueError(f"{NAME}: {stem} scales of {layer.layer_name} not all positive and finite")
             weight = torch.stack(
                 [

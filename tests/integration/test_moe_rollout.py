@@ -274,3 +274,15 @@ def test_refits_leave_every_expert_scale_as_sent(engine: Any, moe_dir: Path, gen
             done += engine.step()
         assert len(done) == 1 and len(done[0].logprobs) == 4
         assert all(torch.isfinite(torch.tensor(done[0].logprobs)))
+
+
+@pytest.mark.slow  # (restarts the engine)
+def test_a_refit_missing_an_expert_scale_is_refused(engine: Any, moe_dir: Path) -> None:
+    # vLLM's in-place reload materializes every parameter empty and loads what came: without the check,
+    # the expert whose scale did not come would compute with leftover memory (vime#248).
+    wire = quantized(expert_weights(_checkpoint(moe_dir)))
+    del wire[expert_name(1, 5, "up_proj") + "_scale_inv"]
+    with pytest.raises(Exception, match=r"1 expert tensors did not load .*w13_weight_scale_inv of expert 5"):
+        engine.load_weights(wire)
+    engine.restart()  # (what the service does after a failed refit: a fresh engine on its checkpoint)
+    assert_experts_hold(engine, quantized(expert_weights(_checkpoint(moe_dir))))
