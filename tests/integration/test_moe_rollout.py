@@ -35,7 +35,6 @@ QWEN3_MOE = Family(
     extra={"norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []},
 )
 ROUTERS = frozenset(f"model.layers.{i}.mlp.gate" for i in range(LAYERS))
-PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 def expert_name(layer: int, expert: int, proj: str) -> str:
@@ -109,26 +108,28 @@ def _methods(worker: Any) -> dict[str, str]:
 def grids(tensors: dict[str, torch.Tensor], layer: int) -> dict[str, torch.Tensor]:
     """vLLM's expert layout of per-expert checkpoint tensors (codes or dequantized weights ``.weight``,
     scales ``.weight_scale_inv``): ``w13_*`` [E, gate rows + up rows, ...] and ``w2_*`` [E, ...]."""
+
+    def stacked(projections: tuple[str, ...], suffix: str) -> torch.Tensor:
+        return torch.stack(
+            [
+                torch.cat([tensors[expert_name(layer, e, p) + suffix] for p in projections])
+                for e in range(EXPERTS)
+            ]
+        )
+
     out = {}
     for suffix, stem in (("", "weight"), ("_scale_inv", "weight_scale_inv")):
-
-        def get(e: int, proj: str) -> torch.Tensor:
-            return tensors[expert_name(layer, e, proj) + suffix]  # noqa: B023
-
-        out[f"w13_{stem}"] = torch.stack(
-            [torch.cat([get(e, "gate_proj"), get(e, "up_proj")]) for e in range(EXPERTS)]
-        )
-        out[f"w2_{stem}"] = torch.stack([get(e, "down_proj") for e in range(EXPERTS)])
+        out[f"w13_{stem}"] = stacked(("gate_proj", "up_proj"), suffix)
+        out[f"w2_{stem}"] = stacked(("down_proj",), suffix)
     return out
 
 
-def quantized(
-    weights: dict[str, torch.Tensor], scale_format: quant.ScaleFormat = "fp32"
-) -> dict[str, torch.Tensor]:
-    """Wire tensors of expert weights: codes under ``.weight``, scales under ``.weight_scale_inv``."""
+def quantized(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Wire tensors of expert weights (FP32 scales): codes under ``.weight``, scales under
+    ``.weight_scale_inv``."""
     out = {}
     for name, w in weights.items():
-        out[name], out[name + "_scale_inv"] = quant.quantize_blockwise(w, scale_format=scale_format)
+        out[name], out[name + "_scale_inv"] = quant.quantize_blockwise(w)
     return out
 
 
