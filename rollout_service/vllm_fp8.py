@@ -14,6 +14,14 @@ differences from vLLM's ``Fp8LinearMethod``:
 * ``apply`` fake-quantizes activations per token in 1x128 groups with vLLM's own arithmetic (that of
   its CUDA per-token-group quantizer), then runs a plain GEMM.
 
+Routed experts (vLLM's ``FusedMoE``: its ``RoutedExperts`` layer) get the same treatment
+(:class:`EmulatedBlockFP8MoEMethod`): vLLM's block-FP8 MoE parameters (``w13_weight`` [E, 2I, H] and
+``w2_weight`` [E, H, I], float8_e4m3fn, with one float32 ``*_weight_scale_inv`` grid of 128x128 blocks
+per expert), loaded by vLLM's expert loader from the per-expert names
+``mlp.experts.{e}.{gate,up,down}_proj.weight`` and ``.weight_scale_inv``; vLLM's router runs before the
+method on the router linear ``mlp.gate``, which must be in ``ignored_layers`` by its exact name (vLLM
+builds it as a ``ReplicatedLinear``).
+
 With ``kv_cache: fp8`` attention layers emulate, the same way, FP8 attention over an FP8 (E4M3) KV cache
 as vLLM runs it on Hopper (FlashAttention-3): they take vLLM's per-layer ``q_scale`` / ``k_scale`` /
 ``v_scale`` from the checkpoint or a refit (by vLLM's rule where one did not come), and round the query,
@@ -36,6 +44,9 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase, FusedMoEQuantConfig, RoutedExperts
+from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+from vllm.model_executor.layers.fused_moe.routed_experts import FusedMoeWeightScaleSupported
 from vllm.model_executor.layers.linear import (
     LinearBase,
     LinearMethodBase,
@@ -51,6 +62,7 @@ from vllm.model_executor.layers.quantization.utils.fp8_utils import (
 )
 from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
 from vllm.model_executor.parameter import BlockQuantScaleParameter
+from vllm.model_executor.utils import set_weight_attrs
 
 from fp8rl import quant
 from fp8rl.quant import SCALE_FORMATS, ScaleFormat
@@ -119,6 +131,8 @@ class EmulatedBlockFP8Config(QuantizationConfig):
             if is_layer_skipped(prefix, self.ignored_layers, self.packed_modules_mapping):
                 return UnquantizedLinearMethod()
             return EmulatedBlockFP8LinearMethod(self.scale_format, self.activation_arithmetic)
+        if isinstance(layer, RoutedExperts):
+            return EmulatedBlockFP8MoEMethod(layer.moe_config, self.scale_format, self.activation_arithmetic)
         if isinstance(layer, Attention) and self.kv_cache == "fp8":
             return EmulatedFP8KVCacheMethod(self)
         return None
@@ -262,6 +276,198 @@ class EmulatedBlockFP8LinearMethod(LinearMethodBase):
     def apply(self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         xq = quant.fake_quantize_activation(x, scale_format=self.scale_format, arithmetic=self.arithmetic)
         return F.linear(xq, layer.weight, bias)
+
+
+MOE_STEMS = ("w13", "w2")
+"""vLLM's expert parameters: ``w13`` (gate and up, [E, 2I, H]) and ``w2`` (down, [E, H, I])."""
+
+
+class EmulatedBlockFP8MoEMethod(FusedMoEMethodBase):
+    """Block-FP8 routed experts (vLLM's ``FusedMoE``), as :class:`EmulatedBlockFP8LinearMethod` for
+    linears: vLLM's block-FP8 MoE parameters (those of its ``Fp8MoEMethod``), loaded by vLLM's own
+    expert weight loader from per-expert checkpoint names (``experts.{e}.{gate,up,down}_proj.weight``
+    and ``.weight_scale_inv``); a high-precision checkpoint quantized per expert at first load with
+    :mod:`fp8rl.quant`; dequantized once after loading; and in :meth:`apply`, for each expert, its
+    tokens' activations fake-quantized 1x128 before the gate/up GEMM and again before down_proj.
+
+    The router runs before this method (vLLM's own, on the high-precision ``mlp.gate``): ``apply``
+    receives its top-k weights and expert ids."""
+
+    def __init__(
+        self, moe: Any, scale_format: ScaleFormat = "fp32", arithmetic: quant.Arithmetic = "vllm"
+    ) -> None:
+        super().__init__(moe)
+        self.scale_format = scale_format
+        self.arithmetic = arithmetic
+
+    def create_weights(
+        self,
+        layer: Any,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size_per_partition: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs: Any,
+    ) -> None:
+        intermediate = intermediate_size_per_partition
+        if intermediate % BLOCK[0]:  # (vLLM's validate_fp8_block_shape_moe: gate and up share w13)
+            raise ValueError(
+                f"{NAME}: the experts' intermediate size per partition ({intermediate}) is not a multiple "
+                f"of {BLOCK[0]}"
+            )
+        if not self.moe.is_act_and_mul or self.moe.activation != MoEActivation.SILU or self.moe.has_bias:
+            raise ValueError(f"{NAME}: only SiLU-gated experts without biases are emulated")
+        layer.orig_dtype = params_dtype
+        layer.weight_block_size = BLOCK
+        shapes = {"w13": (2 * intermediate, hidden_size), "w2": (hidden_size, intermediate)}
+        weight_loader = extra_weight_attrs.pop("weight_loader")
+        for stem, (rows, columns) in shapes.items():
+            weight = torch.nn.Parameter(
+                torch.empty(num_experts, rows, columns, dtype=quant.FP8_DTYPE), requires_grad=False
+            )
+            scale = torch.nn.Parameter(
+                torch.ones(num_experts, -(-rows // BLOCK[0]), -(-columns // BLOCK[1]), dtype=torch.float32),
+                requires_grad=False,
+            )
+            layer.register_parameter(f"{stem}_weight", weight)
+            layer.register_parameter(f"{stem}_weight_scale_inv", scale)
+            loader = self._quantizing_loader(layer, stem, weight_loader)
+            set_weight_attrs(weight, {**extra_weight_attrs, "weight_loader": loader})
+            # (vLLM's expert loader shards a scale by this attribute, as for Fp8MoEMethod's.)
+            set_weight_attrs(
+                scale,
+                {
+                    **extra_weight_attrs,
+                    "weight_loader": self._recording_loader(f"{stem}_weight_scale_inv", weight_loader),
+                    "quant_method": FusedMoeWeightScaleSupported.BLOCK.value,
+                },
+            )
+        self.num_experts = num_experts
+        self.loaded: set[tuple[str, str, int]] = set()
+
+    def _recording_loader(self, name: str, weight_loader: Any) -> Any:
+        """vLLM's expert loader for parameter ``name``, noting which expert shard it loaded."""
+
+        def load_expert_tensor(
+            param: torch.nn.Parameter,
+            loaded_weight: torch.Tensor,
+            weight_name: str,
+            shard_id: str,
+            expert_id: int,
+            return_success: bool = False,
+        ) -> Any:
+            self.loaded.add((name, shard_id, expert_id))
+            return weight_loader(param, loaded_weight, weight_name, shard_id, expert_id, return_success)
+
+        return load_expert_tensor
+
+    def _quantizing_loader(self, layer: Any, stem: str, weight_loader: Any) -> Any:
+        """vLLM's expert loader for ``{stem}_weight``, quantizing a high-precision expert slice (one
+        expert's gate, up or down [N, K]) 128x128 first and loading its scales alongside."""
+        load_weight = self._recording_loader(f"{stem}_weight", weight_loader)
+        load_scale = self._recording_loader(f"{stem}_weight_scale_inv", weight_loader)
+
+        def load_expert_weight(
+            param: torch.nn.Parameter,
+            loaded_weight: torch.Tensor,
+            weight_name: str,
+            shard_id: str,
+            expert_id: int,
+            return_success: bool = False,
+        ) -> Any:
+            if loaded_weight.dtype != quant.FP8_DTYPE:
+                loaded_weight, scale_inv = quant.quantize_blockwise(
+                    loaded_weight, scale_format=self.scale_format
+                )
+                scale = getattr(layer, f"{stem}_weight_scale_inv")
+                load_scale(scale, scale_inv, f"{weight_name}_scale_inv", shard_id, expert_id, True)
+            return load_weight(param, loaded_weight, weight_name, shard_id, expert_id, return_success)
+
+        return load_expert_weight
+
+    def _check_loaded(self, layer: Any) -> None:
+        """Every expert's codes and scales came in this load. vLLM's in-place reload materializes every
+        parameter empty and loads what came, so an expert shard that did not come would compute with
+        leftover memory (vime#248: NaN expert scales after a layerwise reload)."""
+        shards = {"w13": ("w1", "w3"), "w2": ("w2",)}
+        missing = [
+            (name, shard, e)
+            for stem in MOE_STEMS
+            for name in (f"{stem}_weight", f"{stem}_weight_scale_inv")
+            for shard in shards[stem]
+            for e in range(self.num_experts)
+            if (name, shard, e) not in self.loaded
+        ]
+        self.loaded = set()
+        if missing:
+            name, shard, expert = missing[0]
+            raise ValueError(
+                f"{NAME}: {layer.layer_name}: {len(missing)} expert tensors did not load (the first: "
+                f"{name} of expert {expert}, shard {shard}); a refit must bring every expert's codes and "
+                "scales"
+            )
+
+    def process_weights_after_loading(self, layer: Any) -> None:
+        self._check_loaded(layer)
+        # As for linears: dequantize once, keep the scales (re-quantizing recovers the codes).
+        for stem in MOE_STEMS:
+            codes = getattr(layer, f"{stem}_weight").data
+            scales = getattr(layer, f"{stem}_weight_scale_inv").data
+            if not (torch.isfinite(scales).all() and (scales > 0).all()):
+                raise ValueError(f"{NAME}: {stem} scales of {layer.layer_name} not all positive and finite")
+            weight = torch.stack(
+                [
+                    quant.dequantize_blockwise(q, s, dtype=layer.orig_dtype)
+                    for q, s in zip(codes, scales, strict=True)
+                ]
+            )
+            setattr(layer, f"{stem}_weight", torch.nn.Parameter(weight, requires_grad=False))
+
+    def get_fused_moe_quant_config(self, layer: Any) -> FusedMoEQuantConfig | None:
+        return FusedMoEQuantConfig.make()
+
+    def apply(
+        self,
+        layer: Any,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        shared_experts: Any,
+        shared_experts_input: torch.Tensor | None,
+    ) -> torch.Tensor:
+        if shared_experts is not None or layer.expert_map is not None:
+            raise NotImplementedError(f"{NAME}: shared experts and expert parallelism are not emulated")
+        return moe_forward(
+            x,
+            layer.w13_weight,
+            layer.w2_weight,
+            topk_weights,
+            topk_ids,
+            lambda a: quant.fake_quantize_activation(
+                a, scale_format=self.scale_format, arithmetic=self.arithmetic
+            ),
+        )
+
+
+def moe_forward(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    fake_quantize: Any,
+) -> torch.Tensor:
+    """Routed SiLU-gated experts: ``x`` [T, H]; ``w13`` [E, 2I, H] (gate rows, then up), ``w2`` [E, H, I]
+    (dequantized, ``x``'s dtype); ``topk_weights`` / ``topk_ids`` [T, k]. For each expert in ascending
+    order, its tokens' inputs go through ``fake_quantize`` before each GEMM; the outputs are weighted
+    (in ``x``'s dtype) and summed per token in that order. Returns [T, H]."""
+    out, xq = torch.zeros_like(x), fake_quantize(x)  # (per token: the same codes for any subset of rows)
+    for expert in topk_ids.unique().tolist():
+        token, slot = (topk_ids == expert).nonzero(as_tuple=True)
+        gate, up = F.linear(xq[token], w13[expert]).chunk(2, dim=-1)
+        y = F.linear(fake_quantize(F.silu(gate) * up), w2[expert])
+        out.index_add_(0, token, y * topk_weights[token, slot, None].to(x.dtype))
+    return out
 
 
 def register() -> None:

