@@ -24,6 +24,7 @@ from fp8rl.codec.stream import Reassembler
 from fp8rl.codec.testing import decode_update, encode_delta, encode_keyframe, read_metadata, to_bytes
 from fp8rl.codec.weight_set import CHUNK_BYTES, WeightSet, bytes_digest, raw_bytes
 from fp8rl.errors import BaseMismatchError, CorruptUpdateError, InvalidRequest, WeightCodecError
+from fp8rl.formats import ScaleFormat
 
 
 def model_like_state_dict(
@@ -166,7 +167,7 @@ def test_moe_experts_ship_per_expert_under_vllm_s_checkpoint_names(fmt: str, gen
     its forward chunks them so), down = down_proj[e]; each quantized exactly as a dense linear of that
     2-D weight; the router in the high-precision dtype; deltas round-trip."""
     master = moe_state_dict(gen, hidden=320)  # (H = 2.5 blocks: partial edge blocks per expert)
-    scale_format = "pow2" if fmt.endswith("pow2") else "fp32"
+    scale_format: ScaleFormat = "pow2" if fmt.endswith("pow2") else "fp32"
     sent = build_weight_set(master, fmt, torch.float32)  # type: ignore[arg-type]
     experts = [
         f"model.layers.{i}.mlp.experts.{e}.{g}"
