@@ -6,6 +6,7 @@ bit, the router is untouched."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -174,3 +175,30 @@ def test_experts_the_plan_keeps_stay_transformers_own(gen: torch.Generator) -> N
         convert_linears(model, "emulated", high_precision=kept - {"model.layers.0.mlp.experts.2.up_proj"})
     with pytest.raises(NotImplementedError, match="fp8_backend: emulated"):
         convert_linears(model, "te")
+
+
+def test_the_high_precision_set_is_the_checkpoint_transformers_saves(tmp_path: Path) -> None:
+    """The per-expert split (gate = rows [0, I), up = rows [I, 2I)) is transformers' own: under a
+    high-precision format the set has exactly the names and values of ``save_pretrained``'s checkpoint,
+    the per-expert layout vLLM loads at version 0."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=128,
+        num_experts=3,
+        num_experts_per_tok=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_hidden_layers=2,
+        vocab_size=64,
+    )
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(tmp_path)
+    saved = load_file(tmp_path / "model.safetensors")
+    sent = build_weight_set(dict(model.named_parameters()), "bf16", torch.float32).tensors
+    assert "model.layers.1.mlp.experts.2.up_proj.weight" in saved
+    assert set(sent) == set(saved)
+    assert all(torch.equal(sent[name], saved[name]) for name in saved)
