@@ -44,6 +44,16 @@ MOE_FAMILIES = frozenset({"qwen3_moe"})
 ROUTER = "mlp.gate"
 """The router of an MoE layer (module name within the layer): always high precision, by exact name."""
 
+ROUTERS = (ROUTER, "mlp.shared_expert_gate")
+"""Module names within a layer that gate experts (Qwen2-MoE's shared-expert gate too): never FP8 in
+either engine, whatever the plan says, matched by exact name (``mlp.gate_proj`` is not ``mlp.gate``)."""
+
+
+def is_router(module: str) -> bool:
+    """True for a router's module name (``model.layers.3.mlp.gate``; not ``...mlp.gate_proj``)."""
+    return module.endswith(tuple(f".{r}" for r in ROUTERS))
+
+
 EXPERTS = "mlp.experts"
 EXPERT_GEMMS = ("gate_proj", "up_proj", "down_proj")
 """The per-expert linears of an MoE layer as checkpoints (and vLLM's loader) name them:

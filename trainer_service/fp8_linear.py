@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from fp8rl import quant
+from fp8rl.architectures import EXPERT_GEMMS, is_router
 from fp8rl.quant import ScaleFormat
 
 Backend = Literal["emulated", "te"]
@@ -167,9 +168,6 @@ def _emulated_experts_class(cls: type) -> type:
     return _EXPERTS_CLASSES.setdefault(cls, type(f"EmulatedFP8{cls.__name__}", (EmulatedFP8Experts, cls), {}))
 
 
-EXPERT_GEMMS = ("gate_proj", "up_proj", "down_proj")  # (fp8rl.architectures.EXPERT_GEMMS)
-
-
 def block_experts(model: torch.nn.Module) -> Iterator[tuple[str, Any]]:
     """The fused expert modules inside the transformer blocks (``model.layers.N.mlp.experts``): a 3-D
     ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I], in transformers' default layout."""
@@ -186,9 +184,10 @@ def block_experts(model: torch.nn.Module) -> Iterator[tuple[str, Any]]:
 
 
 def block_linears(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Linear]]:
-    """The linear layers inside the transformer blocks (the ones the FP8 recipe quantizes)."""
+    """The linear layers inside the transformer blocks (the ones the FP8 recipe quantizes); never a
+    router (an ``nn.Linear`` in some MoE families: fp8rl.architectures.ROUTERS)."""
     for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and ".layers." in f".{name}.":
+        if isinstance(module, torch.nn.Linear) and ".layers." in f".{name}." and not is_router(name):
             yield name, module
 
 

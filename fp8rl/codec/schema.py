@@ -24,7 +24,7 @@ from concurrent.futures import Future, wait
 import torch
 
 from fp8rl import quant
-from fp8rl.architectures import EXPERTS, ROUTER
+from fp8rl.architectures import EXPERTS, is_router
 from fp8rl.codec.weight_set import WeightSet, pool
 from fp8rl.recipes import WEIGHT_FORMATS, WeightFormat, is_fp8, weight_scale_format
 
@@ -39,9 +39,9 @@ def is_block_linear(name: str, ndim: int) -> bool:
 
     Norms are 1-D, biases end in ``.bias``, and embeddings / lm_head live outside ``.layers.``. An MoE
     router (``model.layers.N.mlp.gate.weight``, matched by its exact module name: ``gate_proj`` and
-    ``gate_up_proj`` are not routers) is not one.
+    ``gate_up_proj`` are not routers; fp8rl.architectures.ROUTERS) is not one.
     """
-    if name.endswith(f".{ROUTER}.weight"):
+    if name.endswith(".weight") and is_router(name.removesuffix(".weight")):
         return False
     return ndim == 2 and name.endswith(".weight") and ".layers." in name
 

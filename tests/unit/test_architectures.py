@@ -52,9 +52,11 @@ def test_the_router_is_matched_by_exact_name_never_as_a_substring() -> None:
     ):
         assert plan.is_fp8(name)
         assert is_fp8_linear(name, 2, plan.high_precision)
-    # The router is never a block linear, even for a caller that passes no plan.
-    assert not is_block_linear("model.layers.0.mlp.gate.weight", 2)
-    assert not is_fp8_linear("model.layers.0.mlp.gate.weight", 2)
+    # The router is never a block linear, even for a caller that passes no plan; nor Qwen2-MoE's
+    # shared-expert gate.
+    for router in ("model.layers.0.mlp.gate.weight", "model.layers.5.mlp.shared_expert_gate.weight"):
+        assert not is_block_linear(router, 2) and not is_fp8_linear(router, 2)
+    assert is_block_linear("model.layers.0.mlp.shared_expert.gate_proj.weight", 2)
 
 
 @pytest.mark.parametrize(

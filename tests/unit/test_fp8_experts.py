@@ -202,3 +202,19 @@ def test_the_high_precision_set_is_the_checkpoint_transformers_saves(tmp_path: P
     assert "model.layers.1.mlp.experts.2.up_proj.weight" in saved
     assert set(sent) == set(saved)
     assert all(torch.equal(sent[name], saved[name]) for name in saved)
+
+
+def test_a_router_that_is_a_linear_is_never_converted() -> None:
+    """Qwen2-MoE's shared-expert gate is an ``nn.Linear``: by its exact name it stays as it is, while
+    the shared expert's own ``gate_proj`` (a prefix match would catch it) is an FP8 linear."""
+    mlp = torch.nn.Module()
+    mlp.shared_expert_gate = torch.nn.Linear(256, 1, bias=False)
+    mlp.shared_expert = torch.nn.Module()
+    mlp.shared_expert.gate_proj = torch.nn.Linear(256, 256, bias=False)
+    layer = torch.nn.Module()
+    layer.mlp = mlp
+    root = torch.nn.Module()
+    root.layers = torch.nn.ModuleList([layer])
+    assert convert_linears(root, "emulated") == 1
+    assert type(mlp.shared_expert_gate) is torch.nn.Linear
+    assert isinstance(mlp.shared_expert.gate_proj, fp8_module.EmulatedFP8Linear)
