@@ -10,11 +10,18 @@ per rank, and the input columns per rank of a row-parallel GEMM (o_proj, down_pr
 that breaks the rule stays in the compute dtype in both engines (all its shards: vLLM quantizes a fused
 GEMM whole or not at all), named in vLLM's ``ignored_layers``; every other linear inside the blocks is
 FP8, edge blocks included.
+
+Mixture-of-experts layers (``qwen3_moe``): every expert's gate, up and down GEMMs are FP8 when the
+expert intermediate size per rank is a multiple of 128 (vLLM's ``validate_fp8_block_shape_moe``: its
+fused w13 stacks each expert's gate and up, and shards them by rows across ranks), otherwise every
+expert of every MoE layer stays in the compute dtype. The router (``mlp.gate``) always does, named
+exactly: routing decisions are never made from quantized weights, in either engine.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,8 +33,31 @@ FAMILIES: dict[str, str] = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
-"""``model_type`` -> the HF class both engines load (tied or untied embeddings, GQA, Qwen3's q/k norms)."""
+"""``model_type`` -> the HF class both engines load (tied or untied embeddings, GQA, Qwen3's q/k norms,
+Qwen3's mixture of experts)."""
+
+MOE_FAMILIES = frozenset({"qwen3_moe"})
+"""Families whose decoder layers may hold a sparse MoE block (``mlp.gate`` + ``mlp.experts``)."""
+
+ROUTER = "mlp.gate"
+"""The router of an MoE layer (module name within the layer): always high precision, by exact name."""
+
+ROUTERS = (ROUTER, "mlp.shared_expert_gate")
+"""Module names within a layer that gate experts (Qwen2-MoE's shared-expert gate too): never FP8 in
+either engine, whatever the plan says, matched by exact name (``mlp.gate_proj`` is not ``mlp.gate``)."""
+
+
+def is_router(module: str) -> bool:
+    """True for a router's module name (``model.layers.3.mlp.gate``; not ``...mlp.gate_proj``)."""
+    return module.endswith(tuple(f".{r}" for r in ROUTERS))
+
+
+EXPERTS = "mlp.experts"
+EXPERT_GEMMS = ("gate_proj", "up_proj", "down_proj")
+"""The per-expert linears of an MoE layer as checkpoints (and vLLM's loader) name them:
+``mlp.experts.{e}.gate_proj`` ... (transformers fuses them into 3-D ``gate_up_proj`` / ``down_proj``)."""
 
 FUSED_GEMMS: dict[str, tuple[str, ...]] = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -69,8 +99,14 @@ class FP8Plan:
         return weight_name.removesuffix(".weight") not in self.high_precision
 
     def summary(self) -> dict[str, Any]:
-        """What a run records: the modules kept in high precision (per layer, as patterns) and why."""
-        per_layer = sorted({m.split(".", 3)[3] for m in self.high_precision})
+        """What a run records: the modules kept in high precision (per layer, as patterns, experts as
+        ``mlp.experts.*.gate_proj``) and why."""
+        per_layer = sorted(
+            {
+                re.sub(r"^mlp\.experts\.\d+\.", "mlp.experts.*.", m.split(".", 3)[3])
+                for m in self.high_precision
+            }
+        )
         return {"high_precision_per_layer": per_layer, "reasons": list(self.reasons), "layers": self.layers}
 
 
@@ -93,6 +129,47 @@ def _shapes(config: dict[str, Any]) -> dict[str, tuple[int, int]]:
 
 
 ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
+
+
+def num_experts(config: dict[str, Any]) -> int:
+    """Experts per MoE layer: ``num_experts`` (Qwen's checkpoints) or ``num_local_experts`` (what
+    transformers 5.x writes for the same attribute)."""
+    return int(config.get("num_experts") or config.get("num_local_experts") or 0)
+
+
+def moe_layers(config: dict[str, Any]) -> list[int]:
+    """The decoder layers that hold a sparse MoE block, as transformers builds them: all but
+    ``mlp_only_layers``, every ``decoder_sparse_step``-th (1: all), none without experts; the others have
+    a dense MLP of ``intermediate_size``."""
+    if config.get("model_type") not in MOE_FAMILIES or not num_experts(config):
+        return []
+    dense = set(config.get("mlp_only_layers") or ())
+    step = int(config.get("decoder_sparse_step") or 1)
+    return [i for i in range(int(config["num_hidden_layers"])) if i not in dense and (i + 1) % step == 0]
+
+
+def expert_modules(layer: int, experts: int) -> list[str]:
+    """The per-expert module names of MoE layer ``layer`` (``model.layers.3.mlp.experts.0.gate_proj``, ...),
+    as on the wire and in vLLM's ``ignored_layers``."""
+    return [f"model.layers.{layer}.{EXPERTS}.{e}.{g}" for e in range(experts) for g in EXPERT_GEMMS]
+
+
+def _moe_high_precision(config: dict[str, Any], tp: int) -> tuple[set[str], list[str]]:
+    """The routers, and the experts when their intermediate size per rank is off the 128-grid."""
+    layers = moe_layers(config)
+    if not layers:
+        return set(), []
+    kept = {f"model.layers.{i}.{ROUTER}" for i in layers}
+    reasons = [f"{ROUTER} (the router) stays high precision in every MoE layer"]
+    inter = int(config["moe_intermediate_size"])
+    if (inter // tp) % BLOCK or inter % tp:
+        for i in layers:
+            kept.update(expert_modules(i, num_experts(config)))
+        reasons.append(
+            f"{EXPERTS} stay high precision: moe_intermediate_size {inter // tp} per rank, not a multiple "
+            f"of {BLOCK}"
+        )
+    return kept, reasons
 
 
 def fp8_plan(config: dict[str, Any], tensor_parallel_size: int = 1) -> FP8Plan:
@@ -118,11 +195,21 @@ def fp8_plan(config: dict[str, Any], tensor_parallel_size: int = 1) -> FP8Plan:
                 kept.add(module)
                 reasons.append(f"{module} stays high precision: {columns // tp} input columns per rank")
     layers = int(config["num_hidden_layers"])
-    names = frozenset(f"model.layers.{i}.{m}" for i in range(layers) for m in kept)
-    return FP8Plan(names, tuple(reasons), layers)
+    sparse = set(moe_layers(config))  # (their mlp is the router and experts, not the dense linears)
+    names = {
+        f"model.layers.{i}.{m}"
+        for i in range(layers)
+        for m in kept
+        if not (i in sparse and m.startswith("mlp."))
+    }
+    if sparse and len(sparse) == layers:  # no dense MLP anywhere: its rule says nothing
+        reasons = [r for r in reasons if not r.startswith("mlp.")]
+    moe_kept, moe_reasons = _moe_high_precision(config, tp)
+    return FP8Plan(frozenset(names | moe_kept), tuple(reasons + moe_reasons), layers)
 
 
 def vllm_ignored_layers(plan: FP8Plan) -> list[str]:
     """``ignored_layers`` of vLLM's quantization config: the unfused HF module names (vLLM maps a fused
-    GEMM's prefix onto its parts and skips it only if all of them are listed)."""
+    GEMM's prefix onto its parts and skips it only if all of them are listed), the routers
+    (``model.layers.N.mlp.gate``) and, where experts stay high precision, every expert's module names."""
     return sorted(plan.high_precision)

@@ -50,6 +50,30 @@ FAMILIES = (
     Family("qwen3-tied", "qwen3", tied=True),  # q/k norms
 )
 
+QWEN3_MOE = Family(
+    "qwen3-moe",
+    "qwen3_moe",
+    shape={
+        "hidden_size": 512,
+        "intermediate_size": 1536,  # (the dense MLP of mlp_only_layers; none here)
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+    },
+    # Qwen3-30B-A3B's structure at test size: 8 experts of 256 (2 blocks of 128), top-2, normalised
+    # top-k weights, every layer sparse.
+    extra={
+        "moe_intermediate_size": 256,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    },
+)
+"""Qwen3-MoE (fused experts in transformers 5, per-expert names on the wire): not in :data:`FAMILIES`
+until the rollout side serves it; the trainer-side tests use it alone."""
+
 
 def write_checkpoint(family: Family, tokenizer_dir: Path, out: Path, layers: int = 2, seed: int = 0) -> Path:
     """A random ``family`` model with ``tokenizer_dir``'s tokenizer, saved in float32 to ``out``."""

@@ -24,6 +24,16 @@
 
 Only linears inside the transformer blocks are converted; embeddings, lm_head, norms and attention stay
 in the compute dtype. Parameter names do not change.
+
+Mixture-of-experts layers (transformers' fused experts, ``mlp.experts.gate_up_proj`` [E, 2I, H] and
+``mlp.experts.down_proj`` [E, H, I]): under ``emulated`` every expert's two GEMMs run through
+:func:`fp8_linear` with that expert's 2-D slice of the fused parameter as the weight, i.e. the dense
+contract per expert (its own 128x128 weight blocks; the expert's tokens, in sequence order, as the
+activations and, for wgrad, the 128-token columnwise groups). With I a multiple of 128 (the plan's
+condition for FP8 experts) the blocks of ``gate_up_proj[e]`` are exactly those of the gate and up weights
+the WeightSet ships per expert. The master weights stay the fused float32 parameters. The router
+(``mlp.gate``, not an ``nn.Linear``) is never converted. Under ``te`` experts are refused
+(:func:`_refuse_te_experts`).
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from fp8rl import quant
+from fp8rl.architectures import EXPERT_GEMMS, is_router
 from fp8rl.quant import ScaleFormat
 
 Backend = Literal["emulated", "te"]
@@ -120,10 +131,63 @@ class EmulatedFP8Linear(torch.nn.Linear):
         return fp8_linear(x, self.weight, self.bias, self.scale_format)
 
 
-def block_linears(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Linear]]:
-    """The linear layers inside the transformer blocks (the ones the FP8 recipe quantizes)."""
+class EmulatedFP8Experts(torch.nn.Module):
+    """Mixed into transformers' fused experts class (:func:`convert_linears`): the same routing
+    arithmetic as its eager forward (act(gate) * up, down, times the routing weight, summed per token),
+    every GEMM through :func:`fp8_linear`."""
+
+    scale_format: ScaleFormat = "fp32"
+    gate_up_proj: torch.nn.Parameter
+    down_proj: torch.nn.Parameter
+    act_fn: Any
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """``hidden_states`` [T, H]; ``top_k_index`` [T, k] (int, experts chosen per token);
+        ``top_k_weights`` [T, k] (their routing weights) -> [T, H] in ``hidden_states``' dtype."""
+        out = torch.zeros_like(hidden_states)
+        experts = self.gate_up_proj.shape[0]
+        for expert in torch.unique(top_k_index).tolist():
+            if not 0 <= expert < experts:  # (transformers marks dropped slots with E)
+                continue
+            tokens, slot = torch.where(top_k_index == expert)  # (sequence order)
+            gate, up = fp8_linear(
+                hidden_states[tokens], self.gate_up_proj[expert], None, self.scale_format
+            ).chunk(2, dim=-1)
+            y = fp8_linear(self.act_fn(gate) * up, self.down_proj[expert], None, self.scale_format)
+            out.index_add_(0, tokens, (y * top_k_weights[tokens, slot, None]).to(out.dtype))
+        return out
+
+
+_EXPERTS_CLASSES: dict[type, type] = {}
+
+
+def _emulated_experts_class(cls: type) -> type:
+    """transformers' experts class with :class:`EmulatedFP8Experts` mixed in (one per class)."""
+    return _EXPERTS_CLASSES.setdefault(cls, type(f"EmulatedFP8{cls.__name__}", (EmulatedFP8Experts, cls), {}))
+
+
+def block_experts(model: torch.nn.Module) -> Iterator[tuple[str, Any]]:
+    """The fused expert modules inside the transformer blocks (``model.layers.N.mlp.experts``): a 3-D
+    ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I], in transformers' default layout."""
     for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and ".layers." in f".{name}.":
+        gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+        if not (isinstance(gate_up, torch.nn.Parameter) and isinstance(down, torch.nn.Parameter)):
+            continue
+        if gate_up.ndim != 3 or ".layers." not in f".{name}.":
+            continue
+        layout = {k: getattr(module, k, d) for k, d in (("is_transposed", False), ("has_bias", False))}
+        if any(layout.values()) or not getattr(module, "is_concatenated", True):
+            raise ValueError(f"{name}: experts in a layout fp8rl does not convert ({layout})")
+        yield name, module
+
+
+def block_linears(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Linear]]:
+    """The linear layers inside the transformer blocks (the ones the FP8 recipe quantizes); never a
+    router (an ``nn.Linear`` in some MoE families: fp8rl.architectures.ROUTERS)."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and ".layers." in f".{name}." and not is_router(name):
             yield name, module
 
 
@@ -152,16 +216,44 @@ def convert_linears(
     high_precision: Collection[str] = frozenset(),
 ) -> int:
     """Swap every block linear but ``high_precision`` (module names: fp8rl.architectures) for its FP8
-    version in place; returns how many were converted. (Under ``te`` the scale format is the recipe's,
-    :func:`fp8_context`.)"""
+    version in place, and every MoE layer's fused experts whose per-expert names
+    (``...mlp.experts.{e}.gate_proj``, ...) are not in ``high_precision``; returns how many linears were
+    converted, an expert's gate, up and down counting as three. (Under ``te`` the scale format is the
+    recipe's, :func:`fp8_context`.)"""
     converted = [(n, m) for n, m in block_linears(model) if n not in high_precision]
+    experts = [(n, m) for n, m in block_experts(model) if _experts_in_fp8(n, m, high_precision)]
+    if experts and backend == "te":
+        _refuse_te_experts(experts[0][0])
     for _, linear in converted:
         if backend == "emulated":
             linear.__class__ = EmulatedFP8Linear
             linear.scale_format = scale_format  # type: ignore[assignment]
         else:
             _to_te_linear(model, linear)
-    return len(converted)
+    for _, module in experts:
+        module.__class__ = _emulated_experts_class(type(module))
+        module.scale_format = scale_format
+    return len(converted) + sum(len(EXPERT_GEMMS) * m.gate_up_proj.shape[0] for _, m in experts)
+
+
+def _experts_in_fp8(name: str, module: Any, high_precision: Collection[str]) -> bool:
+    """All of a layer's experts are FP8 or none is (vLLM quantizes a fused MoE layer whole)."""
+    names = [f"{name}.{e}.{g}" for e in range(module.gate_up_proj.shape[0]) for g in EXPERT_GEMMS]
+    kept = sum(n in high_precision for n in names)
+    if kept not in (0, len(names)):
+        raise ValueError(f"{name}: {kept} of its {len(names)} expert linears in high precision; all or none")
+    return kept == 0
+
+
+def _refuse_te_experts(name: str) -> None:
+    """Transformer Engine's grouped GEMM (``te.GroupedLinear``) owns one weight parameter per expert,
+    where the trainer's master weights, optimizer state and checkpoints are transformers' fused 3-D
+    parameters; swapping them would change every name and the checkpoint layout, so it is not done."""
+    raise NotImplementedError(
+        f"{name}: MoE experts in FP8 under fp8_backend te are not supported (te.GroupedLinear keeps one "
+        "parameter per expert, the trainer keeps transformers' fused 3-D expert parameters); use "
+        "fp8_backend: emulated"
+    )
 
 
 def _to_te_linear(model: torch.nn.Module, linear: torch.nn.Linear) -> None:

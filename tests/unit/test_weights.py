@@ -24,6 +24,7 @@ from fp8rl.codec.stream import Reassembler
 from fp8rl.codec.testing import decode_update, encode_delta, encode_keyframe, read_metadata, to_bytes
 from fp8rl.codec.weight_set import CHUNK_BYTES, WeightSet, bytes_digest, raw_bytes
 from fp8rl.errors import BaseMismatchError, CorruptUpdateError, InvalidRequest, WeightCodecError
+from fp8rl.formats import ScaleFormat
 
 
 def model_like_state_dict(
@@ -139,6 +140,91 @@ def test_keyframe_then_deltas_round_trip_bit_exact(fmt: str, gen: torch.Generato
         assert_sets_identical(new, held.weights)
         assert held.weights.digest == new.digest
         sent = new
+
+
+def moe_state_dict(
+    gen: torch.Generator, layers: int = 2, hidden: int = 256, inter: int = 256, experts: int = 4
+) -> dict[str, torch.Tensor]:
+    """Qwen3-MoE-shaped tensors as transformers 5 holds them: fused experts ([E, 2I, H] gate_up_proj,
+    [E, H, I] down_proj) and the router ``mlp.gate.weight`` [E, H], float32."""
+    sd = {
+        "model.embed_tokens.weight": torch.randn(320, hidden, generator=gen),
+        "lm_head.weight": torch.randn(320, hidden, generator=gen) * 0.02,
+    }
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        sd[p + "self_attn.o_proj.weight"] = torch.randn(hidden, hidden, generator=gen) * 0.02
+        sd[p + "mlp.experts.gate_up_proj"] = torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.02
+        sd[p + "mlp.experts.down_proj"] = torch.randn(experts, hidden, inter, generator=gen) * 0.02
+        sd[p + "mlp.gate.weight"] = torch.randn(experts, hidden, generator=gen) * 0.02
+        sd[p + "input_layernorm.weight"] = torch.ones(hidden)
+    return sd
+
+
+@pytest.mark.parametrize("fmt", ["fp8-block128", "fp8-block128-pow2"])
+def test_moe_experts_ship_per_expert_under_vllm_s_checkpoint_names(fmt: str, gen: torch.Generator) -> None:
+    """gate = rows [0, I) of gate_up_proj[e], up = rows [I, 2I) (transformers concatenates gate, up and
+    its forward chunks them so), down = down_proj[e]; each quantized exactly as a dense linear of that
+    2-D weight; the router in the high-precision dtype; deltas round-trip."""
+    master = moe_state_dict(gen, hidden=320)  # (H = 2.5 blocks: partial edge blocks per expert)
+    scale_format: ScaleFormat = "pow2" if fmt.endswith("pow2") else "fp32"
+    sent = build_weight_set(master, fmt, torch.float32)  # type: ignore[arg-type]
+    experts = [
+        f"model.layers.{i}.mlp.experts.{e}.{g}"
+        for i in range(2)
+        for e in range(4)
+        for g in ("gate_proj", "up_proj", "down_proj")
+    ]
+    assert set(sent.tensors) == {
+        "model.embed_tokens.weight",
+        "lm_head.weight",
+        *(
+            f"model.layers.{i}.{m}"
+            for i in range(2)
+            for m in (
+                "self_attn.o_proj.weight",
+                "self_attn.o_proj.weight_scale_inv",
+                "mlp.gate.weight",
+                "input_layernorm.weight",
+            )
+        ),
+        *(f"{e}.{t}" for e in experts for t in ("weight", "weight_scale_inv")),
+    }
+    for i in range(2):
+        gate_up, down = (
+            master[f"model.layers.{i}.mlp.experts.gate_up_proj"],
+            master[f"model.layers.{i}.mlp.experts.down_proj"],
+        )
+        for e in range(4):
+            prefix = f"model.layers.{i}.mlp.experts.{e}"
+            for name, w in (
+                ("gate_proj", gate_up[e, :256]),
+                ("up_proj", gate_up[e, 256:]),
+                ("down_proj", down[e]),
+            ):
+                codes, scales = quant.quantize_blockwise(w, scale_format=scale_format)
+                got = sent.tensors[f"{prefix}.{name}.weight"]
+                assert got.dtype == torch.float8_e4m3fn and torch.equal(
+                    got.view(torch.uint8), codes.view(torch.uint8)
+                )
+                scale = sent.tensors[f"{prefix}.{name}.weight_scale_inv"]
+                assert scale.dtype == torch.float32 and scale.shape == (
+                    math.ceil(w.shape[0] / 128),
+                    math.ceil(w.shape[1] / 128),
+                )
+                assert torch.equal(scale, scales)
+        router = sent.tensors[f"model.layers.{i}.mlp.gate.weight"]
+        assert router.dtype == torch.float32 and torch.equal(
+            router, master[f"model.layers.{i}.mlp.gate.weight"]
+        )
+    held = decode_update(to_bytes(encode_keyframe(sent, version=0, recipe="fp8")))
+    assert_sets_identical(sent, held.weights)
+    master = adam_like_step(master, gen, 1e-3)
+    new = build_weight_set(master, fmt, torch.float32)  # type: ignore[arg-type]
+    delta = encode_delta(new, sent, version=1, base_version=0)
+    assert 0 < delta.density < 1
+    held = decode_update(to_bytes(delta), held.weights, held_version=0)
+    assert_sets_identical(new, held.weights)
 
 
 def test_identical_sets_give_a_tiny_delta(gen: torch.Generator) -> None:
