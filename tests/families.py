@@ -42,14 +42,6 @@ SMOLLM2_SHAPE = {  # hidden 576 = 9 heads of 64: q's 576 rows are not whole 128-
     "head_dim": 64,
 }
 
-FAMILIES = (
-    Family("llama", "llama"),
-    Family("llama-tied-576", "llama", tied=True, shape=SMOLLM2_SHAPE),
-    Family("mistral", "mistral", extra={"sliding_window": None}),
-    Family("qwen2", "qwen2"),  # q/k/v biases
-    Family("qwen3-tied", "qwen3", tied=True),  # q/k norms
-)
-
 QWEN3_MOE = Family(
     "qwen3-moe",
     "qwen3_moe",
@@ -71,8 +63,16 @@ QWEN3_MOE = Family(
         "mlp_only_layers": [],
     },
 )
-"""Qwen3-MoE (fused experts in transformers 5, per-expert names on the wire): not in :data:`FAMILIES`
-until the rollout side serves it; the trainer-side tests use it alone."""
+"""Qwen3-MoE: fused experts in transformers 5, per-expert names on the wire and in vLLM."""
+
+FAMILIES = (
+    Family("llama", "llama"),
+    Family("llama-tied-576", "llama", tied=True, shape=SMOLLM2_SHAPE),
+    Family("mistral", "mistral", extra={"sliding_window": None}),
+    Family("qwen2", "qwen2"),  # q/k/v biases
+    Family("qwen3-tied", "qwen3", tied=True),  # q/k norms
+    QWEN3_MOE,  # routed experts
+)
 
 
 def write_checkpoint(family: Family, tokenizer_dir: Path, out: Path, layers: int = 2, seed: int = 0) -> Path:

