@@ -118,8 +118,8 @@ def _sharded_state(path: Path, learner: Learner, meta: Mapping[str, Any]) -> dic
 
     if (path / SHARDS / ".metadata").exists():
         raise RuntimeError(
-            f"{path} holds shards in torch's pickled format (written by an earlier version); they are not "
-            "loaded, as loading them would unpickle: resume an older checkpoint or start afresh"
+            f"{path} holds shards in torch's pickled format (written by an earlier version), which are "
+            "not loaded: loading them would unpickle. Move it aside to resume an older one, or start afresh"
         )
     state = learner.state_dict(optimizer=meta["optimizer_saved"])
     state.pop("kv_cache", None)
