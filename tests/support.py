@@ -4,6 +4,7 @@ loopback, and an independent reference for the logprobs an FP8 engine should pro
 from __future__ import annotations
 
 import os
+import pickle
 import re
 import signal
 import subprocess
@@ -49,6 +50,34 @@ def wait_for_line(proc: subprocess.Popen, log: Path, pattern: str, timeout: floa
             raise RuntimeError(f"process exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
         time.sleep(0.2)
     raise TimeoutError(f"no line matching {pattern!r} after {timeout}s:\n{log.read_text()[-4000:]}")
+
+
+@contextmanager
+def unpickling_forbidden() -> Iterator[None]:
+    """Within it, reading a pickle (pickle.load/loads/Unpickler, torch.load) raises. torch.distributed's
+    object collectives hold their own reference to the unpickler: what the ranks send each other (made by
+    a rank, never read from a file) still passes."""
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a pickle was read")
+
+    patched = [(pickle, "load"), (pickle, "loads"), (pickle, "Unpickler"), (torch, "load")]
+    patched.append((torch.serialization, "load"))
+    saved = [getattr(module, name) for module, name in patched]
+    for module, name in patched:
+        setattr(module, name, refuse)
+    try:
+        yield
+    finally:
+        for (module, name), value in zip(patched, saved, strict=True):
+            setattr(module, name, value)
+
+
+def assert_pickle_free(checkpoint: Path) -> None:
+    """Every file of ``checkpoint`` (hidden ones too: torch's pickled ``.metadata``) is safetensors or
+    JSON."""
+    files = [p for p in checkpoint.rglob("*") if p.is_file()]
+    assert files and all(p.suffix in (".safetensors", ".json") for p in files), files
 
 
 @contextmanager

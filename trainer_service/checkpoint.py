@@ -1,13 +1,18 @@
-"""Atomic checkpoints of the trainer, one layout for any number of ranks, which any number resumes.
+"""Atomic, pickle-free checkpoints of the trainer, one layout for any number of ranks, which any
+number resumes.
 
-Layout: ``<root>/step-00000042/shards/`` (torch.distributed.checkpoint: each rank's shards of the
-weights and AdamW state, resharded on load), ``{rng,kv_cache}.safetensors``, ``trainer.json`` (the step
-and the service's state), ``manifest.json``. A checkpoint is written into a staging directory, every file
-fsynced, ``manifest.json`` (sizes and digests of the others) last, then renamed into place — so a
-directory named ``step-*`` is complete, and one whose manifest does not verify (a torn copy, a bad disk)
-is skipped on resume. Our files are safetensors and JSON; ``shards/.metadata`` is torch's own (pickled).
-Checkpoints of one process from before the layout was one (``{model,optimizer}.safetensors``, whole
-tensors) still resume in one process.
+Layout: ``<root>/step-00000042/shards/shard-<rank+1>-model-00001-of-00001.safetensors`` (each rank's
+shards of the weights and AdamW state's tensors, written by torch.distributed.checkpoint's
+HuggingFaceStorageWriter: every file's header holds its shards' offsets, from which the reader rebuilds
+the layout and reshards on load), ``{rng,kv_cache}.safetensors``, ``trainer.json`` (the step, the
+service's state and the rest of the learner's: AdamW's param_groups), ``manifest.json``. Every file is
+safetensors or JSON: loading one never unpickles (a checkpoint on a shared volume is data, not code).
+A checkpoint is written into a staging directory, every file fsynced, ``manifest.json`` (sizes and
+digests of the others) last, then renamed into place — so a directory named ``step-*`` is complete, and
+one whose manifest does not verify (a torn copy, a bad disk) is skipped on resume. Checkpoints of one
+process from before the layout was one (``{model,optimizer}.safetensors``, whole tensors) still resume in
+one process; shards in torch's pickled format (``shards/.metadata``, of the versions in between) are
+refused.
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 PREFIX = "step-"
 SHARDS = "shards"  # torch.distributed.checkpoint's directory in a checkpoint
-SHARDED = ("model", "optimizer")  # the parts of Learner.state_dict() that live in it
+SHARDED = ("model", "optimizer")  # the parts of Learner.state_dict() whose tensors live in it
+REST = "learner"  # trainer.json's entry for their non-tensors (JSON)
 
 
 def write(root: Path, learner: Learner, meta: Mapping[str, Any], keep: int | None = None) -> Path:
@@ -43,6 +49,7 @@ def write(root: Path, learner: Learner, meta: Mapping[str, Any], keep: int | Non
     rank calling: each writes its shards into one staging directory; rank 0 then seals them with the rest
     and renames it into place (:func:`save`). A failed write leaves nothing behind."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
     ranks, step = learner.ranks, learner.step
     staged = staging(root, step)
@@ -53,15 +60,19 @@ def write(root: Path, learner: Learner, meta: Mapping[str, Any], keep: int | Non
             staged.mkdir(parents=True)
         ranks.barrier()
         state = learner.state_dict()
-        shards = {k: state.pop(k) for k in SHARDED if k in state}
+        shards, rest = split({k: state.pop(k) for k in SHARDED if k in state})
+        # save_distributed: each rank its own file, its shards' offsets in the header (and no pickled
+        # .metadata: the reader rebuilds it from the headers).
+        writer = HuggingFaceStorageWriter(str(staged / SHARDS), save_distributed=True)
         with _one_process_quiet():
-            dcp.save(shards, checkpoint_id=staged / SHARDS, no_dist=not dist.is_initialized())
+            dcp.save(_untied(shards, learner), storage_writer=writer, no_dist=not dist.is_initialized())
         ranks.barrier()
         if ranks.is_root:
             tensors = {"rng": _rng_state()}
             if "kv_cache" in state:
                 tensors["kv_cache"] = {"scales": state["kv_cache"]}
-            sealed = {**meta, "step": step, "ranks": ranks.world, "optimizer_saved": "optimizer" in shards}
+            saved = "optimizer" in shards
+            sealed = {**meta, "step": step, "ranks": ranks.world, "optimizer_saved": saved, REST: rest}
             path = save(root, step, tensors, sealed, keep, staged)
             log.info("checkpoint %s written by %d rank(s)", path, ranks.world)
     except BaseException:  # (across ranks the group ends too: the next start cleans up after the others)
@@ -100,15 +111,57 @@ def resume(root: Path | None, learner: Learner) -> tuple[Path, dict[str, Any]] |
 
 
 def _sharded_state(path: Path, learner: Learner, meta: Mapping[str, Any]) -> dict[str, Any]:
-    """The learner's state from ``path``'s shards, loaded in place into its own (so resharded)."""
+    """The learner's state from ``path``'s shards, loaded in place into its own tensors (so resharded),
+    with the rest from ``meta``."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-    state = learner.state_dict(optimizer=meta.get("optimizer_saved", True))
+    if (path / SHARDS / ".metadata").exists():
+        raise RuntimeError(
+            f"{path} holds shards in torch's pickled format (written by an earlier version), which are "
+            "not loaded: loading them would unpickle. Move it aside to resume an older one, or start afresh"
+        )
+    state = learner.state_dict(optimizer=meta["optimizer_saved"])
     state.pop("kv_cache", None)
-    shards = {k: state.pop(k) for k in SHARDED if k in state}
+    shards, _ = split({k: state.pop(k) for k in SHARDED if k in state})
+    reader = HuggingFaceStorageReader(str(path / SHARDS))
     with _one_process_quiet():
-        dcp.load(shards, checkpoint_id=path / SHARDS, no_dist=not dist.is_initialized())
-    return state | shards
+        dcp.load(_untied(shards, learner), storage_reader=reader, no_dist=not dist.is_initialized())
+    return state | merged(shards, meta[REST])
+
+
+def _untied(tensors: Mapping[str, Any], learner: Learner) -> dict[str, Any]:
+    """``tensors`` with each tied weight under its first name only (``model.embed_tokens.weight``, not
+    again as ``lm_head.weight``): safetensors holds no two views of one tensor, and loading one name
+    loads both."""
+    params = learner.model.named_parameters
+    tied = {n for n, _ in params(remove_duplicate=False)} - {n for n, _ in params()}
+    return {**tensors, "model": {k: v for k, v in tensors["model"].items() if k not in tied}}
+
+
+def split(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Nested ``state`` as its tensors and the rest (what JSON holds: AdamW's param_groups), each nested
+    as in ``state``; :func:`merged` joins them again."""
+    tensors: dict[str, Any] = {}
+    rest: dict[str, Any] = {}
+    for key, value in state.items():
+        if isinstance(value, Mapping):
+            inner, other = split(value)
+            if inner or not other:
+                tensors[key] = inner
+            if other:
+                rest[key] = other
+        else:
+            (tensors if isinstance(value, torch.Tensor) else rest)[key] = value
+    return tensors, rest
+
+
+def merged(tensors: Mapping[str, Any], rest: Mapping[str, Any]) -> dict[str, Any]:
+    """The nested state :func:`split` parted into ``tensors`` and ``rest``."""
+    joined = dict(tensors)
+    for key, value in rest.items():
+        joined[key] = merged(joined.get(key, {}), value) if isinstance(value, Mapping) else value
+    return joined
 
 
 def _whole_state(

@@ -24,13 +24,16 @@ from fp8rl.recipes import get_recipe
 from fp8rl.sampling import SamplingSettings, sampling_settings
 from fp8rl.serving import start_server
 from fp8rl.v1 import common_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc, weights_pb2
+from tests.families import FAMILIES, write_checkpoint
 from tests.integration.test_trainer import samples
-from tests.support import child_process, free_port, wait_for_line
+from tests.support import assert_pickle_free, child_process, free_port, unpickling_forbidden, wait_for_line
+from trainer_service import checkpoint
 from trainer_service.config import TrainerConfig
 from trainer_service.learner import Learner, SampleData
 from trainer_service.service import TrainerService
 
 ROOT = Path(__file__).resolve().parents[2]
+TIED = next(f for f in FAMILIES if f.name == "qwen3-tied")
 LR = 1e-3
 
 
@@ -118,6 +121,44 @@ def test_two_ranks_update_as_one_rank(
     if learner.kv_cache is not None:  # calibrated on the ranks' shares of the batch: the same scales
         assert not torch.equal(learner.kv_cache.scales, torch.ones_like(learner.kv_cache.scales))
         assert all(torch.equal(two_ranks[n], t) for n, t in learner.kv_cache.tensors().items())
+
+
+@pytest.mark.parametrize(("tied", "recipe"), [(False, "fp8-kv"), (True, "bf16")])
+def test_checkpoints_go_between_rank_counts_both_ways_without_unpickling(
+    tied: bool, recipe: str, tiny_model_dir_f32: Path, tmp_path: Path
+) -> None:
+    """One process checkpoints a step; two ranks resume it, train one more and checkpoint it; one process
+    resumes theirs: every file safetensors or JSON, and no resume reads a pickle. ``tied``: a model whose
+    lm_head is its embedding (safetensors holds it once)."""
+    model, ckpt = tiny_model_dir_f32, tmp_path / "ckpt"
+    if tied:
+        model = write_checkpoint(TIED, tiny_model_dir_f32, tmp_path / "tied")
+    one = Learner(learner_config(model, recipe), get_recipe(recipe))
+    one.train(STEP_SAMPLES, sampling())
+    assert_pickle_free(checkpoint.write(ckpt, one, {}))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    worker = torchrun(2, str(ROOT / "tests" / "rank_worker.py"), str(model), recipe)
+    done = subprocess.run(
+        [*worker, str(tmp_path), str(ckpt)], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    resumed = load_file(tmp_path / "resumed.safetensors")
+    weights = {k: v.clone() for k, v in one.published_weights().items()}  # (views: copied before it trains)
+    assert resumed.keys() == weights.keys() and all(torch.equal(resumed[n], weights[n]) for n in weights)
+    sharded = ckpt / "step-00000002"
+    assert_pickle_free(sharded)
+    assert len(list((sharded / checkpoint.SHARDS).glob("*.safetensors"))) == 2  # a file a rank
+    again = Learner(learner_config(model, recipe), get_recipe(recipe))
+    with unpickling_forbidden():
+        assert checkpoint.resume(ckpt, again) is not None
+    trained = load_file(tmp_path / "weights.safetensors")
+    assert again.step == 2 and all(torch.equal(trained[n], t) for n, t in again.published_weights().items())
+    # AdamW's moments went through the two ranks: their step is one process's, to float32 rounding.
+    one.train(STEP_SAMPLES, sampling())
+    after = one.master_weights()
+    update = torch.cat([(after[k] - weights[k]).flatten() for k in sorted(after)]).double()
+    apart = torch.cat([(trained[k] - after[k]).flatten() for k in sorted(after)]).double()
+    assert (apart.norm() / update.norm()).item() <= 1e-5
 
 
 # -- the sharded service ---------------------------------------------------------------------------------
@@ -220,7 +261,8 @@ def test_sharded_service_trains_publishes_and_resumes_on_another_rank_count(
         assert replica.version == 1
         after_step = replica.held.digest
         saved = stub.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(), timeout=300)
-        assert saved.step == 1 and list((Path(saved.path) / "shards").glob("*.distcp"))
+        assert saved.step == 1 and len(list((Path(saved.path) / "shards").glob("*.safetensors"))) == 2
+        assert_pickle_free(Path(saved.path))
         stub.TrainStep(step_request(1), timeout=300)
         publish(stub, 2, address, 1)
         two_steps = replica.held.digest

@@ -15,7 +15,7 @@ from fp8rl.codec.weight_set import raw_bytes
 from fp8rl.errors import InvalidRequest
 from fp8rl.serving import start_server
 from fp8rl.v1 import common_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc, weights_pb2
-from tests.support import load_reference, reference_logprobs
+from tests.support import assert_pickle_free, load_reference, reference_logprobs, unpickling_forbidden
 from trainer_service.config import TrainerConfig
 from trainer_service.publisher import Publisher, Target
 from trainer_service.service import TrainerService, parse_samples
@@ -355,6 +355,39 @@ def test_a_checkpoint_of_the_older_one_process_layout_still_resumes(
     assert resumed.train_step(step_request(1, samples(1))).replayed
     assert (Path(resumed.save_checkpoint().path) / "shards").is_dir()  # written again in today's layout
     assert weight_bytes(TrainerService(config.model_copy(update={"resume": True}))) == weight_bytes(service)
+
+
+def test_a_checkpoint_is_pickle_free_and_resumes_without_unpickling(
+    tiny_model_dir_f32: Path, tmp_path: Path
+) -> None:
+    config = checkpointing(tiny_model_dir_f32, tmp_path / "ckpt")
+    service = TrainerService(config)
+    service.train_step(step_request(0, samples(0)))
+    saved = Path(service.save_checkpoint().path)
+    assert_pickle_free(saved)
+    with unpickling_forbidden():
+        resumed = TrainerService(config.model_copy(update={"resume": True}))
+    assert resumed.step == 1 and weight_bytes(resumed) == weight_bytes(service)  # weights and AdamW's
+    groups = [g | {"params": [], "betas": tuple(g["betas"])} for g in resumed.learner.optimizer.param_groups]
+    assert groups == [g | {"params": []} for g in service.learner.optimizer.param_groups]  # (JSON: a list)
+    for trained in (service, resumed):
+        trained.train_step(step_request(1, samples(1)))
+    assert weight_bytes(resumed) == weight_bytes(service)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_checkpoint_with_pickled_shards_is_refused_unread(tiny_model_dir_f32: Path, tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from trainer_service import checkpoint
+
+    root = tmp_path / "ckpt"
+    staged = checkpoint.staging(root, 1)
+    staged.mkdir(parents=True)
+    dcp.save({"model": {"w": torch.zeros(2)}}, checkpoint_id=staged / checkpoint.SHARDS, no_dist=True)
+    checkpoint.save(root, 1, {"rng": {"torch": torch.get_rng_state()}}, {"step": 1}, staged=staged)
+    with unpickling_forbidden(), pytest.raises(RuntimeError, match="pickled"):
+        TrainerService(checkpointing(tiny_model_dir_f32, root).model_copy(update={"resume": True}))
 
 
 def test_a_failed_checkpoint_does_not_fail_the_step_and_is_retried(

@@ -88,7 +88,7 @@ def test_kill_and_resume_is_bit_identical(tiny_model_dir_f32: Path, tmp_path: Pa
     # A torn newer checkpoint (its manifest does not verify) and a half-written temporary directory.
     torn = ckpt / "step-00000007"
     shutil.copytree(saved.path, torn)
-    next((torn / "shards").glob("*.distcp")).write_bytes(b"truncated")  # the weights and AdamW state
+    next((torn / "shards").glob("*.safetensors")).write_bytes(b"truncated")  # the weights and AdamW state
     (ckpt / ".tmp-step-00000008-123").mkdir()
 
     with trainer_process(
