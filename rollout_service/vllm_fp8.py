@@ -22,6 +22,10 @@ per expert), loaded by vLLM's expert loader from the per-expert names
 method on the router linear ``mlp.gate``, which must be in ``ignored_layers`` by its exact name (vLLM
 builds it as a ``ReplicatedLinear``).
 
+On CPU, the ``bf16`` recipes' routed experts run vLLM's own unquantized experts (float32-exact), made
+refit-safe by :class:`RefitUnquantizedMoEMethod`: vLLM 0.32 prepacks its CPU experts' weights at first
+load only, so after an in-place reload they would compute with unpacked weights read as packed.
+
 With ``kv_cache: fp8`` attention layers emulate, the same way, FP8 attention over an FP8 (E4M3) KV cache
 as vLLM runs it on Hopper (FlashAttention-3): they take vLLM's per-layer ``q_scale`` / ``k_scale`` /
 ``v_scale`` from the checkpoint or a refit (by vLLM's rule where one did not come), and round the query,
@@ -47,6 +51,7 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase, FusedMoEQuantConfig, RoutedExperts
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.routed_experts import FusedMoeWeightScaleSupported
+from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 from vllm.model_executor.layers.linear import (
     LinearBase,
     LinearMethodBase,
@@ -62,7 +67,8 @@ from vllm.model_executor.layers.quantization.utils.fp8_utils import (
 )
 from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
 from vllm.model_executor.parameter import BlockQuantScaleParameter
-from vllm.model_executor.utils import set_weight_attrs
+from vllm.model_executor.utils import is_weights_pre_processed, set_weight_attrs
+from vllm.platforms import current_platform
 
 from fp8rl import quant
 from fp8rl.quant import SCALE_FORMATS, ScaleFormat
@@ -470,9 +476,36 @@ def moe_forward(
     return out
 
 
+class RefitUnquantizedMoEMethod(UnquantizedFusedMoEMethod):
+    """vLLM's unquantized routed experts (what the ``bf16`` recipes serve on CPU), with the expert
+    kernel's own weight processing run again whenever vLLM processes the layer again, as its in-place
+    reload does at every refit.
+
+    vLLM 0.32's method runs the kernel's processing only at first load (``_setup_kernel`` skips it on a
+    weight update: a no-op for most CUDA kernels), but its CPU kernels prepack the weights into
+    their grouped-GEMM layout there (``CPUUnquantizedExperts``: ``cpu_prepack_moe_weight``, after
+    zero-padding the intermediate size to a multiple of 32). After a refit the layer would hold the new
+    weights unpacked and the kernel read them as packed: measured on ``QWEN3_MOE`` in float32, at most
+    1.4 of the largest output off a float64 reference after refitting with the very same weights (7e-7
+    at load)."""
+
+    def process_weights_after_loading(self, layer: Any) -> None:
+        reload = self.moe_kernel is not None  # (set at first load)
+        super().process_weights_after_loading(layer)
+        if reload and self.moe_kernel is not None and not is_weights_pre_processed():
+            # What vLLM's first load runs: zero-pad, then prepack the unpacked weights the reload brought
+            # (vLLM then copies the result into the kernel's tensors, as for every reprocessed layer).
+            self.moe_kernel.fused_experts.process_weights_after_loading(layer)
+
+
 def register() -> None:
-    """Make ``fp8_block_emulated`` known to vLLM (idempotent; also the general-plugin entry point)."""
+    """Make ``fp8_block_emulated`` known to vLLM, and on CPU its unquantized experts refit-safe
+    (:class:`RefitUnquantizedMoEMethod`, in place of every ``UnquantizedFusedMoEMethod``, by vLLM's
+    out-of-tree op registry). Idempotent; also the general-plugin entry point, so worker processes
+    register too."""
     if NAME in QUANTIZATION_METHODS:
         return
     register_quantization_config(NAME)(EmulatedBlockFP8Config)
     register_weight_loader_v2_supported_method(EmulatedBlockFP8LinearMethod)
+    if current_platform.is_cpu():
+        UnquantizedFusedMoEMethod.register_oot(RefitUnquantizedMoEMethod, name="UnquantizedFusedMoEMethod")
