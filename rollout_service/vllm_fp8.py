@@ -138,6 +138,11 @@ class EmulatedBlockFP8Config(QuantizationConfig):
                 return UnquantizedLinearMethod()
             return EmulatedBlockFP8LinearMethod(self.scale_format, self.activation_arithmetic)
         if isinstance(layer, RoutedExperts):
+            # Experts the plan keeps in the compute dtype (an intermediate size off the 128-grid) are
+            # listed one by one; vLLM's rule skips the layer when they are. None: vLLM's unquantized
+            # experts (on CPU the refit-safe RefitUnquantizedMoEMethod, registered below).
+            if is_layer_skipped(prefix, self.ignored_layers, self.packed_modules_mapping):
+                return None
             return EmulatedBlockFP8MoEMethod(layer.moe_config, self.scale_format, self.activation_arithmetic)
         if isinstance(layer, Attention) and self.kv_cache == "fp8":
             return EmulatedFP8KVCacheMethod(self)

@@ -6,7 +6,7 @@ that no confident token hides a logit difference."""
 from __future__ import annotations
 
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +64,11 @@ QWEN3_MOE = Family(
     },
 )
 """Qwen3-MoE: fused experts in transformers 5, per-expert names on the wire and in vLLM."""
+
+QWEN3_MOE_OFF_GRID = replace(
+    QWEN3_MOE, name="qwen3-moe-192", extra={**QWEN3_MOE.extra, "moe_intermediate_size": 192}
+)
+"""Experts of 192 (not whole 128-blocks): they stay in the compute dtype in both engines under FP8."""
 
 FAMILIES = (
     Family("llama", "llama"),

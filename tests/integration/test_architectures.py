@@ -12,7 +12,7 @@ import pytest
 
 from fp8rl.architectures import UnsupportedArchitecture, check_supported, fp8_plan
 from fp8rl.v1 import rollout_pb2_grpc
-from tests.families import FAMILIES, SMOLLM2_SHAPE, Family, write_checkpoint
+from tests.families import FAMILIES, QWEN3_MOE_OFF_GRID, SMOLLM2_SHAPE, Family, write_checkpoint
 from tests.integration.test_consistency import mult_prob_errors
 from tests.support import service_process
 
@@ -32,6 +32,7 @@ CASES = [(f, r) for f in FAMILIES for r in ("bf16", "fp8")] + [
     for f in FAMILIES
     if f.tied  # (engines are slow to start: the tied ones)
 ]
+CASES.append((QWEN3_MOE_OFF_GRID, "fp8"))  # (experts off the 128-grid: high precision in both engines)
 
 
 def prompts(model: Path) -> list[list[int]]:
@@ -44,7 +45,7 @@ def prompts(model: Path) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def checkpoints(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("families")
-    return {f.name: write_checkpoint(f, smollm2_dir, root / f.name) for f in FAMILIES}
+    return {f.name: write_checkpoint(f, smollm2_dir, root / f.name) for f in (*FAMILIES, QWEN3_MOE_OFF_GRID)}
 
 
 @pytest.mark.slow
