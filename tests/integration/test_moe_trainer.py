@@ -14,7 +14,6 @@ import torch
 from fp8rl import quant
 from fp8rl.recipes import get_recipe
 from fp8rl.sampling import SamplingSettings
-from tests.families import QWEN3_MOE, write_checkpoint
 from trainer_service import fp8_linear as fp8_module
 from trainer_service.config import TrainerConfig
 from trainer_service.fp8_linear import EmulatedFP8Experts
@@ -22,11 +21,6 @@ from trainer_service.learner import Learner, SampleData
 from trainer_service.publisher import Publisher
 
 EXPERTS, LAYERS = 8, 2
-
-
-@pytest.fixture(scope="module")
-def moe_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_checkpoint(QWEN3_MOE, smollm2_dir, tmp_path_factory.mktemp("qwen3-moe"), layers=LAYERS)
 
 
 def samples(gen: torch.Generator, count: int = 6) -> list[SampleData]:
@@ -42,10 +36,10 @@ def samples(gen: torch.Generator, count: int = 6) -> list[SampleData]:
 
 
 def test_a_grpo_step_runs_every_expert_gemm_in_fp8(
-    moe_dir: Path, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch
+    qwen3_moe_dir: Path, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     config = TrainerConfig(
-        model=moe_dir,
+        model=qwen3_moe_dir,
         recipe="fp8",
         compute_dtype="float32",
         device="cpu",
