@@ -203,14 +203,18 @@ def reference_moe(
     return out, hidden
 
 
-@pytest.mark.slow  # (one engine for the module: about 40 s to start on 2 cores)
-def test_experts_compute_the_fp8_contract(engine: Any, moe_dir: Path, gen: torch.Generator) -> None:
-    wire = quantized(expert_weights(_checkpoint(moe_dir)))
-    tokens = 37
+def routed_input(gen: torch.Generator, tokens: int = 37) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random hidden states [T, H], routing weights [T, k] (normalised) and distinct experts [T, k]."""
     x = torch.randn(tokens, HIDDEN, generator=gen)
     ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOP_K] for _ in range(tokens)]).int()
     weights = torch.rand(tokens, TOP_K, generator=gen)
-    weights /= weights.sum(-1, keepdim=True)
+    return x, weights / weights.sum(-1, keepdim=True), ids
+
+
+@pytest.mark.slow  # (one engine for the module: about 40 s to start on 2 cores)
+def test_experts_compute_the_fp8_contract(engine: Any, moe_dir: Path, gen: torch.Generator) -> None:
+    wire = quantized(expert_weights(_checkpoint(moe_dir)))
+    x, weights, ids = routed_input(gen)
     for layer in range(LAYERS):
         got, inputs = engine.llm.collective_rpc(_apply, args=(layer, x, weights, ids))[0]
         assert torch.equal(inputs[0], x) and len(inputs) == 1 + len(ids.unique())

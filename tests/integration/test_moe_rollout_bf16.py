@@ -17,13 +17,13 @@ from tests.integration.test_moe_rollout import (
     HIDDEN,
     LAYERS,
     ROUTERS,
-    TOP_K,
     _checkpoint,
     _experts,
     _methods,
     expert_name,
     expert_weights,
     moe_engine,
+    routed_input,
 )
 
 
@@ -58,11 +58,7 @@ def reference_moe(
 def assert_experts_compute(engine: Any, tensors: dict[str, torch.Tensor], gen: torch.Generator) -> None:
     """Every layer's experts on a random routed input are ``tensors``' SiLU-gated experts within float32
     rounding (measured about 1e-6 of the largest output; unpacked weights read as packed: about 1)."""
-    tokens = 37
-    x = torch.randn(tokens, HIDDEN, generator=gen)
-    ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOP_K] for _ in range(tokens)]).int()
-    weights = torch.rand(tokens, TOP_K, generator=gen)
-    weights /= weights.sum(-1, keepdim=True)
+    x, weights, ids = routed_input(gen)
     for layer in range(LAYERS):
         got = engine.llm.collective_rpc(_apply, args=(layer, x, weights, ids))[0]
         want = reference_moe(tensors, layer, x, weights, ids)
