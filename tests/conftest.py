@@ -25,7 +25,15 @@ def pytest_configure(config: pytest.Config) -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+# Modules whose vLLM engines run in this process and serve a mixture of experts. vLLM sets up its
+# process-wide parallel groups once, with the first engine, and creates the expert-parallel group only
+# for an MoE model: an MoE engine built after a dense one in the same process fails ("expert parallel
+# group is not initialized"). These modules run first; a dense engine after them is fine.
+MOE_ENGINES_IN_PROCESS = ("test_moe_rollout.py", "test_moe_rollout_bf16.py")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: item.path.name not in MOE_ENGINES_IN_PROCESS)  # (stable: order kept)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (on a CUDA host: docs/gpu.md)")

@@ -68,12 +68,18 @@ def torchrun(nproc: int, *args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
 
 
-def test_a_world_of_one_runs_its_collectives_without_a_group() -> None:
+def test_a_world_of_one_runs_its_collectives_without_a_group(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch.distributed as dist
 
     from trainer_service.distributed import ONE_PROCESS
 
-    assert not dist.is_initialized() and ONE_PROCESS.is_root and not ONE_PROCESS.sharded
+    def collective(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a world of one called a collective")
+
+    # (Whether or not this process has a group: an in-process vLLM engine of the suite sets one up.)
+    for name in ("all_reduce", "all_gather", "broadcast", "barrier", "get_rank", "get_world_size"):
+        monkeypatch.setattr(dist, name, collective)
+    assert ONE_PROCESS.is_root and not ONE_PROCESS.sharded
     rows = torch.randn(5, 3)
     assert ONE_PROCESS.all_sum(2.5) == 2.5 and ONE_PROCESS.all_max(rows) is rows
     assert ONE_PROCESS.gather_rows(rows, [torch.arange(5)]) is rows
