@@ -18,6 +18,8 @@ from coordinator.config import CoordinatorConfig
 from coordinator.problems import Problem, RewardTimeout
 from coordinator.state import RunStore
 from coordinator.tasks import Task
+from fp8rl.architectures import moe_layers, read_config
+from fp8rl.models import TINY_ARITH
 from fp8rl.v1 import common_pb2, rollout_pb2, trainer_pb2
 
 log = logging.getLogger(__name__)
@@ -48,6 +50,9 @@ class BatchMaker:
         )
         self.greedy = common_pb2.SamplingParams(temperature=0.0, max_tokens=c.max_tokens, stop=c.stop)
         self._rewards = ThreadPoolExecutor(max_workers=4, thread_name_prefix="reward")
+        # An MoE model's samples carry the experts the rollout routed them to: the trainer measures its
+        # routers' disagreement with them (routing_mismatch) and, with routing_replay, routes as they did.
+        self.routed_experts = bool(moe_layers(read_config(config.run.model or TINY_ARITH)))
 
     def close(self) -> None:
         self._rewards.shutdown(wait=False)
@@ -97,7 +102,7 @@ class BatchMaker:
         problems = self.task.train_problems(step, self.config.sampling.prompts_per_step)
         start = time.perf_counter()
         completions = self._complete(
-            problems, self.config.sampling.group_size, self.sampling, version, replicas
+            problems, self.config.sampling.group_size, self.sampling, version, replicas, self.routed_experts
         )
         generate_s = time.perf_counter() - start
         rewards, timeouts = self._rewards_of(problems, completions)
@@ -113,6 +118,7 @@ class BatchMaker:
                 gen_logprobs=c.logprobs,
                 reward=r,
                 group_id=c.prompt_id,
+                routed_experts=c.routed_experts if c.HasField("routed_experts") else None,
             )
             for c, r in zip(completions, rewards, strict=True)
         ]
@@ -164,6 +170,7 @@ class BatchMaker:
         sampling: common_pb2.SamplingParams,
         version: int,
         replicas: list[str],
+        routed_experts: bool = False,
     ) -> list[rollout_pb2.Completion]:
         prompts = [wire_prompt(p) for p in problems]
 
@@ -171,7 +178,7 @@ class BatchMaker:
             self.store.event("replica-failed", f"{address}: {rpc_code(exc)} {exc.details()}")
             log.warning("replica %s failed (%s); its prompts move to another replica", address, rpc_code(exc))
 
-        return self.pool.generate(prompts, n, sampling, version, replicas, failed)
+        return self.pool.generate(prompts, n, sampling, version, replicas, failed, routed_experts)
 
 
 def wire_prompt(problem: Problem) -> rollout_pb2.Prompt:

@@ -134,15 +134,21 @@ class RolloutPool:
         version: int,
         replicas: Sequence[str],
         on_failure: Callable[[str, grpc.RpcError], None],
+        routed_experts: bool = False,
     ) -> list[rollout_pb2.Completion]:
-        """Split ``prompts`` across ``replicas``; a chunk whose replica fails moves to a healthy one."""
+        """Split ``prompts`` across ``replicas``; a chunk whose replica fails moves to a healthy one.
+        ``routed_experts``: ask for each completion's routed experts (an MoE model)."""
         healthy = list(replicas)
         chunks = [list(prompts[i :: len(healthy)]) for i in range(len(healthy))]
         completions: list[rollout_pb2.Completion] = []
         pending = [(chunk, healthy[i]) for i, chunk in enumerate(chunks) if chunk]
         while pending:
             with ThreadPoolExecutor(max_workers=len(pending)) as pool:
-                results = list(pool.map(lambda job: self._try(job[1], job[0], n, sampling, version), pending))
+                results = list(
+                    pool.map(
+                        lambda job: self._try(job[1], job[0], n, sampling, version, routed_experts), pending
+                    )
+                )
             retry: list[tuple[list[rollout_pb2.Prompt], str]] = []
             for (chunk, address), result in zip(pending, results, strict=True):
                 if isinstance(result, grpc.RpcError):
@@ -164,6 +170,7 @@ class RolloutPool:
         n: int,
         sampling: common_pb2.SamplingParams,
         version: int,
+        routed_experts: bool = False,
     ) -> list[rollout_pb2.Completion] | grpc.RpcError:
         # In calls of at most SAMPLES_PER_CALL samples: under a replica's per-request cap (4096 by
         # default) and its reply size, whatever prompts_per_step x group_size is.
@@ -171,7 +178,11 @@ class RolloutPool:
         completions: list[rollout_pb2.Completion] = []
         for start in range(0, len(prompts), per_call):
             request = rollout_pb2.GenerateRequest(
-                prompts=prompts[start : start + per_call], n=n, sampling=sampling, weight_version=version
+                prompts=prompts[start : start + per_call],
+                n=n,
+                sampling=sampling,
+                weight_version=version,
+                return_routed_experts=routed_experts,
             )
             try:
                 reply = self.stub(address).Generate(request, timeout=GENERATE_DEADLINE_S)

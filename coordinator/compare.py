@@ -20,6 +20,7 @@ COLUMNS = [
     ("median token_mult_prob_error", "median_token_mult_prob_error", "{:.5f}"),
     ("max token_mult_prob_error", "max_token_mult_prob_error", "{:.5f}"),
     ("median gen_kl_error", "median_gen_kl_error", "{:.2e}"),
+    ("median routing_mismatch", "median_routing_mismatch", "{:.4f}"),  # (MoE models only)
     ("rollout tokens/s", "median_rollout_tokens_per_s", "{:.0f}"),
     ("step time (s)", "median_step_s", "{:.2f}"),
     ("sync bytes / step", "median_sync_bytes", "{:,.0f}"),
@@ -68,11 +69,14 @@ def render(runs: dict[str, list[dict[str, Any]]], base: CoordinatorConfig, no_is
         f"{base.sampling.group_size} samples, seed {base.run.seed}, importance sampling "
         f"{'off' if no_is else 'per recipe (TIS, cap 2, for FP8 recipes)'}.",
         "",
-        "| recipe | " + " | ".join(c[0] for c in COLUMNS) + " |",
-        "| --- | " + " | ".join("---" for _ in COLUMNS) + " |",
     ]
-    for recipe, records in runs.items():
-        summary = summarize(records)
-        cells = [fmt.format(summary[key]) if summary[key] is not None else "-" for _, key, fmt in COLUMNS]
+    summaries = {recipe: summarize(records) for recipe, records in runs.items()}
+    columns = [c for c in COLUMNS if any(s[c[1]] is not None for s in summaries.values())]  # (MoE's)
+    lines += [
+        "| recipe | " + " | ".join(c[0] for c in columns) + " |",
+        "| --- | " + " | ".join("---" for _ in columns) + " |",
+    ]
+    for recipe, summary in summaries.items():
+        cells = [fmt.format(summary[key]) if summary[key] is not None else "-" for _, key, fmt in columns]
         lines.append(f"| `{recipe}` | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

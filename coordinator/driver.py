@@ -235,4 +235,9 @@ class Driver:
             "train_s": train_s,
             **publish,
             "replayed": result.replayed,
+            **{  # MoE models (fp8rl/routing.py)
+                key: getattr(m, key)
+                for key in ("routing_mismatch", "routing_mismatch_positions")
+                if m.HasField(key)
+            },
         }

@@ -198,6 +198,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         "median_token_mult_prob_error": median("token_mult_prob_error"),
         "max_token_mult_prob_error": max((r["token_mult_prob_error"] for r in steps), default=None),
         "median_gen_kl_error": median("gen_kl_error"),
+        "median_routing_mismatch": median("routing_mismatch"),
         "median_rollout_tokens_per_s": median("rollout_tokens_per_s"),
         "median_step_s": median("step_s"),
         "median_sync_bytes": median("sync_bytes"),

@@ -21,14 +21,15 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, cast
 
+import numpy as np
 import torch
 
 from fp8rl import quant
-from fp8rl.architectures import vllm_ignored_layers
+from fp8rl.architectures import moe_layers, read_config, vllm_ignored_layers
 from fp8rl.devices import resolve_device
 from fp8rl.recipes import ScaleFormat, fp8_weight_format, get_recipe
 from rollout_service.config import RolloutConfig
@@ -70,6 +71,9 @@ class FinishedSample:
     logprobs: list[float]  # of each sampled token under the distribution it was sampled from
     text: str
     finish_reason: str
+    # Mixture-of-experts models: the experts each computed position was routed to, [prompt + completion
+    # - 1 positions, MoE layers, top_k] (fp8rl.routing); None for a dense model.
+    routed_experts: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -237,8 +241,14 @@ class VllmEngine:
             enforce_eager=self.device == "cpu",
             gpu_memory_utilization=config.gpu_memory_utilization,
             tensor_parallel_size=config.tensor_parallel_size,
-            worker_extension_cls="rollout_service.worker_extension.RefitExtension",
+            worker_extension_cls="rollout_service.worker_extension.WorkerExtension",
         )
+        # Mixture-of-experts models record the experts every position is routed to. On CUDA that is
+        # vLLM's own capture (Model Runner V2); on CPU (an eager engine, which has no V2 runner) fp8rl's
+        # recorder on the same router hook (worker_extension.RoutingRecorder).
+        self.moe_layers = moe_layers(read_config(config.model))
+        if self.moe_layers and self.device == "cuda":
+            self._llm_args["enable_return_routed_experts"] = True
         # One process (the refit hands tensors over directly) or worker processes (it hands over a path).
         self.in_process = (
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and config.tensor_parallel_size == 1
@@ -246,6 +256,7 @@ class VllmEngine:
         if not self.in_process:
             remove_stale_refits()
         self.llm = vllm.LLM(**self._llm_args)
+        self._record_routing()
         self.version = vllm.__version__
         self._engine = self.llm.llm_engine
         self.tokenizer = self.llm.get_tokenizer()
@@ -276,6 +287,16 @@ class VllmEngine:
             check_free_gpu_memory(self._llm_args["gpu_memory_utilization"])
         self.llm = vllm.LLM(**self._llm_args)
         self._engine = self.llm.llm_engine
+        self._record_routing()
+
+    def _record_routing(self) -> None:
+        self._prompt_lengths: dict[str, int] = {}
+        if self.moe_layers and self.device == "cpu":
+            self.llm.collective_rpc("fp8rl_record_routing")
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.moe_layers)
 
     def tokenize(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -308,6 +329,8 @@ class VllmEngine:
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
         self._engine.add_request(request.request_id, {"prompt_token_ids": request.prompt_token_ids}, params)
+        if self.moe_layers:
+            self._prompt_lengths[request.request_id] = len(request.prompt_token_ids)
 
     def step(self) -> list[FinishedSample]:
         finished = []
@@ -319,15 +342,50 @@ class VllmEngine:
                 position[token].logprob for position, token in zip(c.logprobs or [], c.token_ids, strict=True)
             ]
             finished.append(
-                FinishedSample(output.request_id, list(c.token_ids), logprobs, c.text, c.finish_reason or "")
+                FinishedSample(
+                    output.request_id,
+                    list(c.token_ids),
+                    logprobs,
+                    c.text,
+                    c.finish_reason or "",
+                    getattr(c, "routed_experts", None),
+                )
             )
-        return finished
+        return self._with_routing(finished) if self.moe_layers else finished
+
+    def _with_routing(self, finished: list[FinishedSample]) -> list[FinishedSample]:
+        """``finished`` with the experts each computed position was routed to, trimmed to the positions
+        a forward computed (prompt + completion - 1): the CPU recorder's, or vLLM's own on CUDA (over
+        every decoder layer: the MoE layers' kept)."""
+        recorded = (
+            self.llm.collective_rpc("fp8rl_take_routing", args=([f.request_id for f in finished],))[0]
+            if self.device == "cpu" and finished
+            else {}
+        )
+        out = []
+        for f in finished:
+            positions = self._prompt_lengths.pop(f.request_id) + len(f.token_ids) - 1
+            ids = recorded.get(f.request_id)
+            if ids is None and f.routed_experts is not None:
+                ids = np.asarray(f.routed_experts)[:, self.moe_layers]
+            if ids is None or len(ids) < positions:
+                raise RuntimeError(
+                    f"request {f.request_id}: routing of {0 if ids is None else len(ids)} positions "
+                    f"recorded, {positions} computed"
+                )
+            out.append(replace(f, routed_experts=ids[:positions]))
+        return out
 
     def has_unfinished(self) -> bool:
         return self._engine.has_unfinished_requests()
 
     def abort(self, request_ids: list[str]) -> None:
         self._engine.abort_request(request_ids)
+        if self.moe_layers:
+            for request_id in request_ids:
+                self._prompt_lengths.pop(request_id, None)
+            if self.device == "cpu":
+                self.llm.collective_rpc("fp8rl_drop_routing", args=(request_ids,))
 
     def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Refit every worker from checkpoint-format tensors (HF names), then drop the prefix cache: KV

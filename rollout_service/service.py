@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fp8rl import routing
+from fp8rl.architectures import moe_layers, num_experts, read_config
 from fp8rl.codec.decode import DecodedUpdate
 from fp8rl.codec.schema import (
     SCALE_SUFFIX,
@@ -31,9 +33,9 @@ from fp8rl.errors import InvalidRequest, Overloaded, PreconditionFailed
 from fp8rl.prometheus import Sample
 from fp8rl.recipes import WeightFormat, get_recipe, is_fp8, weight_scale_format
 from fp8rl.security import registration_proof
-from fp8rl.v1 import rollout_pb2, weights_pb2
+from fp8rl.v1 import common_pb2, rollout_pb2, weights_pb2
 from rollout_service.config import RolloutConfig
-from rollout_service.engine import VllmEngine
+from rollout_service.engine import FinishedSample, VllmEngine
 from rollout_service.generation import GenerationLoop, Ticket
 from rollout_service.validation import Limits, Slot, Tokenizer, parse_generate, required_version
 
@@ -139,6 +141,7 @@ class Generation:
     loop: GenerationLoop
     ticket: Ticket
     slots: dict[str, Slot]
+    num_experts: int = 0  # > 0: each completion carries its routed experts, packed for this many experts
 
     def __iter__(self) -> Iterator[rollout_pb2.Completion]:
         for sample in self.ticket:
@@ -152,7 +155,19 @@ class Generation:
                 text=sample.text,
                 finish_reason=sample.finish_reason,
                 weight_version=self.ticket.version,
+                routed_experts=self._routed_experts(sample),
             )
+
+    def _routed_experts(self, sample: FinishedSample) -> common_pb2.RoutedExperts | None:
+        if not self.num_experts or sample.routed_experts is None:
+            return None
+        _, layers, top_k = sample.routed_experts.shape
+        return common_pb2.RoutedExperts(
+            moe_layers=layers,
+            top_k=top_k,
+            id_bytes=routing.id_bytes(self.num_experts),
+            expert_ids=routing.pack(sample.routed_experts, self.num_experts),
+        )
 
     def cancel(self) -> None:
         self.loop.cancel(self.ticket)
@@ -202,6 +217,8 @@ class RolloutService:
             high_precision=config.fp8_plan.high_precision,
         )
         self.max_update_bytes = max_update_bytes(self.schema)
+        model_config = read_config(config.model)
+        self.num_experts = num_experts(model_config) if moe_layers(model_config) else 0
         self._update_lock = threading.Lock()
         self.started = time.time()
         self.requests_admitted = 0
@@ -216,10 +233,17 @@ class RolloutService:
         version this replica does not hold."""
         version = required_version(request)
         engine_requests, slots = parse_generate(request, self.limits, self.tokenizer)
+        if request.return_routed_experts and not self.num_experts:
+            raise InvalidRequest(
+                "return_routed_experts", "the model has no mixture-of-experts layers: nothing is routed"
+            )
         ticket = self.loop.submit(engine_requests, version)
         self.requests_admitted += 1
         return Generation(
-            self.loop, ticket, {r.request_id: s for r, s in zip(engine_requests, slots, strict=True)}
+            self.loop,
+            ticket,
+            {r.request_id: s for r, s in zip(engine_requests, slots, strict=True)},
+            self.num_experts if request.return_routed_experts else 0,
         )
 
     def update_weights(self, parts: Iterable[tuple[weights_pb2.WeightHeader, bytearray]]) -> UpdateResult:

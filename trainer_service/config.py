@@ -71,6 +71,10 @@ class LearnerConfig(BaseModel):
     """Under a `-kv` recipe, the trainer attends as the rollout's FP8 attention does (the same rounding of
     Q, K and V, the same scales); off, it attends in high precision and importance sampling alone corrects
     the difference."""
+    routing_replay: bool = False
+    """Mixture-of-experts models: route every position the rollout computed to the experts the rollout
+    routed it to (samples' `routed_experts`), the trainer's router weighing them (R3, routing replay);
+    off, the trainer routes itself and only measures how often it disagrees (`routing_mismatch`)."""
     checkpoint_every: int = Field(1, ge=0)
     """With checkpoint_dir: write a checkpoint every N steps, so a restarted trainer loses at most N - 1
     committed steps (0: only on SaveCheckpoint)."""

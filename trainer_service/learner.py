@@ -12,12 +12,12 @@ import functools
 import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import Any, TypeVar
 
 import torch
 
-from fp8rl import grpo, quant
+from fp8rl import grpo, quant, routing
 from fp8rl.devices import resolve_device
 from fp8rl.logprobs import token_logprobs
 from fp8rl.recipes import ImportanceSampling, Recipe
@@ -26,6 +26,7 @@ from trainer_service.config import TrainerConfig
 from trainer_service.distributed import ONE_PROCESS, Ranks
 from trainer_service.fp8_linear import Backend, convert_linears, fp8_context, resolve_backend
 from trainer_service.kv_cache import KVCache
+from trainer_service.routing import moe_routers, own_routing, routed
 
 T = TypeVar("T")
 
@@ -43,6 +44,9 @@ class SampleData:
     reward: float = 0.0
     group: str = ""
     advantage: float | None = None
+    # MoE: the experts the rollout routed each position it computed to, [prompt + completion - 1,
+    # MoE layers, top_k] (fp8rl.routing)
+    routed_experts: torch.Tensor | None = None
 
 
 @dataclass
@@ -55,15 +59,18 @@ class Batch:
     targets: torch.Tensor  # [B, L-1]
     mask: torch.Tensor  # [B, L-1] float, 1 on completion tokens
     gen: torch.Tensor  # [B, L-1] rollout logprobs (0 elsewhere)
+    routed: torch.Tensor | None = None  # [B, L, MoE layers, top_k] the rollout's experts (UNKNOWN elsewhere)
 
     def rows(self, index: torch.Tensor) -> Batch:
-        return Batch(
-            *(t[index] for t in (self.input_ids, self.attention_mask, self.targets, self.mask, self.gen))
-        )
+        return self._map(lambda t: t[index])
 
     def to(self, device: torch.device) -> Batch:
+        return self._map(lambda t: t.to(device))
+
+    def _map(self, f: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
+        routed = None if self.routed is None else f(self.routed)
         return Batch(
-            *(t.to(device) for t in (self.input_ids, self.attention_mask, self.targets, self.mask, self.gen))
+            f(self.input_ids), f(self.attention_mask), f(self.targets), f(self.mask), f(self.gen), routed
         )
 
 
@@ -83,7 +90,20 @@ def collate(samples: Sequence[SampleData], pad_id: int = 0, multiple: int = 1) -
         attention[i, : p + c] = 1
         mask[i, p - 1 : p + c - 1] = 1
         gen[i, p - 1 : p + c - 1] = torch.tensor(s.gen_logprobs)
-    return Batch(input_ids, attention, input_ids[:, 1:].clone(), mask, gen)
+    return Batch(input_ids, attention, input_ids[:, 1:].clone(), mask, gen, _routed(samples, length))
+
+
+def _routed(samples: Sequence[SampleData], length: int) -> torch.Tensor | None:
+    """The samples' rollout routings as [B, length, layers, top_k], UNKNOWN where none was sent; None
+    when no sample carries one."""
+    shaped = next((s.routed_experts for s in samples if s.routed_experts is not None), None)
+    if shaped is None:
+        return None
+    out = torch.full((len(samples), length, *shaped.shape[1:]), routing.UNKNOWN, dtype=torch.long)
+    for i, s in enumerate(samples):
+        if s.routed_experts is not None:
+            out[i, : len(s.routed_experts)] = s.routed_experts
+    return out
 
 
 TE_TOKEN_MULTIPLE = 16  # positions a te batch is padded to
@@ -151,6 +171,8 @@ class Learner:
                 device=self.device,
             )
             self.kv_cache.install(self.model)
+        self.routers = moe_routers(self.model)
+        self.routing_seen = routing.Mismatch()  # (the pre-step scoring's, per step)
         self.reference = None
         if config.loss.kl_coef > 0:
             if ranks.sharded:
@@ -201,10 +223,21 @@ class Learner:
             if calibrate and self.kv_cache is not None
             else contextlib.nullcontext()
         )
-        with self.autocast(), fp8_context(self.backend, self.recipe.scale_format), passes, recording:
+        replay = batch.routed if self.config.routing_replay and model is None else None
+        with (
+            self.autocast(),
+            fp8_context(self.backend, self.recipe.scale_format),
+            passes,
+            recording,
+            routed(self.routers if model is None else [], replay) as chosen,
+        ):
             logits = (model or self.model)(
                 input_ids=batch.input_ids, attention_mask=batch.attention_mask
             ).logits
+        if calibrate and self.routers and batch.routed is not None:  # (the step's pre-update scoring)
+            own = own_routing(chosen, *batch.input_ids.shape)
+            predicting = torch.nn.functional.pad(batch.mask.bool(), (0, 1))  # the positions scored
+            self.routing_seen += routing.mismatch(own.cpu(), batch.routed.cpu(), predicting.cpu())
         return token_logprobs(
             logits[:, :-1].float(), batch.targets, sampling.temperature, sampling.top_k, sampling.top_p
         )
@@ -215,7 +248,7 @@ class Learner:
         every rank gets them all."""
         micros = list(torch.arange(len(batch.input_ids)).split(self.config.micro_batch_size))
         scored = [
-            (self.logprobs(batch.rows(m), sampling, calibrate=calibrate), real)
+            (self.logprobs(batch.rows(m), sampling, calibrate=calibrate and real), real)
             for m, real in self._share(micros)
         ]
         local = torch.cat([s for s, real in scored if real] or [scored[0][0][:0]])  # stand-ins dropped
@@ -273,12 +306,17 @@ class Learner:
         batch = self.collate(samples)
         if self.kv_cache is not None:  # (whatever a failed step recorded does not count)
             self.kv_cache.amax.zero_()
+        self.routing_seen = routing.Mismatch()
         prev = self.score(batch, sampling, calibrate=True)  # (the step's sequences set the next KV scales)
         support = grpo.sampling_support(prev, batch.mask)  # the tokens the loss and metrics cover
         weights = grpo.importance_weights(prev, batch.gen, support, self.is_config)
         metrics: dict[str, Any] = grpo.divergence_metrics(prev, batch.gen, support, weights)
         metrics |= grpo.token_histograms(prev, batch.gen, support)
         metrics["out_of_support_fraction"] = 1 - support.sum().item() / max(batch.mask.sum().item(), 1)
+        if batch.routed is not None and self.routers:  # (every rank scored its share: their sum)
+            metrics |= routing.Mismatch(
+                *(int(self.ranks.all_sum(n)) for n in astuple(self.routing_seen))
+            ).metrics()
         advantages = self._advantages(samples).to(self.device)
         ref = self._reference_logprobs(batch, sampling)
         return StepInputs(batch, sampling, prev, support, weights.weights, advantages, ref), metrics

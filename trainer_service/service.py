@@ -12,12 +12,13 @@ import math
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 from google.protobuf import json_format
 
+from fp8rl import routing
 from fp8rl.config import config_hash
 from fp8rl.errors import InvalidRequest, PermissionDenied, PreconditionFailed
 from fp8rl.prometheus import Sample
@@ -44,9 +45,14 @@ def check_tokens(field: str, ids: list[int], vocab: int, allow_empty: bool = Fal
 
 
 def parse_samples(
-    samples: Any, vocab: int, max_positions: int, rewards_non_negative: bool = False
+    samples: Any,
+    vocab: int,
+    max_positions: int,
+    rewards_non_negative: bool = False,
+    routers: Sequence[Any] = (),
 ) -> list[SampleData]:
-    """Validated samples; ``rewards_non_negative`` when advantages are normalised by the group mean."""
+    """Validated samples; ``rewards_non_negative`` when advantages are normalised by the group mean;
+    ``routers``: the model's MoE routers (the shape a sample's routed experts must have)."""
     if not samples:
         raise InvalidRequest("samples", "at least one sample is required")
     out = []
@@ -79,8 +85,43 @@ def parse_samples(
             )
         if advantage is not None and not math.isfinite(advantage):
             raise InvalidRequest(f"{field}.advantage", f"must be finite, got {advantage}")
-        out.append(SampleData(prompt, completion, logprobs, s.reward, s.group_id or str(i), advantage))
+        routed = (
+            parse_routed_experts(
+                f"{field}.routed_experts", s.routed_experts, routers, len(prompt) + len(completion) - 1
+            )
+            if s.HasField("routed_experts")
+            else None
+        )
+        out.append(
+            SampleData(prompt, completion, logprobs, s.reward, s.group_id or str(i), advantage, routed)
+        )
     return out
+
+
+def parse_routed_experts(field: str, message: Any, routers: Sequence[Any], positions: int) -> torch.Tensor:
+    """A sample's routed experts as [positions, MoE layers, top_k], checked against the model's routers."""
+    if not routers:
+        raise InvalidRequest(field, "the model has no mixture-of-experts layers")
+    layers, top_k, experts = len(routers), int(routers[0].top_k), int(routers[0].num_experts)
+    if (message.moe_layers, message.top_k) != (layers, top_k):
+        raise InvalidRequest(
+            field,
+            f"{message.moe_layers} layers x top {message.top_k}; the model routes {layers} layers x "
+            f"top {top_k}",
+        )
+    if message.id_bytes != routing.id_bytes(experts):
+        raise InvalidRequest(
+            field, f"id_bytes {message.id_bytes}, {routing.id_bytes(experts)} for {experts} experts"
+        )
+    try:
+        ids = routing.unpack(message.expert_ids, message.id_bytes, layers, top_k)
+    except ValueError as exc:
+        raise InvalidRequest(field, str(exc)) from None
+    if len(ids) != positions:
+        raise InvalidRequest(field, f"{len(ids)} positions, the sequence computes {positions}")
+    if ids.numel() and int(ids.max()) >= experts:
+        raise InvalidRequest(field, f"expert id {int(ids.max())} outside [0, {experts})")
+    return ids
 
 
 class TrainerService:
@@ -188,6 +229,7 @@ class TrainerService:
                 self.learner.vocab_size,
                 self.learner.max_positions,
                 rewards_non_negative=self.config.loss.advantage_norm == "mean",
+                routers=self.learner.routers,
             )
             sampling = sampling_settings(request.sampling)
             with self._collective("train", request):

@@ -25,3 +25,15 @@ class SamplingParams(_message.Message):
 class GetStatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class RoutedExperts(_message.Message):
+    __slots__ = ("moe_layers", "top_k", "id_bytes", "expert_ids")
+    MOE_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    ID_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_IDS_FIELD_NUMBER: _ClassVar[int]
+    moe_layers: int
+    top_k: int
+    id_bytes: int
+    expert_ids: bytes
+    def __init__(self, moe_layers: _Optional[int] = ..., top_k: _Optional[int] = ..., id_bytes: _Optional[int] = ..., expert_ids: _Optional[bytes] = ...) -> None: ...

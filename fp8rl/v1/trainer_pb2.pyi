@@ -9,20 +9,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Sample(_message.Message):
-    __slots__ = ("prompt_token_ids", "completion_token_ids", "gen_logprobs", "reward", "group_id", "advantage")
+    __slots__ = ("prompt_token_ids", "completion_token_ids", "gen_logprobs", "reward", "group_id", "advantage", "routed_experts")
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     GEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     REWARD_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     ADVANTAGE_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     completion_token_ids: _containers.RepeatedScalarFieldContainer[int]
     gen_logprobs: _containers.RepeatedScalarFieldContainer[float]
     reward: float
     group_id: str
     advantage: float
-    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., completion_token_ids: _Optional[_Iterable[int]] = ..., gen_logprobs: _Optional[_Iterable[float]] = ..., reward: _Optional[float] = ..., group_id: _Optional[str] = ..., advantage: _Optional[float] = ...) -> None: ...
+    routed_experts: _common_pb2.RoutedExperts
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., completion_token_ids: _Optional[_Iterable[int]] = ..., gen_logprobs: _Optional[_Iterable[float]] = ..., reward: _Optional[float] = ..., group_id: _Optional[str] = ..., advantage: _Optional[float] = ..., routed_experts: _Optional[_Union[_common_pb2.RoutedExperts, _Mapping]] = ...) -> None: ...
 
 class TrainStepRequest(_message.Message):
     __slots__ = ("run_id", "step", "samples", "sampling")
@@ -37,7 +39,7 @@ class TrainStepRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class TrainMetrics(_message.Message):
-    __slots__ = ("loss", "grad_norm", "learning_rate", "tokens_per_s", "token_mult_prob_error", "gen_kl_error", "is_weight_mean", "is_weight_min", "is_weight_max", "is_clipped_fraction", "max_seq_mult_prob_error", "num_tokens", "num_samples", "train_s", "ppo_clipped_fraction", "reward_mean", "out_of_support_fraction", "abs_log_ratio_counts", "is_weight_counts")
+    __slots__ = ("loss", "grad_norm", "learning_rate", "tokens_per_s", "token_mult_prob_error", "gen_kl_error", "is_weight_mean", "is_weight_min", "is_weight_max", "is_clipped_fraction", "max_seq_mult_prob_error", "num_tokens", "num_samples", "train_s", "ppo_clipped_fraction", "reward_mean", "out_of_support_fraction", "abs_log_ratio_counts", "is_weight_counts", "routing_mismatch", "routing_mismatch_positions")
     LOSS_FIELD_NUMBER: _ClassVar[int]
     GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +59,8 @@ class TrainMetrics(_message.Message):
     OUT_OF_SUPPORT_FRACTION_FIELD_NUMBER: _ClassVar[int]
     ABS_LOG_RATIO_COUNTS_FIELD_NUMBER: _ClassVar[int]
     IS_WEIGHT_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    ROUTING_MISMATCH_FIELD_NUMBER: _ClassVar[int]
+    ROUTING_MISMATCH_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     loss: float
     grad_norm: float
     learning_rate: float
@@ -76,7 +80,9 @@ class TrainMetrics(_message.Message):
     out_of_support_fraction: float
     abs_log_ratio_counts: _containers.RepeatedScalarFieldContainer[int]
     is_weight_counts: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, loss: _Optional[float] = ..., grad_norm: _Optional[float] = ..., learning_rate: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., token_mult_prob_error: _Optional[float] = ..., gen_kl_error: _Optional[float] = ..., is_weight_mean: _Optional[float] = ..., is_weight_min: _Optional[float] = ..., is_weight_max: _Optional[float] = ..., is_clipped_fraction: _Optional[float] = ..., max_seq_mult_prob_error: _Optional[float] = ..., num_tokens: _Optional[int] = ..., num_samples: _Optional[int] = ..., train_s: _Optional[float] = ..., ppo_clipped_fraction: _Optional[float] = ..., reward_mean: _Optional[float] = ..., out_of_support_fraction: _Optional[float] = ..., abs_log_ratio_counts: _Optional[_Iterable[int]] = ..., is_weight_counts: _Optional[_Iterable[int]] = ...) -> None: ...
+    routing_mismatch: float
+    routing_mismatch_positions: float
+    def __init__(self, loss: _Optional[float] = ..., grad_norm: _Optional[float] = ..., learning_rate: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., token_mult_prob_error: _Optional[float] = ..., gen_kl_error: _Optional[float] = ..., is_weight_mean: _Optional[float] = ..., is_weight_min: _Optional[float] = ..., is_weight_max: _Optional[float] = ..., is_clipped_fraction: _Optional[float] = ..., max_seq_mult_prob_error: _Optional[float] = ..., num_tokens: _Optional[int] = ..., num_samples: _Optional[int] = ..., train_s: _Optional[float] = ..., ppo_clipped_fraction: _Optional[float] = ..., reward_mean: _Optional[float] = ..., out_of_support_fraction: _Optional[float] = ..., abs_log_ratio_counts: _Optional[_Iterable[int]] = ..., is_weight_counts: _Optional[_Iterable[int]] = ..., routing_mismatch: _Optional[float] = ..., routing_mismatch_positions: _Optional[float] = ...) -> None: ...
 
 class TrainStepResponse(_message.Message):
     __slots__ = ("step", "weight_version", "metrics", "replayed", "skipped")

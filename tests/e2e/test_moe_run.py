@@ -1,8 +1,9 @@
 """A mixture-of-experts model end to end: a random-init Qwen3-MoE (tests/families.QWEN3_MOE, float32)
 trained with ``--recipe fp8`` by the embedded coordinator on the chat arithmetic task: every expert GEMM
 FP8 in both engines, the experts shipped per expert and refitted in vLLM at every step, every step
-recorded once with token_mult_prob_error inside the dense families' band, the routers recorded as kept
-in high precision."""
+recorded once with token_mult_prob_error inside the dense families' band and its routing mismatch (the
+rollout's routed experts against the trainer's routers), the routers recorded as kept in high
+precision."""
 
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ def test_a_qwen3_moe_trains_under_fp8(smollm2_dir: Path, tmp_path: Path) -> None
     # The band of the dense families (tests/integration/test_architectures.py), after a refit each step.
     errors = [r["token_mult_prob_error"] for r in records[1:]]
     assert all(1 <= e <= 1.01 for e in errors), errors
+    mismatch = [r["routing_mismatch"] for r in records[1:]]
+    assert all(0 <= m < 0.05 for m in mismatch), mismatch  # (measured: 0)
     run = json.loads((run_dir / "run.json").read_text())
     assert run["linears"]["high_precision_per_layer"] == ["mlp.gate"], run["linears"]
     assert "mlp.gate" in json.loads((run_dir / "summary.json").read_text())["linears"]

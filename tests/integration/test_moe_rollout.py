@@ -304,3 +304,66 @@ def test_a_refit_missing_an_expert_scale_is_refused(engine: Any, moe_dir: Path) 
         engine.load_weights(wire)
     engine.restart()  # (what the service does after a failed refit: a fresh engine on its checkpoint)
     assert_experts_hold(engine, quantized(expert_weights(_checkpoint(moe_dir))))
+
+
+def sample_routed(engine: Any, prompts: list[list[int]], max_tokens: int = 12) -> list[Any]:
+    """The engine's finished samples of ``prompts``, all in one batch (temperature 1, seeded), in order."""
+    from rollout_service.engine import EngineRequest, Sampling
+
+    for i, prompt in enumerate(prompts):
+        engine.add(EngineRequest(f"routed-{i}", prompt, Sampling(1.0, 1.0, 0, max_tokens, (), 7 + i)))
+    finished = {}
+    while engine.has_unfinished():
+        finished |= {f.request_id: f for f in engine.step()}
+    return [finished[f"routed-{i}"] for i in range(len(prompts))]
+
+
+def trainer_routing(model: Path, sequences: list[list[int]], fp8: bool) -> list[torch.Tensor]:
+    """The experts the trainer's routers choose for each position of each sequence (float32; with
+    ``fp8``, the experts emulated as the trainer's fp8 recipe computes them), [positions, layers, top_k]."""
+    from transformers import AutoModelForCausalLM
+
+    from trainer_service.fp8_linear import convert_linears
+    from trainer_service.routing import moe_routers, own_routing, routed
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    if fp8:
+        from rollout_service.config import RolloutConfig
+
+        plan = RolloutConfig(model=model, recipe="fp8", device="cpu").fp8_plan
+        convert_linears(hf, "emulated", "fp32", plan.high_precision)
+    out = []
+    with torch.no_grad():
+        for ids in sequences:
+            with routed(moe_routers(hf)) as chosen:
+                hf(input_ids=torch.tensor([ids]))
+            out.append(own_routing(chosen, 1, len(ids))[0])
+    return out
+
+
+def assert_routing_recorded(engine: Any, model: Path, fp8: bool) -> float:
+    """Samples of prompts of different lengths, generated together, carry their routing at every
+    position a forward computed; returns the fraction of routing decisions that differ from the
+    trainer's routers' on the same tokens."""
+    from fp8rl import routing
+
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 1000, (n,), generator=gen).tolist() for n in (5, 17, 40)]
+    samples = sample_routed(engine, prompts)
+    sequences = [p + s.token_ids for p, s in zip(prompts, samples, strict=True)]
+    theirs = trainer_routing(model, sequences, fp8)
+    seen = routing.Mismatch()
+    for prompt, sample, own in zip(prompts, samples, theirs, strict=True):
+        ids = torch.from_numpy(sample.routed_experts.astype("int64"))
+        assert ids.shape == (len(prompt) + len(sample.token_ids) - 1, LAYERS, TOP_K), ids.shape
+        assert int(ids.min()) >= 0 and int(ids.max()) < EXPERTS
+        seen += routing.mismatch(own[: len(ids)], ids, torch.ones(len(ids), dtype=torch.bool))
+    print(f"routing: {seen}")
+    return seen.differing_decisions / seen.decisions
+
+
+@pytest.mark.slow  # (one engine for the module: about 40 s to start on 2 cores)
+def test_completions_carry_the_experts_they_were_routed_to(engine: Any, moe_dir: Path) -> None:
+    """Under FP8 experts the engines' hidden states differ slightly, so a near-tie between two experts
+    can resolve differently: rare, and what routing_mismatch measures per step."""
+    assert assert_routing_recorded(engine, moe_dir, fp8=True) < 0.05

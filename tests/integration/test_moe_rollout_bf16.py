@@ -20,6 +20,7 @@ from tests.integration.test_moe_rollout import (
     _checkpoint,
     _experts,
     _methods,
+    assert_routing_recorded,
     expert_name,
     expert_weights,
     moe_engine,
@@ -89,3 +90,10 @@ def test_experts_run_vllms_unquantized_method_and_routers_stay_linears(engine: A
     for layer in range(LAYERS):
         assert methods[f"model.layers.{layer}.mlp.gate"] == "UnquantizedLinearMethod"
         assert methods[f"model.layers.{layer}.mlp.experts.routed_experts"] == "RefitUnquantizedMoEMethod"
+
+
+@pytest.mark.slow  # (one engine for the module)
+def test_routed_experts_are_the_trainers_routing_exactly(engine: Any, qwen3_moe_dir: Path) -> None:
+    """float32 in both engines: the rollout routed every position where the trainer's routers route it
+    (an off-by-one position, or rows split across the batch's requests wrongly, would differ)."""
+    assert assert_routing_recorded(engine, qwen3_moe_dir, fp8=False) == 0

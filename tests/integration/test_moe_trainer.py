@@ -109,3 +109,43 @@ def test_a_grpo_step_runs_every_expert_gemm_in_fp8(
         assert sent[f"{prefix}.gate_proj.weight"].dtype == torch.float8_e4m3fn
         assert sent[f"{prefix}.down_proj.weight_scale_inv"].shape == (4, 2)  # [512/128, 256/128]
         assert torch.equal(wire, quant.fake_quantize_weight(gate_up[e]))
+
+
+def own_routing_of(learner: Learner, batch: list[SampleData]) -> list[torch.Tensor]:
+    """What the learner's routers choose for every position each sample computes."""
+    from trainer_service.routing import own_routing, routed
+
+    out = []
+    with torch.no_grad():
+        for s in batch:
+            ids = s.prompt + s.completion
+            with routed(learner.routers) as chosen:
+                learner.model(input_ids=torch.tensor([ids]))
+            out.append(own_routing(chosen, 1, len(ids))[0, : len(ids) - 1])
+    return out
+
+
+@pytest.mark.parametrize("replay", [False, True])
+def test_a_step_measures_routing_mismatch(qwen3_moe_dir: Path, gen: torch.Generator, replay: bool) -> None:
+    """Samples routed as the trainer routes them: no mismatch; routed elsewhere: nearly all differ
+    (two of eight experts: a random pair is the trainer's one time in 28), replayed or not."""
+    import dataclasses
+
+    config = TrainerConfig(
+        model=qwen3_moe_dir, recipe="fp8", compute_dtype="float32", device="cpu", routing_replay=replay
+    )
+    learner = Learner(config, get_recipe("fp8"))
+    batch = samples(gen, count=4)
+    own = own_routing_of(learner, batch)
+    agreeing = [dataclasses.replace(s, routed_experts=r) for s, r in zip(batch, own, strict=True)]
+    metrics = learner.train(agreeing, SamplingSettings(temperature=1.0))
+    assert metrics["routing_mismatch"] == 0 and metrics["routing_mismatch_positions"] == 0
+
+    shuffled = [(r + torch.randint(1, EXPERTS, (*r.shape[:2], 1), generator=gen)) % EXPERTS for r in own]
+    moved = [dataclasses.replace(s, routed_experts=r) for s, r in zip(batch, shuffled, strict=True)]
+    metrics = learner.train(moved, SamplingSettings(temperature=1.0))
+    print(
+        {k: metrics[k] for k in ("routing_mismatch", "routing_mismatch_positions", "token_mult_prob_error")}
+    )
+    assert metrics["routing_mismatch"] > 0.8 and metrics["routing_mismatch_positions"] > 0.8
+    assert math.isfinite(metrics["loss"])
