@@ -283,28 +283,44 @@ def test_without_transformer_engine_te_experts_are_refused_naming_the_layer(gen:
     assert type(model.model.layers[0].mlp.experts) is experts_class  # (nothing converted)
 
 
+class EmulatedGroupedLinear(torch.nn.Module):
+    """te.GroupedLinear's interface (weights ``weight0``..``weightE-1``, ``forward(inp, m_splits)``:
+    each split of ``inp`` times its weight), computed by the emulation; its parameters on the meta
+    device, as the trainer builds TE's."""
+
+    def __init__(self, num_gemms: int, in_features: int, out_features: int, scale_format: Any) -> None:
+        super().__init__()
+        for i in range(num_gemms):
+            weight = torch.empty(out_features, in_features, device="meta")
+            self.register_parameter(f"weight{i}", torch.nn.Parameter(weight))
+        self.scale_format = scale_format
+
+    def forward(self, inp: torch.Tensor, m_splits: list[int]) -> torch.Tensor:
+        splits = enumerate(inp.split(m_splits))
+        return torch.cat(
+            [fp8_linear(x, getattr(self, f"weight{i}"), None, self.scale_format) for i, x in splits if len(x)]
+        )
+
+
 @pytest.mark.parametrize("scale_format", ["fp32", "pow2"])
 def test_te_experts_route_pad_and_combine_as_the_emulated_experts(
-    scale_format: str, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch
+    scale_format: str, gen: torch.Generator
 ) -> None:
-    """TEFP8Experts around its grouped GEMM, with the emulation per expert in TE's place: the output, the
-    input's and both fused parameters' gradients are the emulated experts' (the zero rows that pad each
-    expert to 16 change no scale and add nothing), so only the grouped GEMM itself is left to TE."""
-
-    def emulated_grouped_gemm(
-        self: Any, which: int, weight: torch.Tensor, x: torch.Tensor, splits: list[int]
-    ) -> torch.Tensor:
-        pieces = [fp8_linear(r, weight[e], None, fmt) for e, r in enumerate(x.split(splits)) if len(r)]
-        return torch.cat(pieces)
-
-    fmt: Any = scale_format
-
+    """TEFP8Experts with the emulation in te.GroupedLinear's place: the output, the input's and both fused
+    parameters' gradients are the emulated experts' (the zero rows that pad each expert to 16 change no
+    scale and add nothing; the fused parameters' expert slices are the grouped GEMM's weights, and their
+    gradients reach the fused parameters), and the model's parameters stay transformers' own, so only
+    the grouped GEMM itself is left to TE."""
     model = moe_model(gen)
     emulated = copy.deepcopy(model)
-    convert_linears(emulated, "emulated", fmt)
+    names = [n for n, _ in model.named_parameters()]
+    convert_linears(emulated, "emulated", scale_format)  # type: ignore[arg-type]
     experts = model.model.layers[0].mlp.experts
     experts.__class__ = fp8_module._experts_class(TEFP8Experts, type(experts))
-    monkeypatch.setattr(TEFP8Experts, "grouped_gemm", emulated_grouped_gemm)
+    experts.te_gemms = (
+        EmulatedGroupedLinear(EXPERTS, HIDDEN, 2 * INTER, scale_format),
+        EmulatedGroupedLinear(EXPERTS, INTER, HIDDEN, scale_format),
+    )
     x = tokens(gen)
     dout = torch.randn(x.shape, generator=gen)
     results = []
@@ -316,6 +332,10 @@ def test_te_experts_route_pad_and_combine_as_the_emulated_experts(
         results.append([out, xi.grad, mlp.experts.gate_up_proj.grad, mlp.experts.down_proj.grad])
     for want, got in zip(*results, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
+    assert [n for n, _ in model.named_parameters()] == names
+    assert all(
+        p.is_meta for gemm in experts.te_gemms for p in gemm.parameters()
+    )  # (put back after each call)
 
 
 @pytest.mark.gpu
