@@ -26,20 +26,31 @@ Only linears inside the transformer blocks are converted; embeddings, lm_head, n
 in the compute dtype. Parameter names do not change.
 
 Mixture-of-experts layers (transformers' fused experts, ``mlp.experts.gate_up_proj`` [E, 2I, H] and
-``mlp.experts.down_proj`` [E, H, I]): under ``emulated`` every expert's two GEMMs run through
-:func:`fp8_linear` with that expert's 2-D slice of the fused parameter as the weight, i.e. the dense
-contract per expert (its own 128x128 weight blocks; the expert's tokens, in sequence order, as the
-activations and, for wgrad, the 128-token columnwise groups). With I a multiple of 128 (the plan's
-condition for FP8 experts) the blocks of ``gate_up_proj[e]`` are exactly those of the gate and up weights
-the WeightSet ships per expert. The master weights stay the fused float32 parameters. The router
-(``mlp.gate``, not an ``nn.Linear``) is never converted. Under ``te`` experts are refused
-(:func:`_refuse_te_experts`).
+``mlp.experts.down_proj`` [E, H, I]) run the dense contract per expert: its own 128x128 weight blocks
+(with I a multiple of 128, the plan's condition for FP8 experts, the blocks of ``gate_up_proj[e]`` are
+exactly those of the gate and up weights the WeightSet ships per expert), the expert's tokens, in
+sequence order, as the activations and, for wgrad, the 128-token columnwise groups. The master weights
+stay the fused float32 parameters under both backends (checkpoints, optimizer state and publishing see
+transformers' names); the router (``mlp.gate``, not an ``nn.Linear``) is never converted.
+
+* ``emulated``: every expert's two GEMMs through :func:`fp8_linear` with that expert's 2-D slice of the
+  fused parameter as the weight (:class:`EmulatedFP8Experts`).
+* ``te``: each of the two GEMMs is one ``te.GroupedLinear`` call over all experts
+  (:class:`TEFP8Experts`), whose per-expert weights are, for that call, the expert slices of the fused
+  parameters (``torch.func.functional_call``); the GroupedLinear is built on the meta device and owns
+  nothing. Its split-quantize path quantizes each expert's rows apart, as the emulation does, and TE's
+  own tests hold it bit-identical to one ``te.Linear`` per expert under ``Float8BlockScaling``. Each
+  expert's rows are padded to a multiple of 16 with zero rows (TE's FP8 GEMM rule, te.Fp8Padding's
+  alignment), which changes no scale: a zero row has its own 1x128 scales and adds nothing to a
+  column's amax. Refused, with the layer and the reason (:func:`te_experts_refusal`): a Transformer
+  Engine older than 2.3 or not importable, and H or I not a multiple of 16.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import re
 from collections.abc import Collection, Iterator
 from typing import Any, Literal
 
@@ -160,12 +171,115 @@ class EmulatedFP8Experts(torch.nn.Module):
         return out
 
 
-_EXPERTS_CLASSES: dict[type, type] = {}
+TE_ROW_MULTIPLE = 16
+"""Rows each expert's share of a grouped GEMM is padded to under ``te`` (TE's FP8 GEMMs take a token
+count that is a multiple of 8; te.Fp8Padding aligns to 16)."""
+TE_MIN_VERSION = (2, 3)  # the first Transformer Engine with Float8BlockScaling
 
 
-def _emulated_experts_class(cls: type) -> type:
-    """transformers' experts class with :class:`EmulatedFP8Experts` mixed in (one per class)."""
-    return _EXPERTS_CLASSES.setdefault(cls, type(f"EmulatedFP8{cls.__name__}", (EmulatedFP8Experts, cls), {}))
+def expert_rows(
+    top_k_index: torch.Tensor, experts: int, multiple: int
+) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """The rows of a grouped expert GEMM: expert by expert, each expert's tokens in sequence order, then
+    padding rows up to a multiple of ``multiple``. ``top_k_index`` [T, k] (the experts each token
+    chose; an index outside [0, E) marks a dropped slot, as transformers does, and is skipped). Returns
+    ``rows`` [R] (int64: each row's token, T for padding), ``slots`` [R] (the top-k slot that chose the
+    row's expert; 0 for padding) and the rows of each expert (E ints, multiples of ``multiple``; 0 for
+    an expert no token chose), R their sum."""
+    tokens, k = top_k_index.shape
+    flat = top_k_index.reshape(-1)
+    chosen = torch.nonzero((flat >= 0) & (flat < experts)).flatten()  # token-major: sequence order
+    expert = flat[chosen]
+    order = torch.argsort(expert, stable=True)  # (stable: each expert's tokens stay in sequence order)
+    chosen, expert = chosen[order], expert[order]
+    counts = torch.bincount(expert, minlength=experts)
+    padded = (counts + multiple - 1) // multiple * multiple
+    rank = torch.arange(len(expert), device=flat.device) - (counts.cumsum(0) - counts)[expert]
+    at = (padded.cumsum(0) - padded)[expert] + rank
+    rows = torch.full((int(padded.sum()),), tokens, dtype=torch.long, device=flat.device)
+    slots = torch.zeros_like(rows)
+    rows[at], slots[at] = chosen // k, chosen % k
+    return rows, slots, padded.tolist()
+
+
+class TEFP8Experts(torch.nn.Module):
+    """Mixed into transformers' fused experts class under ``te`` (:func:`convert_linears`): the routing
+    arithmetic of :class:`EmulatedFP8Experts`, each GEMM one ``te.GroupedLinear`` call over every
+    expert with the fused parameters' expert slices as its weights (module docstring)."""
+
+    gate_up_proj: torch.nn.Parameter
+    down_proj: torch.nn.Parameter
+    act_fn: Any
+    te_gemms: tuple[Any, Any]
+    """The gate_up and down GroupedLinears, on the meta device; a tuple, so not submodules: they add no
+    parameters or state to the model."""
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """As :meth:`EmulatedFP8Experts.forward`: [T, H], [T, k], [T, k] -> [T, H]."""
+        tokens = hidden_states.shape[0]
+        rows, slots, splits = expert_rows(top_k_index, self.gate_up_proj.shape[0], TE_ROW_MULTIPLE)
+        x = F.pad(hidden_states, (0, 0, 0, 1))[rows]  # (row T is zeros: the padding)
+        gate, up = self.grouped_gemm(0, self.gate_up_proj, x, splits).chunk(2, dim=-1)
+        y = self.grouped_gemm(1, self.down_proj, self.act_fn(gate) * up, splits)
+        real = rows < tokens
+        token = rows[real]
+        weighted = y[real] * top_k_weights[token, slots[real], None]
+        return torch.zeros_like(hidden_states).index_add_(0, token, weighted.to(hidden_states.dtype))
+
+    def grouped_gemm(
+        self, which: int, weight: torch.Tensor, x: torch.Tensor, splits: list[int]
+    ) -> torch.Tensor:
+        """``x`` [R, K] cut into ``splits`` rows per expert, expert e's rows times ``weight[e]`` [N, K]ᵀ:
+        [R, N] (gradients flow into ``weight``, the fused parameter)."""
+        views = {f"weight{e}": weight[e] for e in range(weight.shape[0])}
+        return torch.func.functional_call(self.te_gemms[which], views, (x, splits))
+
+
+def te_experts_refusal(te_version: str, hidden: int, intermediate: int) -> str | None:
+    """Why Transformer Engine ``te_version`` cannot run experts of hidden size H and intermediate size
+    I in blockwise FP8 (te.GroupedLinear under Float8BlockScaling), or None if it can."""
+    found = re.match(r"(\d+)\.(\d+)", te_version)
+    if found is None or tuple(map(int, found.groups())) < TE_MIN_VERSION:
+        return f"Transformer Engine {te_version} is older than 2.3 (no Float8BlockScaling)"
+    if hidden % 16 or intermediate % 16:
+        return f"H = {hidden} and I = {intermediate} must be multiples of 16 (TE's FP8 GEMMs)"
+    return None
+
+
+def _te_gemms(name: str, module: Any) -> tuple[Any, Any]:
+    """The gate_up and down GroupedLinears for ``module``'s experts, or ValueError saying why not."""
+    experts, rows, hidden = module.gate_up_proj.shape
+    try:
+        import transformer_engine
+        import transformer_engine.pytorch as te
+    except ImportError as exc:
+        raise _te_experts_refused(name, f"Transformer Engine does not import ({exc})") from exc
+    reason = te_experts_refusal(transformer_engine.__version__, hidden, rows // 2)
+    if reason is not None:
+        raise _te_experts_refused(name, reason)
+    dtype = module.gate_up_proj.dtype
+
+    def grouped(k: int, n: int) -> Any:  # (owns no weights: each call brings them)
+        return te.GroupedLinear(experts, k, n, bias=False, params_dtype=dtype, device="meta")
+
+    return grouped(hidden, rows), grouped(rows // 2, hidden)
+
+
+def _te_experts_refused(name: str, reason: str) -> ValueError:
+    return ValueError(
+        f"{name}: MoE experts cannot run in FP8 under fp8_backend te: {reason}; use fp8_backend: emulated"
+    )
+
+
+_EXPERTS_CLASSES: dict[tuple[type, type], type] = {}
+
+
+def _experts_class(mixin: type, cls: type) -> type:
+    """transformers' experts class with ``mixin`` mixed in (one per pair)."""
+    name = f"{mixin.__name__.removesuffix('Experts')}{cls.__name__}"
+    return _EXPERTS_CLASSES.setdefault((mixin, cls), type(name, (mixin, cls), {}))
 
 
 def block_experts(model: torch.nn.Module) -> Iterator[tuple[str, Any]]:
@@ -222,17 +336,20 @@ def convert_linears(
     recipe's, :func:`fp8_context`.)"""
     converted = [(n, m) for n, m in block_linears(model) if n not in high_precision]
     experts = [(n, m) for n, m in block_experts(model) if _experts_in_fp8(n, m, high_precision)]
-    if experts and backend == "te":
-        _refuse_te_experts(experts[0][0])
+    te_gemms = [_te_gemms(n, m) for n, m in experts] if backend == "te" else []  # (refused: nothing changed)
     for _, linear in converted:
         if backend == "emulated":
             linear.__class__ = EmulatedFP8Linear
             linear.scale_format = scale_format  # type: ignore[assignment]
         else:
             _to_te_linear(model, linear)
-    for _, module in experts:
-        module.__class__ = _emulated_experts_class(type(module))
-        module.scale_format = scale_format
+    for i, (_, module) in enumerate(experts):
+        if backend == "te":
+            module.__class__ = _experts_class(TEFP8Experts, type(module))
+            module.te_gemms = te_gemms[i]
+        else:
+            module.__class__ = _experts_class(EmulatedFP8Experts, type(module))
+            module.scale_format = scale_format
     return len(converted) + sum(len(EXPERT_GEMMS) * m.gate_up_proj.shape[0] for _, m in experts)
 
 
@@ -243,17 +360,6 @@ def _experts_in_fp8(name: str, module: Any, high_precision: Collection[str]) -> 
     if kept not in (0, len(names)):
         raise ValueError(f"{name}: {kept} of its {len(names)} expert linears in high precision; all or none")
     return kept == 0
-
-
-def _refuse_te_experts(name: str) -> None:
-    """Transformer Engine's grouped GEMM (``te.GroupedLinear``) owns one weight parameter per expert,
-    where the trainer's master weights, optimizer state and checkpoints are transformers' fused 3-D
-    parameters; swapping them would change every name and the checkpoint layout, so it is not done."""
-    raise NotImplementedError(
-        f"{name}: MoE experts in FP8 under fp8_backend te are not supported (te.GroupedLinear keeps one "
-        "parameter per expert, the trainer keeps transformers' fused 3-D expert parameters); use "
-        "fp8_backend: emulated"
-    )
 
 
 def _to_te_linear(model: torch.nn.Module, linear: torch.nn.Linear) -> None:

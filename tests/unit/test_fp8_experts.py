@@ -2,10 +2,14 @@
 expert's gate_up and down GEMMs quantize as a dense FP8 linear of that expert's 2-D weight slice
 (checked GEMM by GEMM against float64 over operands quantized by the numpy reference of
 tests/unit/test_quant.py), the weight codes the forward uses are the WeightSet's per-expert codes bit for
-bit, the router is untouched."""
+bit, the router is untouched. Under ``te`` (te.GroupedLinear over the fused parameters' expert slices):
+the routing, padding and combining around the grouped GEMM, with the emulation in TE's place, give the
+emulated experts' results; what is refused, and why; and, on CUDA, TE's experts against the emulated
+ones."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +21,15 @@ from fp8rl.architectures import expert_modules
 from fp8rl.codec.schema import build_weight_set
 from tests.unit.test_fp8_linear import assert_gemm_close, spec_quantized
 from trainer_service import fp8_linear as fp8_module
-from trainer_service.fp8_linear import EmulatedFP8Experts, convert_linears
+from trainer_service.fp8_linear import (
+    TE_ROW_MULTIPLE,
+    EmulatedFP8Experts,
+    TEFP8Experts,
+    convert_linears,
+    expert_rows,
+    fp8_linear,
+    te_experts_refusal,
+)
 
 HIDDEN, INTER, EXPERTS, TOP_K, TOKENS = 384, 256, 4, 2, 300
 
@@ -173,8 +185,8 @@ def test_experts_the_plan_keeps_stay_transformers_own(gen: torch.Generator) -> N
     assert torch.equal(mlp(x), before)
     with pytest.raises(ValueError, match="all or none"):
         convert_linears(model, "emulated", high_precision=kept - {"model.layers.0.mlp.experts.2.up_proj"})
-    with pytest.raises(NotImplementedError, match="fp8_backend: emulated"):
-        convert_linears(model, "te")
+    assert convert_linears(model, "te", high_precision=kept) == 0  # (no Transformer Engine needed)
+    assert not isinstance(mlp.experts, TEFP8Experts)
 
 
 def test_the_high_precision_set_is_the_checkpoint_transformers_saves(tmp_path: Path) -> None:
@@ -218,3 +230,213 @@ def test_a_router_that_is_a_linear_is_never_converted() -> None:
     assert convert_linears(root, "emulated") == 1
     assert type(mlp.shared_expert_gate) is torch.nn.Linear
     assert isinstance(mlp.shared_expert.gate_proj, fp8_module.EmulatedFP8Linear)
+
+
+def test_expert_rows_group_each_experts_tokens_in_sequence_order_then_padding() -> None:
+    """Rows expert by expert, each expert's tokens ascending (the emulation's order, hence its wgrad
+    groups), padded with the zero row T to multiples of 16; an expert nobody chose has 0 rows; a slot
+    marked E (transformers' dropped slot) is skipped."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    experts, t, k = 6, 75, 2
+    index = torch.stack([torch.randperm(experts - 1, generator=g)[:k] for _ in range(t)])  # expert 5: none
+    index[3, 1] = experts
+    rows, slots, splits = expert_rows(index, experts, TE_ROW_MULTIPLE)
+    assert len(splits) == experts and sum(splits) == len(rows) == len(slots)
+    assert all(n % TE_ROW_MULTIPLE == 0 for n in splits) and splits[-1] == 0
+    start = 0
+    for e, n in enumerate(splits):
+        want = torch.where((index == e).any(-1))[0]
+        block, block_slots = rows[start : start + n], slots[start : start + n]
+        assert n == -(-len(want) // TE_ROW_MULTIPLE) * TE_ROW_MULTIPLE
+        assert torch.equal(block[: len(want)], want)
+        assert torch.equal(index[want, block_slots[: len(want)]], torch.full_like(want, e))
+        assert (block[len(want) :] == t).all() and (block_slots[len(want) :] == 0).all()
+        start += n
+    assert 3 in rows[:start].tolist()  # (token 3 still reaches its other expert)
+    empty = expert_rows(torch.full((4, k), experts), experts, TE_ROW_MULTIPLE)
+    assert len(empty[0]) == 0 and empty[2] == [0] * experts
+
+
+def test_what_transformer_engine_cannot_run_is_refused_with_the_reason() -> None:
+    assert te_experts_refusal("2.7.0+e9a5fa4e", 2048, 768) is None
+    assert te_experts_refusal("2.3.0.dev0", 4096, 1536) is None
+    assert te_experts_refusal("2.10.1", 384, 256) is None
+    for old in ("2.2.1", "1.13.0", "unknown"):
+        assert "older than 2.3 (no Float8BlockScaling)" in str(te_experts_refusal(old, 2048, 768))
+    assert "multiples of 16" in str(te_experts_refusal("2.7.0", 2048, 200))
+    assert "multiples of 16" in str(te_experts_refusal("2.7.0", 520, 256))
+
+
+def test_without_transformer_engine_te_experts_are_refused_naming_the_layer(gen: torch.Generator) -> None:
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("Transformer Engine imports here")
+    model = moe_model(gen)
+    experts_class = type(model.model.layers[0].mlp.experts)
+    with pytest.raises(
+        ValueError, match=r"model\.layers\.0\.mlp\.experts: .*does not import.*use fp8_backend: emulated"
+    ):
+        convert_linears(model, "te")
+    assert type(model.model.layers[0].mlp.experts) is experts_class  # (nothing converted)
+
+
+class EmulatedGroupedLinear(torch.nn.Module):
+    """te.GroupedLinear's interface (weights ``weight0``..``weightE-1``, ``forward(inp, m_splits)``:
+    each split of ``inp`` times its weight), computed by the emulation; its parameters on the meta
+    device, as the trainer builds TE's."""
+
+    def __init__(self, num_gemms: int, in_features: int, out_features: int, scale_format: Any) -> None:
+        super().__init__()
+        for i in range(num_gemms):
+            weight = torch.empty(out_features, in_features, device="meta")
+            self.register_parameter(f"weight{i}", torch.nn.Parameter(weight))
+        self.scale_format = scale_format
+
+    def forward(self, inp: torch.Tensor, m_splits: list[int]) -> torch.Tensor:
+        splits = enumerate(inp.split(m_splits))
+        return torch.cat(
+            [fp8_linear(x, getattr(self, f"weight{i}"), None, self.scale_format) for i, x in splits if len(x)]
+        )
+
+
+@pytest.mark.parametrize("scale_format", ["fp32", "pow2"])
+def test_te_experts_route_pad_and_combine_as_the_emulated_experts(
+    scale_format: str, gen: torch.Generator
+) -> None:
+    """TEFP8Experts with the emulation in te.GroupedLinear's place: the output, the input's and both fused
+    parameters' gradients are the emulated experts' (the zero rows that pad each expert to 16 change no
+    scale and add nothing; the fused parameters' expert slices are the grouped GEMM's weights, and their
+    gradients reach the fused parameters), and the model's parameters stay transformers' own, so only
+    the grouped GEMM itself is left to TE."""
+    model = moe_model(gen)
+    emulated = copy.deepcopy(model)
+    names = [n for n, _ in model.named_parameters()]
+    convert_linears(emulated, "emulated", scale_format)  # type: ignore[arg-type]
+    experts = model.model.layers[0].mlp.experts
+    experts.__class__ = fp8_module._experts_class(TEFP8Experts, type(experts))
+    experts.te_gemms = (
+        EmulatedGroupedLinear(EXPERTS, HIDDEN, 2 * INTER, scale_format),
+        EmulatedGroupedLinear(EXPERTS, INTER, HIDDEN, scale_format),
+    )
+    x = tokens(gen)
+    dout = torch.randn(x.shape, generator=gen)
+    results = []
+    for m in (emulated, model):
+        xi = x.detach().clone().requires_grad_()
+        out = m.model.layers[0].mlp(xi)
+        out.backward(dout)
+        mlp = m.model.layers[0].mlp
+        results.append([out, xi.grad, mlp.experts.gate_up_proj.grad, mlp.experts.down_proj.grad])
+    for want, got in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
+    assert [n for n, _ in model.named_parameters()] == names
+    assert all(
+        p.is_meta for gemm in experts.te_gemms for p in gemm.parameters()
+    )  # (put back after each call)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bf16-autocast"])
+@pytest.mark.parametrize("scale_format", ["fp32", "pow2"])
+def test_te_experts_match_the_emulated_experts(
+    scale_format: str,
+    autocast: bool,
+    gen: torch.Generator,
+    transformer_engine: object,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """te.GroupedLinear over the fused parameters' expert slices (CUDA, TE >= 2.3) against the emulated
+    experts, the same routed tokens and weights: the model's parameters are still transformers' fused
+    ones; TE's weight quantizer gives each expert slice the shipped per-expert codes; each expert's
+    gate_up GEMM (identical FP8 operands) lies within the accumulation bound of fp8rl/accumulation.py
+    (plus one bf16 rounding of each output under autocast); the output and the gradients of the input
+    and both fused parameters within 1e-2 relative (where the two GEMMs' sums differ, the next GEMM's
+    input can round to a neighbouring FP8 code), and far from transformers' unquantized experts."""
+    from fp8rl.accumulation import gemm_error_bound
+    from trainer_service.fp8_linear import fp8_context, te_quantizer
+
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    fmt: Any = scale_format
+    plain = moe_model(gen).cuda()
+    emulated, te_model = copy.deepcopy(plain), copy.deepcopy(plain)
+    names = [n for n, _ in plain.named_parameters()]
+    assert convert_linears(emulated, "emulated", fmt) == convert_linears(te_model, "te", fmt) == 3 * EXPERTS
+    experts = {"emulated": emulated.model.layers[0].mlp.experts, "te": te_model.model.layers[0].mlp.experts}
+    assert isinstance(experts["te"], TEFP8Experts)
+    assert [n for n, _ in te_model.named_parameters()] == names  # (nothing of TE's joined the model)
+
+    weight_format: Any = "fp8-block128-pow2" if fmt == "pow2" else "fp8-block128"
+    shipped = build_weight_set(te_model.state_dict(), weight_format, torch.float32).tensors
+    for e in range(EXPERTS):
+        prefix = f"model.layers.0.mlp.experts.{e}"
+        for fused, parts in (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))):
+            got = te_quantizer(2, True, fmt)(getattr(experts["te"], fused).detach()[e])
+            want = torch.cat(
+                [
+                    quant.dequantize_blockwise(
+                        shipped[f"{prefix}.{p}.weight"], shipped[f"{prefix}.{p}.weight_scale_inv"]
+                    )
+                    for p in parts
+                ]
+            )
+            assert torch.equal(got.dequantize(dtype=torch.float32).cpu(), want), (e, fused)
+
+    flat = tokens(gen).detach()[0].cuda()
+    with torch.no_grad():
+        _, weights, chosen = plain.model.layers[0].mlp.gate(flat)
+    calls = recording(monkeypatch)
+    grouped: list[torch.Tensor] = []
+    original = TEFP8Experts.grouped_gemm
+
+    def record(
+        self: Any, which: int, weight: torch.Tensor, x: torch.Tensor, splits: list[int]
+    ) -> torch.Tensor:
+        y = original(self, which, weight, x, splits)
+        grouped.append(y.detach())
+        return y
+
+    monkeypatch.setattr(TEFP8Experts, "grouped_gemm", record)
+    x = {k: flat.clone().requires_grad_() for k in experts}
+    out = {}
+    dout = torch.randn(flat.shape, generator=gen).cuda()
+    for k, module in experts.items():
+        with (
+            torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast),
+            fp8_context("te" if k == "te" else "emulated", fmt),
+        ):
+            out[k] = module(x[k], chosen, weights)
+        out[k].backward(dout)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        unquantized = plain.model.layers[0].mlp.experts(flat, chosen, weights)
+
+    _, _, splits = expert_rows(chosen, EXPERTS, TE_ROW_MULTIPLE)
+    hit = sorted(set(chosen.flatten().tolist()))
+    starts = [sum(splits[:e]) for e in range(EXPERTS)]
+    for i, e in enumerate(hit):
+        emulated_y = calls[2 * i]["y"].detach()
+        te_y = grouped[0][starts[e] : starts[e] + len(emulated_y)]
+        xq = quant.fake_quantize_activation(flat[torch.where((chosen == e).any(-1))[0]], scale_format=fmt)
+        wq = quant.fake_quantize_weight(experts["te"].gate_up_proj.detach()[e], scale_format=fmt)
+        bound = gemm_error_bound(xq, wq)
+        if autocast:
+            bound = bound + 2.0**-8 * torch.maximum(te_y.abs(), emulated_y.abs()).double()
+        error = (te_y.double() - emulated_y.double()).abs()
+        assert (error <= bound).all(), (e, (error / bound).max().item())
+
+    def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+        a, b = a.detach().double(), b.detach().double()
+        return ((a - b).norm() / b.norm()).item()
+
+    pairs = {
+        "output": (out["te"], out["emulated"]),
+        "input grad": (x["te"].grad, x["emulated"].grad),
+        "gate_up_proj grad": (experts["te"].gate_up_proj.grad, experts["emulated"].gate_up_proj.grad),
+        "down_proj grad": (experts["te"].down_proj.grad, experts["emulated"].down_proj.grad),
+    }
+    differences = {k: relative(*pair) for k, pair in pairs.items()}  # type: ignore[arg-type]
+    print(f"{scale_format} autocast={autocast}: TE against the emulation, relative: {differences}")
+    assert all(d < 1e-2 for d in differences.values()), differences
+    assert relative(out["emulated"], unquantized) > 1e-3
