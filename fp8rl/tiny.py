@@ -335,10 +335,10 @@ def train_base_model(
     moe: bool = False,
     **warm_start_options: Any,
 ) -> tuple[Any, WarmStart, BaseScore]:  # (a *ForCausalLM, ...)
-    """The warm-started arith model (the MoE variant with ``moe``) for ``seed``, in ``dtype``, checked against the postconditions
-    (``BaseScore.misses``) as stored; a seed that misses them gives way to the next, up to ``attempts``
-    seeds, then :class:`BaseModelError` lists what each missed. ``warm_start_options`` go to
-    :func:`warm_start`."""
+    """The warm-started arith model (the MoE variant with ``moe``) for ``seed``, in ``dtype``, checked
+    against the postconditions (``BaseScore.misses``) as stored; a seed that misses them gives way to the
+    next, up to ``attempts`` seeds, then :class:`BaseModelError` lists what each missed.
+    ``warm_start_options`` go to :func:`warm_start`."""
     failures = []
     for candidate in range(seed, seed + attempts):
         model = build_model(candidate, "float32", moe)
