@@ -33,6 +33,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, st
         "compare", help="run several recipes from the same base and seed; compare.md + plots"
     )
     compare.add_argument("--recipes", required=True, help=f"comma-separated, from {', '.join(RECIPE_NAMES)}")
+    compare.add_argument(
+        "--model", type=Path, help="HF checkpoint directory for every run (default: the shipped tiny model)"
+    )
     compare.add_argument("--steps", type=int)
     compare.add_argument("--seed", type=int)
     compare.add_argument("--no-is", action="store_true", help="turn importance sampling off in every run")
@@ -76,7 +79,12 @@ def run_compare(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        base = load_config(CoordinatorConfig, args.config, {"steps": args.steps, "seed": args.seed}, args.set)
+        base = load_config(
+            CoordinatorConfig,
+            args.config,
+            {"model": args.model, "steps": args.steps, "seed": args.seed},
+            args.set,
+        )
     except ConfigError as exc:
         print(f"coordinator: {exc}", file=sys.stderr)
         return 2

@@ -1,12 +1,14 @@
 """A tiny Qwen2-architecture causal LM with a byte-level tokenizer (one token per
-ASCII character), for tests and the demo.
+ASCII character), for tests and the demo; with ``--moe``, its Qwen3-MoE twin.
 
 Every linear layer has whole 128x128 FP8 blocks: hidden 256, intermediate 512, 4 query heads and 2
-key/value heads of dimension 64 (q shard 256 rows, k and v shards 128 rows each). Random initialisation,
-deterministic for a seed. The directory is in HF format (config.json, model.safetensors, tokenizer.json),
-loadable by transformers and vLLM alike.
+key/value heads of dimension 64 (q shard 256 rows, k and v shards 128 rows each). The MoE variant has the
+same attention (plus Qwen3's q/k norms) and, in every layer, 4 experts of intermediate 128 (one block),
+top-2 with renormalised weights, behind a router (``mlp.gate``) that stays in high precision. Random
+initialisation, deterministic for a seed. The directory is in HF format (config.json, model.safetensors,
+tokenizer.json), loadable by transformers and vLLM alike.
 
-    python -m fp8rl.tiny --out DIR [--seed 0] [--dtype bfloat16|float32] [--trained]
+    python -m fp8rl.tiny --out DIR [--seed 0] [--dtype bfloat16|float32] [--trained] [--moe]
 """
 
 from __future__ import annotations
@@ -42,6 +44,20 @@ ARCHITECTURE: dict[str, Any] = dict(
     rms_norm_eps=1e-6,
     tie_word_embeddings=False,
 )
+MOE_ARCHITECTURE: dict[str, Any] = dict(
+    ARCHITECTURE,
+    head_dim=64,
+    # Every layer sparse (no mlp_only_layers), so intermediate_size above sizes no layer. 4 experts of one
+    # 128-block hold as many weights as the dense MLP; top-2 runs half of them per token.
+    moe_intermediate_size=128,
+    num_experts=4,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+)
+"""The MoE variant (``--moe``): Qwen3-MoE, the dense model's attention, every expert GEMM FP8-eligible
+(``fp8rl.architectures``: moe_intermediate_size a multiple of 128)."""
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 # What the demo needs of the trained base model, on greedy answers to validation pairs: RL has room (the
@@ -105,24 +121,25 @@ def build_tokenizer():  # -> transformers.PreTrainedTokenizerFast
     )
 
 
-def build_config(dtype: str = "bfloat16"):  # -> transformers.Qwen2Config
-    from transformers import Qwen2Config
+def build_config(dtype: str = "bfloat16", moe: bool = False):  # -> Qwen2Config | Qwen3MoeConfig
+    from transformers import Qwen2Config, Qwen3MoeConfig
 
-    return Qwen2Config(
+    config_class, architecture = (Qwen3MoeConfig, MOE_ARCHITECTURE) if moe else (Qwen2Config, ARCHITECTURE)
+    return config_class(
         vocab_size=VOCAB_SIZE,
         bos_token_id=BOS_ID,
         eos_token_id=EOS_ID,
         pad_token_id=PAD_ID,
         dtype=dtype,
-        **ARCHITECTURE,
+        **architecture,
     )
 
 
-def build_model(seed: int = 0, dtype: str = "bfloat16"):  # -> transformers.Qwen2ForCausalLM
-    from transformers import Qwen2ForCausalLM
+def build_model(seed: int = 0, dtype: str = "bfloat16", moe: bool = False):  # -> a *ForCausalLM
+    from transformers import Qwen2ForCausalLM, Qwen3MoeForCausalLM
 
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(build_config(dtype))
+    model = (Qwen3MoeForCausalLM if moe else Qwen2ForCausalLM)(build_config(dtype, moe))
     # transformers wraps Module.to in a decorator that type checkers misread
     return model.to(DTYPES[dtype]).eval()  # type: ignore[arg-type]
 
@@ -315,15 +332,16 @@ def train_base_model(
     dtype: str = "bfloat16",
     attempts: int = 3,
     say: Callable[[str], None] = progress,
+    moe: bool = False,
     **warm_start_options: Any,
-) -> tuple[Any, WarmStart, BaseScore]:  # (transformers.Qwen2ForCausalLM, ...)
-    """The warm-started arith model for ``seed``, in ``dtype``, checked against the postconditions
-    (``BaseScore.misses``) as stored; a seed that misses them gives way to the next, up to ``attempts``
-    seeds, then :class:`BaseModelError` lists what each missed. ``warm_start_options`` go to
-    :func:`warm_start`."""
+) -> tuple[Any, WarmStart, BaseScore]:  # (a *ForCausalLM, ...)
+    """The warm-started arith model (the MoE variant with ``moe``) for ``seed``, in ``dtype``, checked
+    against the postconditions (``BaseScore.misses``) as stored; a seed that misses them gives way to the
+    next, up to ``attempts`` seeds, then :class:`BaseModelError` lists what each missed.
+    ``warm_start_options`` go to :func:`warm_start`."""
     failures = []
     for candidate in range(seed, seed + attempts):
-        model = build_model(candidate, "float32")
+        model = build_model(candidate, "float32", moe)
         run = warm_start(model, candidate, say=say, **warm_start_options)
         if not run.skill_reached:
             failures.append(f"seed {candidate}: stage 1 ended at monitor accuracy {run.skill_accuracy:.2f}")
@@ -343,25 +361,27 @@ def write_tiny_model(
     dtype: str = "bfloat16",
     trained: bool = False,
     say: Callable[[str], None] = progress,
+    moe: bool = False,
 ) -> Path:
-    """Write the tiny model (random, or warm-started on arith) and its tokenizer to ``out``; a trained
+    """Write the tiny model (dense, or the MoE variant with ``moe``; random, or warm-started on arith) and
+    its tokenizer to ``out``; a trained
     model gets a ``manifest.json`` (how it was built, its scores, the sha256 of each file)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     out = Path(out)
     if not trained:
         out.mkdir(parents=True, exist_ok=True)
-        build_model(seed, dtype).save_pretrained(out)
+        build_model(seed, dtype, moe).save_pretrained(out)
         build_tokenizer().save_pretrained(out)
         return out
     # The manifest lists every file of the directory: build in a fresh one, then rename it into place.
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out} is not empty: a trained model goes into an empty or new directory")
     out.parent.mkdir(parents=True, exist_ok=True)
-    model, run, score = train_base_model(seed, dtype, say=say)
+    model, run, score = train_base_model(seed, dtype, say=say, moe=moe)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        _save_with_manifest(model, tmp, seed, dtype, run, score)
+        _save_with_manifest(model, tmp, seed, dtype, run, score, moe)
         tmp.chmod(0o755)  # mkdtemp's 0700 would travel with the rename
         os.replace(tmp, out)  # an empty `out` is replaced whole
     except BaseException:
@@ -371,12 +391,13 @@ def write_tiny_model(
 
 
 def _save_with_manifest(
-    model: Any, out: Path, seed: int, dtype: str, run: WarmStart, score: BaseScore
+    model: Any, out: Path, seed: int, dtype: str, run: WarmStart, score: BaseScore, moe: bool = False
 ) -> None:
     model.save_pretrained(out)
     build_tokenizer().save_pretrained(out)
     manifest = {
-        "built_by": f"python -m fp8rl.tiny --out DIR --trained --seed {seed} --dtype {dtype}",
+        "built_by": f"python -m fp8rl.tiny --out DIR --trained --seed {seed} --dtype {dtype}"
+        + (" --moe" if moe else ""),
         "warm_start": dataclasses.asdict(run),
         "validation": {"pairs": VALIDATION_PAIRS, **dataclasses.asdict(score)},
         "built_on": {
@@ -397,9 +418,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--trained", action="store_true", help="warm-start on the arith task (about a minute)"
     )
+    parser.add_argument(
+        "--moe", action="store_true", help="the Qwen3-MoE variant (4 experts of 128, top-2, every layer)"
+    )
     args = parser.parse_args(argv)
     try:
-        print(write_tiny_model(args.out, args.seed, args.dtype, args.trained))
+        print(write_tiny_model(args.out, args.seed, args.dtype, args.trained, moe=args.moe))
     except (BaseModelError, FileExistsError) as exc:
         print(f"python -m fp8rl.tiny: {exc}", file=sys.stderr)
         raise SystemExit(1) from None

@@ -18,6 +18,10 @@ from fp8rl.architectures import check_supported, read_config
 TINY_ARITH = Path(__file__).resolve().parent / "tiny-arith"
 """The demo's base model: the tiny Qwen2 warm-started on arith (``python -m fp8rl.tiny --trained``)."""
 
+TINY_ARITH_MOE = Path(__file__).resolve().parent / "tiny-arith-moe"
+"""Its Qwen3-MoE twin, warm-started the same way (``python -m fp8rl.tiny --trained --moe``): the FP8
+study's MoE row in miniature (``coordinator compare --model`` it)."""
+
 MANIFEST = "manifest.json"
 
 
@@ -54,9 +58,9 @@ def verified(directory: Path = TINY_ARITH) -> Path:
 
 
 def intact(path: Path) -> Path:
-    """``path``, verified first when it is the shipped model, and of a supported family when it has a
+    """``path``, verified first when it is a shipped model, and of a supported family when it has a
     config.json (a config validator: an unsupported model is refused before anything loads)."""
-    if path.resolve() == TINY_ARITH:
+    if path.resolve() in (TINY_ARITH, TINY_ARITH_MOE):  # (read at call time: tests stand copies in)
         return verified(path)
     if (path / "config.json").is_file():
         check_supported(read_config(path), str(path))
@@ -64,4 +68,4 @@ def intact(path: Path) -> Path:
 
 
 ModelDir = Annotated[Path, AfterValidator(intact)]
-"""A checkpoint directory in a config: the shipped model is checked against its manifest on load."""
+"""A checkpoint directory in a config: a shipped model is checked against its manifest on load."""

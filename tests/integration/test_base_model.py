@@ -1,16 +1,20 @@
-"""The demo's base model ships with the package: its bytes match its manifest on every machine, it leaves
-RL room on this CPU's kernels, and its builder refuses to write a model that misses the postconditions."""
+"""The demo's base model and its MoE twin ship with the package: their bytes match their manifests on every
+machine, they leave RL room on this CPU's kernels, and the builder refuses to write a model that misses the
+postconditions."""
 
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from fp8rl import models
+from fp8rl.architectures import EXPERT_GEMMS, fp8_plan, moe_layers, num_experts, read_config
+from fp8rl.recipes import get_recipe
 from fp8rl.tiny import BaseModelError, BaseScore, score_base_model, train_base_model, write_tiny_model
 
 
@@ -33,6 +37,33 @@ def test_shipped_model_matches_its_manifest_and_is_every_process_default() -> No
     assert len(linears) == 14 and all(w.shape[0] % 128 == 0 == w.shape[1] % 128 for w in linears)
 
 
+def test_shipped_moe_model_matches_its_manifest_and_every_expert_gemm_is_fp8() -> None:
+    """The MoE twin: Qwen3-MoE in every layer, every linear and expert GEMM of whole 128x128 blocks, so the
+    FP8 plan keeps only the routers in high precision; the trainer loads it with its experts converted."""
+    from trainer_service.config import TrainerConfig
+    from trainer_service.fp8_linear import EmulatedFP8Experts
+    from trainer_service.learner import Learner
+
+    path = models.verified(models.TINY_ARITH_MOE)
+    manifest = models.read_manifest(path)
+    assert manifest["built_by"] == "python -m fp8rl.tiny --out DIR --trained --seed 0 --dtype bfloat16 --moe"
+    assert manifest["warm_start"]["skill_accuracy"] >= 0.6
+    config = read_config(path)
+    assert config["model_type"] == "qwen3_moe" and moe_layers(config) == [0, 1]
+    assert fp8_plan(config).high_precision == {"model.layers.0.mlp.gate", "model.layers.1.mlp.gate"}
+    weights = load_file(path / "model.safetensors")
+    assert all(w.dtype == torch.bfloat16 for w in weights.values())
+    experts = [w for name, w in weights.items() if ".mlp.experts." in name]
+    assert len(experts) == 2 * num_experts(config) * len(EXPERT_GEMMS) == 24
+    linears = [w for name, w in weights.items() if name.endswith("_proj.weight")]
+    assert len(linears) == 8 + 24 and all(w.shape[0] % 128 == 0 == w.shape[1] % 128 for w in linears)
+
+    trainer = TrainerConfig(model=path, recipe="fp8", compute_dtype="float32", device="cpu")
+    layers: Any = Learner(trainer, get_recipe("fp8")).model.model.layers
+    assert all(isinstance(layer.mlp.experts, EmulatedFP8Experts) for layer in layers)
+    assert not any(isinstance(layer.mlp.gate, torch.nn.Linear) for layer in layers)  # (routers unconverted)
+
+
 @pytest.mark.parametrize("damage", ["flipped byte", "extra file", "missing file", "no manifest"])
 def test_a_damaged_copy_is_refused_naming_the_file(tmp_path: Path, damage: str) -> None:
     copy = Path(shutil.copytree(models.TINY_ARITH, tmp_path / "tiny-arith"))
@@ -52,13 +83,15 @@ def test_a_damaged_copy_is_refused_naming_the_file(tmp_path: Path, damage: str) 
         models.verified(copy)
 
 
-def test_shipped_model_leaves_rl_room_on_this_cpu() -> None:
+@pytest.mark.parametrize("shipped", ["TINY_ARITH", "TINY_ARITH_MOE"])
+def test_shipped_model_leaves_rl_room_on_this_cpu(shipped: str) -> None:
     """Evaluated here in float32, the shipped model scores what its manifest says, up to greedy ties that
     another CPU's float kernels break the other way (8 of 256 answers), and inside the demo's window."""
     from transformers import AutoModelForCausalLM
 
-    expected = models.read_manifest(models.TINY_ARITH)["validation"]
-    model = AutoModelForCausalLM.from_pretrained(models.TINY_ARITH, dtype=torch.float32)
+    path = getattr(models, shipped)
+    expected = models.read_manifest(path)["validation"]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     score = score_base_model(model, expected["pairs"])
     print(f"here {score}, manifest {expected}")
     assert score.misses() == []
@@ -121,15 +154,16 @@ def test_a_trained_build_refuses_a_non_empty_directory(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
 
 
+@pytest.mark.parametrize("shipped", ["TINY_ARITH", "TINY_ARITH_MOE"])
 def test_services_refuse_a_damaged_shipped_model_at_config_time(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shipped: str
 ) -> None:
     from fp8rl.config import ConfigError, load_config
     from rollout_service.config import RolloutConfig
     from trainer_service.config import TrainerConfig
 
-    copy = Path(shutil.copytree(models.TINY_ARITH, tmp_path / "tiny-arith"))
-    monkeypatch.setattr(models, "TINY_ARITH", copy)  # stands in for the shipped directory
+    copy = Path(shutil.copytree(getattr(models, shipped), tmp_path / "model"))
+    monkeypatch.setattr(models, shipped, copy)  # stands in for the shipped directory
     for config in (RolloutConfig, TrainerConfig):
         assert load_config(config, overrides={"model": str(copy)}).model == copy
     (copy / "tokenizer.json").write_text("{}")
