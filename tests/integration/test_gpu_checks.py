@@ -12,25 +12,13 @@ from typing import Any
 import pytest
 import torch
 
-from tests.unit.test_torch_only import run_torch_only
+from tests.unit.test_torch_only import script_lines
 
 ROOT = Path(__file__).resolve().parents[2]
-RUN = """
-import runpy, sys
-sys.argv = {argv!r}
-try:
-    runpy.run_path("scripts/gpu_checks.py", run_name="__main__")
-except SystemExit as done:
-    assert done.code == 0, done.code
-"""
 
 
 def torch_only(*args: str) -> list[str]:
-    done = run_torch_only(RUN.format(argv=["scripts/gpu_checks.py", *args]), timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    lines = done.stdout.splitlines()
-    assert lines[-1] == "ok"  # (none of the absent packages was reached)
-    return lines[:-1]
+    return script_lines("scripts/gpu_checks.py", *args)
 
 
 def test_help_answers_with_the_checks() -> None:

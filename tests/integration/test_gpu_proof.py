@@ -8,24 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.unit.test_torch_only import run_torch_only
-
-RUN = """
-import runpy, sys
-sys.argv = {argv!r}
-try:
-    runpy.run_path("scripts/gpu_proof.py", run_name="__main__")
-except SystemExit as done:
-    assert done.code == 0, done.code
-"""
+from tests.unit.test_torch_only import script_lines
 
 
 def proof_lines(*args: str) -> list[str]:
-    done = run_torch_only(RUN.format(argv=["scripts/gpu_proof.py", *args]), timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    lines = done.stdout.splitlines()
-    assert lines[-1] == "ok"  # (none of the absent packages was reached)
-    return lines[:-1]
+    return script_lines("scripts/gpu_proof.py", *args)
 
 
 def outcome(lines: list[str], check: str) -> str:

@@ -44,6 +44,26 @@ def run_torch_only(code: str, timeout: float = 120) -> subprocess.CompletedProce
     )
 
 
+SCRIPT = """
+import runpy, sys
+sys.argv = {argv!r}
+try:
+    runpy.run_path({script!r}, run_name="__main__")
+except SystemExit as done:
+    assert done.code == 0, done.code
+"""
+
+
+def script_lines(script: str, *args: str) -> list[str]:
+    """What ``script`` (a path from the repository root) prints when run with ``args`` under
+    :func:`run_torch_only`; it must exit 0 without reaching an absent package."""
+    done = run_torch_only(SCRIPT.format(argv=[script, *args], script=script), timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[-1] == "ok"  # (none of the absent packages was reached)
+    return lines[:-1]
+
+
 @pytest.mark.parametrize(
     "module", ["fp8rl.quant", "fp8rl.accumulation", "trainer_service.fp8_linear", "tests.vllm_reference"]
 )
