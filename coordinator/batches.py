@@ -185,4 +185,4 @@ def wire_prompt(problem: Problem) -> rollout_pb2.Prompt:
     if problem.messages is None:
         return rollout_pb2.Prompt(id=problem.id, text=problem.prompt)
     turns = [rollout_pb2.ChatMessage(role=role, content=content) for role, content in problem.messages]
-    return rollout_pb2.Prompt(id=problem.id, messages=rollout_pb2.ChatMessages(messages=turns))
+    return rollout_pb2.Prompt(id=problem.id, chat=rollout_pb2.ChatMessages(messages=turns))

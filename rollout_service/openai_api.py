@@ -65,7 +65,7 @@ def error_response(exc: Exception) -> JSONResponse:
 def openai_param(field: str) -> str:
     """Our field name -> the OpenAI request's (``sampling.max_tokens`` -> ``max_tokens``)."""
     field = field.removeprefix("sampling.")
-    if re.match(r"prompts\[\d+\]\.messages", field):
+    if re.match(r"prompts\[\d+\]\.chat", field):
         return "messages"
     return "prompt" if field.startswith("prompts") else field
 
@@ -183,7 +183,7 @@ def chat_prompt(messages: Any) -> rollout_pb2.Prompt:
         if content is not None and not isinstance(content, str):
             raise InvalidRequest(f"messages[{i}].content", "must be text or a list of text parts")
         turns.append(rollout_pb2.ChatMessage(role=message["role"], content=content or ""))
-    return rollout_pb2.Prompt(messages=rollout_pb2.ChatMessages(messages=turns))
+    return rollout_pb2.Prompt(chat=rollout_pb2.ChatMessages(messages=turns))
 
 
 def ordered(completions: Iterable[rollout_pb2.Completion]) -> list[rollout_pb2.Completion]:

@@ -65,7 +65,7 @@ def prompt_token_ids(
 ) -> list[int]:
     field = f"prompts[{index}]"
     kind = prompt.WhichOneof("input")
-    text_bytes = len(prompt.text.encode()) + sum(len(m.content.encode()) for m in prompt.messages.messages)
+    text_bytes = len(prompt.text.encode()) + sum(len(m.content.encode()) for m in prompt.chat.messages)
     if text_bytes > limits.max_prompt_bytes:  # checked before the tokenizer spends time and memory on it
         raise InvalidRequest(
             field,
@@ -74,9 +74,9 @@ def prompt_token_ids(
         )
     if kind == "text":
         ids = tokenize.text(prompt.text)
-    elif kind == "messages":
-        field += ".messages"
-        messages = prompt.messages.messages
+    elif kind == "chat":
+        field += ".chat"
+        messages = prompt.chat.messages
         if not messages:
             raise InvalidRequest(field, "at least one message is required")
         for j, m in enumerate(messages):
@@ -95,7 +95,7 @@ def prompt_token_ids(
         if bad:
             raise InvalidRequest(field, f"token id {bad[0]} outside the vocabulary [0, {limits.vocab_size})")
     else:
-        raise InvalidRequest(field, "set one of text, token_ids or messages, got (unset)")
+        raise InvalidRequest(field, "set one of text, token_ids or chat, got (unset)")
     if not ids:
         raise InvalidRequest(field, "empty prompt")
     if len(ids) >= limits.max_model_len:

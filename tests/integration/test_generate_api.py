@@ -81,7 +81,7 @@ def test_explicit_bad_values_are_still_refused_naming_the_field(rollout_fp8: InP
         assert error.details().startswith("sampling.temperature: must be 0 (greedy) or lie in [0.01, 2.0]")
     assert generate(rollout_fp8, prompts=prompt).completions  # and the replica keeps serving
     error = invalid(rollout_fp8, prompts=[rollout_pb2.Prompt(id="p")])
-    assert error.details() == "prompts[0]: set one of text, token_ids or messages, got (unset)"
+    assert error.details() == "prompts[0]: set one of text, token_ids or chat, got (unset)"
     held = rollout_fp8.service.version
     error = invalid(rollout_fp8, prompts=prompt, weight_version=held + 1)
     assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -94,7 +94,7 @@ def test_chat_prompts_are_rendered_with_the_models_template(rollout_fp8: InProce
     )
     response = generate(
         rollout_fp8,
-        prompts=[rollout_pb2.Prompt(messages=messages)],
+        prompts=[rollout_pb2.Prompt(chat=messages)],
         sampling=common_pb2.SamplingParams(max_tokens=3),
     )
     tokenizer = AutoTokenizer.from_pretrained(rollout_fp8.model_dir)
@@ -103,8 +103,8 @@ def test_chat_prompts_are_rendered_with_the_models_template(rollout_fp8: InProce
     )
     assert list(response.completions[0].prompt_token_ids) == list(expected["input_ids"])
     assert decode(list(expected["input_ids"])) == "system: add\nuser: 12+34=\nassistant: "
-    empty = invalid(rollout_fp8, prompts=[rollout_pb2.Prompt(messages=rollout_pb2.ChatMessages())])
-    assert empty.details() == "prompts[0].messages: at least one message is required"
+    empty = invalid(rollout_fp8, prompts=[rollout_pb2.Prompt(chat=rollout_pb2.ChatMessages())])
+    assert empty.details() == "prompts[0].chat: at least one message is required"
 
 
 def test_a_stop_string_is_cut_from_text_but_its_tokens_stay(rollout_fp8: InProcessRollout) -> None:
@@ -206,9 +206,7 @@ def test_chat_completion_renders_the_template_and_reports_logprobs(
     assert decode(choice.prompt_token_ids) == "user: 12+34=\nassistant: "  # type: ignore[attr-defined]
     turn = rollout_pb2.ChatMessages(messages=[rollout_pb2.ChatMessage(role="user", content="12+34=")])
     sampling = common_pb2.SamplingParams(max_tokens=4, seed=3)
-    [expected] = generate(
-        rollout_fp8, prompts=[rollout_pb2.Prompt(messages=turn)], sampling=sampling
-    ).completions
+    [expected] = generate(rollout_fp8, prompts=[rollout_pb2.Prompt(chat=turn)], sampling=sampling).completions
     assert choice.message.role == "assistant" and choice.message.content == expected.text
     assert choice.token_ids == list(expected.token_ids)  # type: ignore[attr-defined]
     assert choice.logprobs is not None and choice.logprobs.content is not None

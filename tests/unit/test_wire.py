@@ -67,6 +67,23 @@ def big_weight_set(gen: torch.Generator) -> WeightSet:
     return WeightSet("bf16", {f"w{i}": torch.randn(1024, 1024, generator=gen).bfloat16() for i in range(5)})
 
 
+def test_a_chat_prompt_reads_naturally_in_json_and_keeps_its_field_number() -> None:
+    """{"chat": {"messages": [...]}} (not {"messages": {"messages": ...}}); field 4 as before the rename,
+    so bytes written by an older client parse."""
+    from google.protobuf import json_format
+
+    request = json_format.Parse(
+        '{"prompts": [{"chat": {"messages": [{"role": "user", "content": "12+34="}]}}]}',
+        rollout_pb2.GenerateRequest(),
+    )
+    prompt = request.prompts[0]
+    assert prompt.WhichOneof("input") == "chat" and prompt.chat.messages[0].content == "12+34="
+    assert rollout_pb2.Prompt.DESCRIPTOR.fields_by_name["chat"].number == 4
+    # Field 4, length-delimited, holding one ChatMessage (field 1) {role "user", content "hi"}.
+    older = bytes([0x22, 0x0C, 0x0A, 0x0A, 0x0A, 0x04]) + b"user" + bytes([0x12, 0x02]) + b"hi"
+    assert rollout_pb2.Prompt.FromString(older).chat.messages[0].role == "user"
+
+
 def test_weight_stream_round_trip_within_message_limit(gen: torch.Generator) -> None:
     ws = big_weight_set(gen)
     update = encode_keyframe(ws, version=3, recipe="bf16")
