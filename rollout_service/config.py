@@ -42,6 +42,9 @@ class RolloutConfig(BaseModel):
     """The model name the HTTP endpoint serves and expects in requests; default: the model directory's."""
     default_max_tokens: int = Field(16, ge=1)
     """Completion tokens for a request that leaves max_tokens unset (capped by the context left)."""
+    max_top_logprobs: int = Field(20, ge=0, le=1024)
+    """The most alternatives a request may ask for per token (`top_logprobs`; OpenAI's `logprobs: N` and
+    `top_logprobs`)."""
     max_request_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     """Largest accepted Generate request, in serialized bytes."""
     max_samples_per_request: int = Field(4096, ge=1)

@@ -55,6 +55,8 @@ class Sampling:
     max_tokens: int
     stop: tuple[str, ...]
     seed: int | None
+    top_logprobs: int = 0  # alternatives per completion token
+    prompt_logprobs: bool = False  # score the prompt too
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,12 @@ class FinishedSample:
     # Mixture-of-experts models: the experts each computed position was routed to, [prompt + completion
     # - 1 positions, MoE layers, top_k] (fp8rl.routing); None for a dense model.
     routed_experts: np.ndarray | None = None
+    top_logprobs: list[Alternatives] | None = None  # per completion token, when asked
+    prompt_logprobs: list[float] | None = None  # per prompt token from the second, when asked
+    prompt_top_logprobs: list[Alternatives] | None = None
+
+
+Alternatives = list[tuple[int, float]]  # (token id, logprob), most likely first
 
 
 @dataclass(frozen=True)
@@ -240,6 +248,7 @@ class VllmEngine:
             logprobs_mode="processed_logprobs",
             enforce_eager=self.device == "cpu",
             gpu_memory_utilization=config.gpu_memory_utilization,
+            max_logprobs=config.max_top_logprobs,
             tensor_parallel_size=config.tensor_parallel_size,
             worker_extension_cls="rollout_service.worker_extension.WorkerExtension",
         )
@@ -256,7 +265,7 @@ class VllmEngine:
         if not self.in_process:
             remove_stale_refits()
         self.llm = vllm.LLM(**self._llm_args)
-        self._record_routing()
+        self._engine_started()
         self.version = vllm.__version__
         self._engine = self.llm.llm_engine
         self.tokenizer = self.llm.get_tokenizer()
@@ -287,9 +296,11 @@ class VllmEngine:
             check_free_gpu_memory(self._llm_args["gpu_memory_utilization"])
         self.llm = vllm.LLM(**self._llm_args)
         self._engine = self.llm.llm_engine
-        self._record_routing()
+        self._engine_started()
 
-    def _record_routing(self) -> None:
+    def _engine_started(self) -> None:
+        """What a fresh engine needs of this wrapper: empty per-request records, the routing recorder."""
+        self._asked: dict[str, Sampling] = {}  # requests that asked for logprobs beyond the sampled
         self._prompt_lengths: dict[str, int] = {}
         if self.moe_layers and self.device == "cpu":
             self.llm.collective_rpc("fp8rl_record_routing")
@@ -325,12 +336,15 @@ class VllmEngine:
             max_tokens=s.max_tokens,
             stop=list(s.stop) or None,
             seed=s.seed,
-            logprobs=0,
+            logprobs=s.top_logprobs,
+            prompt_logprobs=s.top_logprobs if s.prompt_logprobs else None,
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
         self._engine.add_request(request.request_id, {"prompt_token_ids": request.prompt_token_ids}, params)
         if self.moe_layers:
             self._prompt_lengths[request.request_id] = len(request.prompt_token_ids)
+        if s.top_logprobs or s.prompt_logprobs:
+            self._asked[request.request_id] = s
 
     def step(self) -> list[FinishedSample]:
         finished = []
@@ -338,19 +352,34 @@ class VllmEngine:
             if not output.finished:
                 continue
             c = output.outputs[0]
+            positions = c.logprobs or []
             logprobs = [
-                position[token].logprob for position, token in zip(c.logprobs or [], c.token_ids, strict=True)
+                position[token].logprob for position, token in zip(positions, c.token_ids, strict=True)
             ]
-            finished.append(
-                FinishedSample(
-                    output.request_id,
-                    list(c.token_ids),
-                    logprobs,
-                    c.text,
-                    c.finish_reason or "",
-                    getattr(c, "routed_experts", None),
-                )
+            sample = FinishedSample(
+                output.request_id,
+                list(c.token_ids),
+                logprobs,
+                c.text,
+                c.finish_reason or "",
+                getattr(c, "routed_experts", None),
             )
+            asked = self._asked.pop(output.request_id, None)
+            if asked is not None and asked.top_logprobs:
+                sample = replace(
+                    sample, top_logprobs=[_alternatives(p, asked.top_logprobs) for p in positions]
+                )
+            if asked is not None and asked.prompt_logprobs:
+                scored = (output.prompt_logprobs or [None])[1:]  # (the first token has none)
+                prompt = output.prompt_token_ids[1:]
+                sample = replace(
+                    sample,
+                    prompt_logprobs=[p[t].logprob for p, t in zip(scored, prompt, strict=True)],
+                    prompt_top_logprobs=[_alternatives(p, asked.top_logprobs) for p in scored]
+                    if asked.top_logprobs
+                    else None,
+                )
+            finished.append(sample)
         return self._with_routing(finished) if self.moe_layers else finished
 
     def _with_routing(self, finished: list[FinishedSample]) -> list[FinishedSample]:
@@ -381,6 +410,8 @@ class VllmEngine:
 
     def abort(self, request_ids: list[str]) -> None:
         self._engine.abort_request(request_ids)
+        for request_id in request_ids:
+            self._asked.pop(request_id, None)
         if self.moe_layers:
             for request_id in request_ids:
                 self._prompt_lengths.pop(request_id, None)
@@ -416,6 +447,13 @@ class VllmEngine:
     def attention_scales(self) -> dict[str, tuple[float, float, float]]:
         """Each attention layer's (q_scale, k_scale, v_scale) in force, as :meth:`named_parameters`."""
         return self.llm.collective_rpc(_attention_scales)[0]
+
+
+def _alternatives(position: Mapping[int, Any], count: int) -> Alternatives:
+    """The ``count`` most likely tokens of one position of vLLM's logprobs (which also holds the sampled
+    token, whatever its rank), most likely first."""
+    ranked = sorted((lp.rank, token, lp.logprob) for token, lp in position.items() if lp.rank <= count)
+    return [(token, logprob) for _, token, logprob in ranked]
 
 
 REFIT_PREFIX = "fp8rl-refit-"

@@ -7,15 +7,19 @@ and answers are built from its response models, plus what RL needs: each choice'
 and ``prompt_token_ids``, and the ``weight_version`` that produced them (also the ``X-Weight-Version``
 header). A version can be required with the ``X-Weight-Version`` header or a ``weight_version`` body
 field (409 when the replica holds another); ``top_k`` is accepted in the body too. Logprobs are those of
-the sampled tokens (the distribution they were sampled from, as over gRPC); alternatives
-(``top_logprobs``) are not served. A stream sends each completion whole as soon as it finishes (the
-engine returns finished completions), then ``[DONE]``. A client that goes away cancels its generation.
+the sampled tokens (the distribution they were sampled from, as over gRPC), with up to the replica's
+``max_top_logprobs`` alternatives per token when asked (``logprobs: N``; chat's ``top_logprobs``).
+``echo`` returns the prompt with its logprobs (the model's raw distribution); with ``max_tokens: 0`` it
+only scores the prompt (one token is generated and dropped: the engine generates at least one). A
+stream sends each completion whole as soon as it finishes (the engine returns finished completions),
+then ``[DONE]``. A client that goes away cancels its generation.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import json
 import re
@@ -208,37 +212,58 @@ class OpenAIFace:
     def completions(self, body: Any, headers: Any) -> tuple[Generation, dict[str, Any]]:
         body = validated(self.completion_params, body)
         self.check_model(body)
-        refuse_unsupported(
-            body,
-            {"echo": False, "best_of": 1, "suffix": "", "presence_penalty": 0, "frequency_penalty": 0},
-        )
+        refuse_unsupported(body, {"best_of": 1, "suffix": "", "presence_penalty": 0, "frequency_penalty": 0})
         if body.get("logit_bias"):
             raise InvalidRequest("logit_bias", "not supported by this server")
-        if body.get("logprobs") not in (None, 0):
-            raise InvalidRequest("logprobs", "use 0: the sampled token's logprob is served, not alternatives")
-        request = generate_request(body, headers, completion_prompts(body["prompt"]), "max_tokens")
-        return self.service.generate(request), body
+        top = body.get("logprobs")
+        if top is not None and not (is_int(top) and top >= 0):
+            raise InvalidRequest("logprobs", f"must be an integer >= 0, got {top!r}")
+        echo = bool(body.get("echo"))
+        score_only = echo and body.get("max_tokens") == 0
+        asked = {**body, "max_tokens": 1} if score_only else body
+        request = generate_request(asked, headers, completion_prompts(body["prompt"]), "max_tokens")
+        request.top_logprobs = top or 0
+        request.prompt_logprobs = echo and top is not None
+        return self.service.generate(request), {**body, SCORE_ONLY: score_only}
 
-    def completion_choice(self, c: rollout_pb2.Completion, n: int, logprobs: bool) -> Any:
+    def completion_choice(self, c: rollout_pb2.Completion, n: int, body: dict[str, Any]) -> Any:
+        """OpenAI's choice of ``c``; with ``echo`` the prompt comes first, in the text and in the logprobs
+        (its first token has none). ``token_ids`` stay the sampled ids, as gRPC's."""
         from openai.types import CompletionChoice
-        from openai.types.completion_choice import Logprobs
 
+        echo, top = bool(body.get("echo")), body.get("logprobs")
+        prompt = self.service.engine.tokenizer.decode(list(c.prompt_token_ids)) if echo else ""
         choice = CompletionChoice(
             index=int(c.prompt_id) * n + c.sample_index,
-            text=c.text,
+            text=prompt + c.text,
             finish_reason=c.finish_reason or "stop",
             token_ids=list(c.token_ids),
             prompt_token_ids=list(c.prompt_token_ids),
         )
-        if logprobs:
-            tokens = self.token_texts(c.token_ids)
+        if top is not None:
+            ids = [*(c.prompt_token_ids if echo else []), *c.token_ids]
+            tokens = self.token_texts(ids)
+            scored: list[float | None] = [*([None, *c.prompt_logprobs] if echo else []), *c.logprobs]
             offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0))
-            choice.logprobs = Logprobs(tokens=tokens, token_logprobs=list(c.logprobs), text_offset=offsets)
+            alternatives = [*([None, *c.prompt_top_logprobs] if echo else []), *c.top_logprobs]
+            choice.logprobs = completion_logprobs()(
+                tokens=tokens,
+                token_logprobs=scored,
+                text_offset=offsets,
+                top_logprobs=[None if a is None else self.alternatives(a) for a in alternatives]
+                if top
+                else None,
+            )
         return choice
+
+    def alternatives(self, a: rollout_pb2.TokenAlternatives) -> dict[str, float]:
+        """A position's alternatives as OpenAI's legacy completions show them: token text -> logprob."""
+        return dict(zip(self.token_texts(a.token_ids), a.logprobs, strict=True))
 
     def completion(
         self, completions: list[rollout_pb2.Completion], version: int, body: dict[str, Any]
     ) -> Any:
+        completions = [scored_prompt(c) if body[SCORE_ONLY] else c for c in completions]
         prompt_tokens = sum(len(c.prompt_token_ids) for c in completions if c.sample_index == 0)
         return self.completion_of(completions, version, body, usage_of(completions, prompt_tokens))
 
@@ -247,13 +272,13 @@ class OpenAIFace:
     ) -> Any:
         from openai.types import Completion
 
-        n, logprobs = body.get("n") or 1, body.get("logprobs") is not None
+        n = body.get("n") or 1
         return Completion(
             id=f"cmpl-{uuid.uuid4().hex}",
             object="text_completion",
             created=int(time.time()),
             model=self.model_name,
-            choices=[self.completion_choice(c, n, logprobs) for c in completions],
+            choices=[self.completion_choice(c, n, body) for c in completions],
             usage=usage,
             weight_version=version,
         )
@@ -262,7 +287,10 @@ class OpenAIFace:
     def chat(self, body: Any, headers: Any) -> tuple[Generation, dict[str, Any]]:
         body = validated(self.chat_params, body)
         self.check_model(body)
-        refuse_unsupported(body, {"presence_penalty": 0, "frequency_penalty": 0, "top_logprobs": 0})
+        refuse_unsupported(body, {"presence_penalty": 0, "frequency_penalty": 0})
+        top = body.get("top_logprobs")
+        if top and not body.get("logprobs"):
+            raise InvalidRequest("top_logprobs", "needs logprobs: true")
         for name in (
             "tools",
             "functions",
@@ -276,16 +304,27 @@ class OpenAIFace:
                 raise InvalidRequest(name, "not supported by this server")
         prompt = chat_prompt(body["messages"])
         key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        return self.service.generate(generate_request(body, headers, [prompt], key)), body
+        request = generate_request(body, headers, [prompt], key)
+        request.top_logprobs = top or 0
+        return self.service.generate(request), body
 
     def chat_logprobs(self, c: rollout_pb2.Completion) -> Any:
         from openai.types.chat.chat_completion import ChoiceLogprobs
-        from openai.types.chat.chat_completion_token_logprob import ChatCompletionTokenLogprob
+        from openai.types.chat.chat_completion_token_logprob import ChatCompletionTokenLogprob, TopLogprob
+
+        def top(i: int) -> list[TopLogprob]:
+            if not c.top_logprobs:
+                return []
+            a = c.top_logprobs[i]
+            return [
+                TopLogprob(token=t, logprob=lp, bytes=list(t.encode()))
+                for t, lp in zip(self.token_texts(a.token_ids), a.logprobs, strict=True)
+            ]
 
         return ChoiceLogprobs(
             content=[
-                ChatCompletionTokenLogprob(token=t, logprob=lp, bytes=list(t.encode()), top_logprobs=[])
-                for t, lp in zip(self.token_texts(c.token_ids), c.logprobs, strict=True)
+                ChatCompletionTokenLogprob(token=t, logprob=lp, bytes=list(t.encode()), top_logprobs=top(i))
+                for i, (t, lp) in enumerate(zip(self.token_texts(c.token_ids), c.logprobs, strict=True))
             ]
         )
 
@@ -344,7 +383,36 @@ class OpenAIFace:
     def completion_chunks(
         self, version: int, body: dict[str, Any]
     ) -> Callable[[rollout_pb2.Completion], Any]:
-        return lambda c: self.completion_of([c], version, body, usage=None)
+        return lambda c: self.completion_of(
+            [scored_prompt(c) if body[SCORE_ONLY] else c], version, body, usage=None
+        )
+
+
+@functools.cache
+def completion_logprobs() -> type:
+    """OpenAI's completion logprobs as its API answers them: an echoed prompt's first token has none
+    (null), which the ``openai`` package's type does not allow. Answers are serialized as their runtime
+    types (``serialize_as_any``) for it."""
+    from openai.types.completion_choice import Logprobs
+
+    class CompletionLogprobs(Logprobs):
+        token_logprobs: list[float | None] | None = None  # type: ignore[assignment]
+        top_logprobs: list[dict[str, float] | None] | None = None  # type: ignore[assignment]
+
+    return CompletionLogprobs
+
+
+SCORE_ONLY = "fp8rl_score_only"  # (in the admitted body: echo with max_tokens 0)
+
+
+def scored_prompt(c: rollout_pb2.Completion) -> rollout_pb2.Completion:
+    """``c`` without its completion: what ``echo`` with ``max_tokens: 0`` answers (the prompt, scored)."""
+    shown = rollout_pb2.Completion()
+    shown.CopyFrom(c)
+    for name in ("token_ids", "logprobs", "top_logprobs"):
+        shown.ClearField(name)
+    shown.text, shown.finish_reason = "", "length"
+    return shown
 
 
 def usage_of(completions: list[rollout_pb2.Completion], prompt_tokens: int) -> Any:
@@ -433,7 +501,7 @@ async def sse(
         async for c in completions:
             seen.append(c)
             last = chunk(c)
-            yield f"data: {last.model_dump_json(exclude_none=True)}\n\n"
+            yield f"data: {last.model_dump_json(exclude_none=True, serialize_as_any=True)}\n\n"
         if include_usage and last is not None:
             prompt_tokens = sum(len(c.prompt_token_ids) for c in seen if c.sample_index == 0)
             usage = last.model_copy(update={"choices": [], "usage": usage_of(seen, prompt_tokens)})
@@ -479,7 +547,9 @@ def build_app(service: RolloutService, model_name: str, security: SecurityConfig
         if completions is None:
             return Response(status_code=499)  # nobody is listening
         result = build(ordered(completions), version, body)
-        return JSONResponse(result.model_dump(mode="json", exclude_none=True), headers=headers)
+        return JSONResponse(
+            result.model_dump(mode="json", exclude_none=True, serialize_as_any=True), headers=headers
+        )
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

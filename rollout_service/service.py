@@ -35,7 +35,7 @@ from fp8rl.recipes import WeightFormat, get_recipe, is_fp8, weight_scale_format
 from fp8rl.security import registration_proof
 from fp8rl.v1 import common_pb2, rollout_pb2, weights_pb2
 from rollout_service.config import RolloutConfig
-from rollout_service.engine import FinishedSample, VllmEngine
+from rollout_service.engine import Alternatives, FinishedSample, VllmEngine
 from rollout_service.generation import GenerationLoop, Ticket
 from rollout_service.validation import Limits, Slot, Tokenizer, parse_generate, required_version
 
@@ -156,6 +156,9 @@ class Generation:
                 finish_reason=sample.finish_reason,
                 weight_version=self.ticket.version,
                 routed_experts=self._routed_experts(sample),
+                top_logprobs=alternatives(sample.top_logprobs),
+                prompt_logprobs=sample.prompt_logprobs,
+                prompt_top_logprobs=alternatives(sample.prompt_top_logprobs),
             )
 
     def _routed_experts(self, sample: FinishedSample) -> common_pb2.RoutedExperts | None:
@@ -171,6 +174,13 @@ class Generation:
 
     def cancel(self) -> None:
         self.loop.cancel(self.ticket)
+
+
+def alternatives(positions: list[Alternatives] | None) -> list[rollout_pb2.TokenAlternatives]:
+    return [
+        rollout_pb2.TokenAlternatives(token_ids=[t for t, _ in p], logprobs=[lp for _, lp in p])
+        for p in positions or []
+    ]
 
 
 @dataclass
@@ -198,6 +208,7 @@ class RolloutService:
             max_samples=config.max_samples_per_request,
             # A token is at most the longest vocabulary entry: a longer text has more tokens than fit.
             max_prompt_bytes=engine.max_model_len * engine.longest_token_bytes,
+            max_top_logprobs=config.max_top_logprobs,
         )
         self.tokenizer = Tokenizer(
             engine.tokenize, engine.tokenize_chat if engine.has_chat_template else None

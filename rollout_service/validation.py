@@ -23,6 +23,7 @@ class Limits:
     default_max_tokens: int  # for a request that leaves sampling.max_tokens unset (RolloutConfig's)
     max_samples: int = 1 << 62  # prompts x n of one request
     max_prompt_bytes: int = 1 << 62  # a text longer than this cannot fit the context: refused untokenized
+    max_top_logprobs: int = 0  # alternatives per token a request may ask for
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,11 @@ def parse_generate(
             "(max_samples_per_request); split the request"
         )
     sampling = parse_sampling(request.sampling, limits.max_model_len, limits.default_max_tokens)
+    if not 0 <= request.top_logprobs <= limits.max_top_logprobs:
+        raise InvalidRequest(
+            "top_logprobs",
+            f"must lie in [0, {limits.max_top_logprobs}] (max_top_logprobs), got {request.top_logprobs}",
+        )
     tag = request.request_id or "req"
     batch = f"{tag}-{uuid.uuid4().hex[:12]}"
     engine_requests, slots = [], []
@@ -149,7 +155,14 @@ def parse_generate(
         for j in range(n):
             seed = None if sampling.seed is None else sample_seed(sampling.seed, i, j)
             per_sample = Sampling(
-                sampling.temperature, sampling.top_p, sampling.top_k, max_tokens, sampling.stop, seed
+                sampling.temperature,
+                sampling.top_p,
+                sampling.top_k,
+                max_tokens,
+                sampling.stop,
+                seed,
+                request.top_logprobs,
+                request.prompt_logprobs,
             )
             engine_requests.append(EngineRequest(f"{batch}:{i}:{j}", ids, per_sample))
             slots.append(Slot(prompt_id, j, ids))

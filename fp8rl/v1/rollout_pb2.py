@@ -26,7 +26,7 @@ from fp8rl.v1 import common_pb2 as fp8rl_dot_v1_dot_common__pb2
 from fp8rl.v1 import weights_pb2 as fp8rl_dot_v1_dot_weights__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x66p8rl/v1/rollout.proto\x12\x08\x66p8rl.v1\x1a\x15\x66p8rl/v1/common.proto\x1a\x16\x66p8rl/v1/weights.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"7\n\x0c\x43hatMessages\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.fp8rl.v1.ChatMessage\"~\n\x06Prompt\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x12.fp8rl.v1.TokenIdsH\x00\x12&\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x16.fp8rl.v1.ChatMessagesH\x00\x42\x07\n\x05input\"\xd9\x01\n\x0fGenerateRequest\x12!\n\x07prompts\x18\x01 \x03(\x0b\x32\x10.fp8rl.v1.Prompt\x12\x0e\n\x01n\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.fp8rl.v1.SamplingParams\x12\x1b\n\x0eweight_version\x18\x04 \x01(\x03H\x01\x88\x01\x01\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x1d\n\x15return_routed_experts\x18\x06 \x01(\x08\x42\x04\n\x02_nB\x11\n\x0f_weight_version\"\xe2\x01\n\nCompletion\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12\x14\n\x0csample_index\x18\x02 \x01(\x05\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12\x0c\n\x04text\x18\x06 \x01(\t\x12\x15\n\rfinish_reason\x18\x07 \x01(\t\x12\x16\n\x0eweight_version\x18\x08 \x01(\x03\x12/\n\x0erouted_experts\x18\t \x01(\x0b\x32\x17.fp8rl.v1.RoutedExperts\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\"u\n\x10GenerateResponse\x12)\n\x0b\x63ompletions\x18\x01 \x03(\x0b\x32\x14.fp8rl.v1.Completion\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x12\x1e\n\x05usage\x18\x03 \x01(\x0b\x32\x0f.fp8rl.v1.Usage\"\x8f\x02\n\rRolloutStatus\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06recipe\x18\x02 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x16\n\x0eweight_version\x18\x05 \x01(\x03\x12\x1a\n\x12requests_in_flight\x18\x06 \x01(\x05\x12\x18\n\x10tokens_generated\x18\x07 \x01(\x03\x12\x10\n\x08uptime_s\x18\x08 \x01(\x01\x12\x15\n\rweight_format\x18\t \x01(\t\x12\x16\n\x0eneeds_keyframe\x18\n \x01(\x08\x12\x1a\n\x12registration_proof\x18\x0b \x01(\t\x12\x14\n\x0cweight_epoch\x18\x0c \x01(\x03\x32\x9e\x02\n\x07Rollout\x12\x41\n\x08Generate\x12\x19.fp8rl.v1.GenerateRequest\x1a\x1a.fp8rl.v1.GenerateResponse\x12\x43\n\x0eGenerateStream\x12\x19.fp8rl.v1.GenerateRequest\x1a\x14.fp8rl.v1.Completion0\x01\x12I\n\rUpdateWeights\x12\x15.fp8rl.v1.WeightChunk\x1a\x1f.fp8rl.v1.UpdateWeightsResponse(\x01\x12@\n\tGetStatus\x12\x1a.fp8rl.v1.GetStatusRequest\x1a\x17.fp8rl.v1.RolloutStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x66p8rl/v1/rollout.proto\x12\x08\x66p8rl.v1\x1a\x15\x66p8rl/v1/common.proto\x1a\x16\x66p8rl/v1/weights.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"7\n\x0c\x43hatMessages\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.fp8rl.v1.ChatMessage\"~\n\x06Prompt\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x12.fp8rl.v1.TokenIdsH\x00\x12&\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x16.fp8rl.v1.ChatMessagesH\x00\x42\x07\n\x05input\"\x88\x02\n\x0fGenerateRequest\x12!\n\x07prompts\x18\x01 \x03(\x0b\x32\x10.fp8rl.v1.Prompt\x12\x0e\n\x01n\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.fp8rl.v1.SamplingParams\x12\x1b\n\x0eweight_version\x18\x04 \x01(\x03H\x01\x88\x01\x01\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x1d\n\x15return_routed_experts\x18\x06 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x07 \x01(\x05\x12\x17\n\x0fprompt_logprobs\x18\x08 \x01(\x08\x42\x04\n\x02_nB\x11\n\x0f_weight_version\"8\n\x11TokenAlternatives\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\xe8\x02\n\nCompletion\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12\x14\n\x0csample_index\x18\x02 \x01(\x05\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12\x0c\n\x04text\x18\x06 \x01(\t\x12\x15\n\rfinish_reason\x18\x07 \x01(\t\x12\x16\n\x0eweight_version\x18\x08 \x01(\x03\x12/\n\x0erouted_experts\x18\t \x01(\x0b\x32\x17.fp8rl.v1.RoutedExperts\x12\x31\n\x0ctop_logprobs\x18\n \x03(\x0b\x32\x1b.fp8rl.v1.TokenAlternatives\x12\x17\n\x0fprompt_logprobs\x18\x0b \x03(\x02\x12\x38\n\x13prompt_top_logprobs\x18\x0c \x03(\x0b\x32\x1b.fp8rl.v1.TokenAlternatives\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\"u\n\x10GenerateResponse\x12)\n\x0b\x63ompletions\x18\x01 \x03(\x0b\x32\x14.fp8rl.v1.Completion\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x12\x1e\n\x05usage\x18\x03 \x01(\x0b\x32\x0f.fp8rl.v1.Usage\"\x8f\x02\n\rRolloutStatus\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06recipe\x18\x02 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x16\n\x0eweight_version\x18\x05 \x01(\x03\x12\x1a\n\x12requests_in_flight\x18\x06 \x01(\x05\x12\x18\n\x10tokens_generated\x18\x07 \x01(\x03\x12\x10\n\x08uptime_s\x18\x08 \x01(\x01\x12\x15\n\rweight_format\x18\t \x01(\t\x12\x16\n\x0eneeds_keyframe\x18\n \x01(\x08\x12\x1a\n\x12registration_proof\x18\x0b \x01(\t\x12\x14\n\x0cweight_epoch\x18\x0c \x01(\x03\x32\x9e\x02\n\x07Rollout\x12\x41\n\x08Generate\x12\x19.fp8rl.v1.GenerateRequest\x1a\x1a.fp8rl.v1.GenerateResponse\x12\x43\n\x0eGenerateStream\x12\x19.fp8rl.v1.GenerateRequest\x1a\x14.fp8rl.v1.Completion0\x01\x12I\n\rUpdateWeights\x12\x15.fp8rl.v1.WeightChunk\x1a\x1f.fp8rl.v1.UpdateWeightsResponse(\x01\x12@\n\tGetStatus\x12\x1a.fp8rl.v1.GetStatusRequest\x1a\x17.fp8rl.v1.RolloutStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,15 +42,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PROMPT']._serialized_start=211
   _globals['_PROMPT']._serialized_end=337
   _globals['_GENERATEREQUEST']._serialized_start=340
-  _globals['_GENERATEREQUEST']._serialized_end=557
-  _globals['_COMPLETION']._serialized_start=560
-  _globals['_COMPLETION']._serialized_end=786
-  _globals['_USAGE']._serialized_start=788
-  _globals['_USAGE']._serialized_end=845
-  _globals['_GENERATERESPONSE']._serialized_start=847
-  _globals['_GENERATERESPONSE']._serialized_end=964
-  _globals['_ROLLOUTSTATUS']._serialized_start=967
-  _globals['_ROLLOUTSTATUS']._serialized_end=1238
-  _globals['_ROLLOUT']._serialized_start=1241
-  _globals['_ROLLOUT']._serialized_end=1527
+  _globals['_GENERATEREQUEST']._serialized_end=604
+  _globals['_TOKENALTERNATIVES']._serialized_start=606
+  _globals['_TOKENALTERNATIVES']._serialized_end=662
+  _globals['_COMPLETION']._serialized_start=665
+  _globals['_COMPLETION']._serialized_end=1025
+  _globals['_USAGE']._serialized_start=1027
+  _globals['_USAGE']._serialized_end=1084
+  _globals['_GENERATERESPONSE']._serialized_start=1086
+  _globals['_GENERATERESPONSE']._serialized_end=1203
+  _globals['_ROLLOUTSTATUS']._serialized_start=1206
+  _globals['_ROLLOUTSTATUS']._serialized_end=1477
+  _globals['_ROLLOUT']._serialized_start=1480
+  _globals['_ROLLOUT']._serialized_end=1766
 # @@protoc_insertion_point(module_scope)

@@ -4,6 +4,7 @@ OpenAI-compatible HTTP endpoint answers the official `openai` client with the gR
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -69,6 +70,10 @@ def test_explicit_bad_values_are_still_refused_naming_the_field(rollout_fp8: InP
             sampling=common_pb2.SamplingParams(max_tokens=0)
         ),
         "weight_version: must be a version >= 0 or -1 (any), got -2": dict(weight_version=-2),
+        "top_logprobs: must lie in [0, 20] (max_top_logprobs), got 21": dict(top_logprobs=21),
+        "return_routed_experts: the model has no mixture-of-experts layers: nothing is routed": dict(
+            return_routed_experts=True
+        ),
     }
     for message, fields in cases.items():
         error = invalid(rollout_fp8, prompts=prompt, **fields)
@@ -214,6 +219,72 @@ def test_chat_completion_renders_the_template_and_reports_logprobs(
     assert answer.weight_version == rollout_fp8.service.version  # type: ignore[attr-defined]
 
 
+def test_logprobs_n_serves_the_engines_top_alternatives(
+    client: openai.OpenAI, rollout_fp8: InProcessRollout
+) -> None:
+    """``logprobs: 3``: at every position the three most likely tokens, most likely first; the sampled
+    token's logprob is the one gRPC (and so the trainer) sees, and among the alternatives it has the same
+    value. Chat's ``top_logprobs`` serves the same."""
+    answer = client.completions.create(
+        model=MODEL_NAME, prompt="12+34=", max_tokens=6, temperature=1.0, seed=7, logprobs=3
+    )
+    sampling = common_pb2.SamplingParams(temperature=1.0, max_tokens=6, seed=7)
+    [expected] = generate(
+        rollout_fp8, prompts=[rollout_pb2.Prompt(text="12+34=")], sampling=sampling
+    ).completions
+    [choice] = answer.choices
+    assert choice.logprobs is not None and choice.logprobs.top_logprobs is not None
+    assert choice.token_ids == list(expected.token_ids)  # type: ignore[attr-defined]
+    assert choice.logprobs.token_logprobs == pytest.approx(list(expected.logprobs), abs=1e-4)
+    sampled_in_top = 0
+    for token, logprob, top in zip(
+        choice.logprobs.tokens or [], expected.logprobs, choice.logprobs.top_logprobs, strict=True
+    ):
+        values = list(top.values())
+        assert len(top) == 3 and values == sorted(values, reverse=True), top
+        assert values[0] >= logprob - 1e-6 and sum(math.exp(v) for v in values) <= 1 + 1e-5
+        if token in top:
+            sampled_in_top += 1
+            assert top[token] == pytest.approx(logprob, abs=1e-5)
+    assert sampled_in_top > 0
+    chat = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "1+2="}],
+        max_tokens=3,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content and all(len(t.top_logprobs) == 2 for t in content)
+    assert all(t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob for t in content)
+
+
+def test_echo_scores_a_prompt_as_generation_scored_its_tokens(
+    client: openai.OpenAI, rollout_fp8: InProcessRollout
+) -> None:
+    """lm-evaluation-harness's loglikelihood call (``echo``, ``max_tokens: 0``, ``logprobs``): the prompt
+    back, every token's logprob (the first has none), nothing generated. Scored so, a completion's own
+    tokens get the logprobs generation gave them (temperature 1: the raw distribution)."""
+    first = client.completions.create(model=MODEL_NAME, prompt="12+34=", max_tokens=5, seed=3, logprobs=0)
+    generated = first.choices[0]
+    scored = client.completions.create(
+        model=MODEL_NAME, prompt="12+34=" + generated.text, max_tokens=0, echo=True, logprobs=1
+    )
+    [choice] = scored.choices
+    assert choice.text == "12+34=" + generated.text
+    assert choice.token_ids == []  # type: ignore[attr-defined]
+    assert scored.usage is not None and scored.usage.completion_tokens == 0
+    assert choice.logprobs is not None and choice.logprobs.token_logprobs is not None
+    logprobs = choice.logprobs.token_logprobs
+    assert logprobs[0] is None and len(logprobs) == len(choice.prompt_token_ids)  # type: ignore[attr-defined]
+    tail = logprobs[-len(generated.token_ids) :]  # type: ignore[attr-defined]
+    assert tail == pytest.approx(generated.logprobs.token_logprobs, abs=1e-3)  # type: ignore[union-attr]
+    assert choice.logprobs.top_logprobs is not None and choice.logprobs.top_logprobs[0] is None
+    assert all(len(t) == 1 for t in choice.logprobs.top_logprobs[1:])
+    with pytest.raises(openai.BadRequestError):  # (max_tokens 0 without echo: nothing to answer)
+        client.completions.create(model=MODEL_NAME, prompt="1+1=", max_tokens=0)
+
+
 def test_streams_send_every_completion_then_end(client: openai.OpenAI) -> None:
     chunks = list(
         client.chat.completions.create(
@@ -262,9 +333,10 @@ def test_version_rules_and_errors_in_openais_shape(
     assert error_body(bad.value)["type"] == "invalid_request_error"
     with pytest.raises(openai.BadRequestError) as bad:
         client.chat.completions.create(
-            model=MODEL_NAME, messages=[{"role": "user", "content": "x"}], top_logprobs=3, logprobs=True
+            model=MODEL_NAME, messages=[{"role": "user", "content": "x"}], top_logprobs=21, logprobs=True
         )
-    assert error_body(bad.value)["param"] == "top_logprobs"
+    assert error_body(bad.value)["param"] == "top_logprobs"  # (beyond max_top_logprobs, 20)
+    assert "max_top_logprobs" in error_body(bad.value)["message"]
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt="1+1=", max_tokens=2)
 
