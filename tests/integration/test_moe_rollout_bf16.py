@@ -95,5 +95,7 @@ def test_experts_run_vllms_unquantized_method_and_routers_stay_linears(engine: A
 @pytest.mark.slow  # (one engine for the module)
 def test_routed_experts_are_the_trainers_routing_exactly(engine: Any, qwen3_moe_dir: Path) -> None:
     """float32 in both engines: the rollout routed every position where the trainer's routers route it
-    (an off-by-one position, or rows split across the batch's requests wrongly, would differ)."""
+    (an off-by-one position, or rows split across the batch's requests wrongly, would differ). The
+    engine is refitted to the checkpoint's weights first: other tests leave others in it."""
+    engine.load_weights(_checkpoint(qwen3_moe_dir))
     assert assert_routing_recorded(engine, qwen3_moe_dir, fp8=False) == 0
