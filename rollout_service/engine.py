@@ -64,6 +64,34 @@ class EngineRequest:
     request_id: str
     prompt_token_ids: list[int]
     sampling: Sampling
+    stream: bool = False  # report each new piece of the completion as it is generated (Progress)
+
+
+@dataclass(frozen=True)
+class Progress:
+    """New tokens of a streamed request, as one engine step produced them (the next piece of its
+    FinishedSample's token_ids, logprobs and text)."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    top_logprobs: list[Alternatives] | None = None
+
+    @staticmethod
+    def joined(pieces: list[Progress]) -> Progress:
+        top = (
+            [a for p in pieces for a in p.top_logprobs or []]
+            if pieces and pieces[0].top_logprobs is not None
+            else None
+        )
+        return Progress(
+            pieces[0].request_id,
+            [t for p in pieces for t in p.token_ids],
+            [lp for p in pieces for lp in p.logprobs],
+            "".join(p.text for p in pieces),
+            top,
+        )
 
 
 @dataclass(frozen=True)
@@ -301,6 +329,8 @@ class VllmEngine:
     def _engine_started(self) -> None:
         """What a fresh engine needs of this wrapper: empty per-request records, the routing recorder."""
         self._asked: dict[str, Sampling] = {}  # requests that asked for logprobs beyond the sampled
+        self._prompt_scores: dict[str, tuple[list[int], Any]] = {}  # their prompt logprobs, until finished
+        self._streams: dict[str, list[Progress]] = {}  # streamed requests' pieces so far
         self._prompt_lengths: dict[str, int] = {}
         if self.moe_layers and self.device == "cpu":
             self.llm.collective_rpc("fp8rl_record_routing")
@@ -338,49 +368,74 @@ class VllmEngine:
             seed=s.seed,
             logprobs=s.top_logprobs,
             prompt_logprobs=s.top_logprobs if s.prompt_logprobs else None,
-            output_kind=RequestOutputKind.FINAL_ONLY,
+            output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
         )
         self._engine.add_request(request.request_id, {"prompt_token_ids": request.prompt_token_ids}, params)
         if self.moe_layers:
             self._prompt_lengths[request.request_id] = len(request.prompt_token_ids)
         if s.top_logprobs or s.prompt_logprobs:
             self._asked[request.request_id] = s
+        if request.stream:
+            self._streams[request.request_id] = []
 
-    def step(self) -> list[FinishedSample]:
-        finished = []
+    def step(self) -> list[FinishedSample | Progress]:
+        """What one engine step produced: each streamed request's new piece (Progress), and every request
+        that finished as a whole FinishedSample."""
+        events: list[FinishedSample | Progress] = []
         for output in cast(list[Any], self._engine.step()):
-            if not output.finished:
-                continue
-            c = output.outputs[0]
-            positions = c.logprobs or []
-            logprobs = [
-                position[token].logprob for position, token in zip(positions, c.token_ids, strict=True)
-            ]
-            sample = FinishedSample(
-                output.request_id,
-                list(c.token_ids),
-                logprobs,
-                c.text,
-                c.finish_reason or "",
-                getattr(c, "routed_experts", None),
-            )
-            asked = self._asked.pop(output.request_id, None)
-            if asked is not None and asked.top_logprobs:
-                sample = replace(
-                    sample, top_logprobs=[_alternatives(p, asked.top_logprobs) for p in positions]
-                )
-            if asked is not None and asked.prompt_logprobs:
-                scored = (output.prompt_logprobs or [None])[1:]  # (the first token has none)
-                prompt = output.prompt_token_ids[1:]
-                sample = replace(
-                    sample,
-                    prompt_logprobs=[p[t].logprob for p, t in zip(scored, prompt, strict=True)],
-                    prompt_top_logprobs=[_alternatives(p, asked.top_logprobs) for p in scored]
-                    if asked.top_logprobs
-                    else None,
-                )
-            finished.append(sample)
-        return self._with_routing(finished) if self.moe_layers else finished
+            rid, c = output.request_id, output.outputs[0]
+            asked = self._asked.get(rid)
+            if asked is not None and asked.prompt_logprobs and output.prompt_logprobs:
+                self._prompt_scores[rid] = (list(output.prompt_token_ids), output.prompt_logprobs)
+            piece = self._piece(rid, c, asked)
+            pieces = self._streams.get(rid)
+            if pieces is not None:
+                pieces.append(piece)
+                if piece.token_ids:
+                    events.append(piece)
+            if output.finished:
+                whole = Progress.joined(self._streams.pop(rid)) if pieces is not None else piece
+                events.append(self._finished(whole, c, self._asked.pop(rid, None)))
+        finished = [e for e in events if isinstance(e, FinishedSample)]
+        if self.moe_layers and finished:
+            routed = {f.request_id: f for f in self._with_routing(finished)}
+            events = [routed[e.request_id] if isinstance(e, FinishedSample) else e for e in events]
+        return events
+
+    @staticmethod
+    def _piece(request_id: str, c: Any, asked: Sampling | None) -> Progress:
+        """What vLLM's completion output ``c`` holds (everything under FINAL_ONLY, the new part under
+        DELTA)."""
+        positions = c.logprobs or []
+        logprobs = [position[token].logprob for position, token in zip(positions, c.token_ids, strict=True)]
+        top = (
+            [_alternatives(p, asked.top_logprobs) for p in positions]
+            if asked and asked.top_logprobs
+            else None
+        )
+        return Progress(request_id, list(c.token_ids), logprobs, c.text, top)
+
+    def _finished(self, whole: Progress, c: Any, asked: Sampling | None) -> FinishedSample:
+        sample = FinishedSample(
+            whole.request_id,
+            whole.token_ids,
+            whole.logprobs,
+            whole.text,
+            c.finish_reason or "",
+            getattr(c, "routed_experts", None),
+            top_logprobs=whole.top_logprobs,
+        )
+        scored = self._prompt_scores.pop(whole.request_id, None)
+        if asked is None or not asked.prompt_logprobs or scored is None:
+            return sample
+        prompt, positions = scored[0][1:], scored[1][1:]  # (the first token has none)
+        return replace(
+            sample,
+            prompt_logprobs=[p[t].logprob for p, t in zip(positions, prompt, strict=True)],
+            prompt_top_logprobs=[_alternatives(p, asked.top_logprobs) for p in positions]
+            if asked.top_logprobs
+            else None,
+        )
 
     def _with_routing(self, finished: list[FinishedSample]) -> list[FinishedSample]:
         """``finished`` with the experts each computed position was routed to, trimmed to the positions
@@ -412,6 +467,8 @@ class VllmEngine:
         self._engine.abort_request(request_ids)
         for request_id in request_ids:
             self._asked.pop(request_id, None)
+            self._prompt_scores.pop(request_id, None)
+            self._streams.pop(request_id, None)
         if self.moe_layers:
             for request_id in request_ids:
                 self._prompt_lengths.pop(request_id, None)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from fp8rl.errors import Cancelled, NotReady, Overloaded, PreconditionFailed
-from rollout_service.engine import EngineRequest, FinishedSample
+from rollout_service.engine import EngineRequest, FinishedSample, Progress
 
 log = logging.getLogger(__name__)
 ANY_VERSION = -1
@@ -26,25 +26,33 @@ ANY_VERSION = -1
 
 class Engine(Protocol):
     def add(self, request: EngineRequest) -> None: ...
-    def step(self) -> list[FinishedSample]: ...
+    def step(self) -> list[FinishedSample | Progress]: ...
     def has_unfinished(self) -> bool: ...
     def abort(self, request_ids: list[str]) -> None: ...
 
 
 @dataclass
 class Ticket:
-    """The completions of one submission, delivered as each finishes."""
+    """The completions of one submission, delivered as each finishes; with ``stream``, each one's new
+    tokens too, as they are generated."""
 
     version: int
     expected: int
-    _results: queue.Queue[FinishedSample | BaseException] = field(default_factory=queue.Queue)
+    _results: queue.Queue[FinishedSample | Progress | BaseException] = field(default_factory=queue.Queue)
     request_ids: list[str] = field(default_factory=list)
+    stream: bool = False
 
     def __iter__(self) -> Iterator[FinishedSample]:
-        for _ in range(self.expected):
+        return (e for e in self.events() if isinstance(e, FinishedSample))
+
+    def events(self) -> Iterator[FinishedSample | Progress]:
+        """Every piece (streamed submissions) and every finished sample, in the order they came."""
+        finished = 0
+        while finished < self.expected:
             item = self._results.get()
             if isinstance(item, BaseException):
                 raise item
+            finished += isinstance(item, FinishedSample)
             yield item
 
 
@@ -101,7 +109,12 @@ class GenerationLoop:
                     f"{waiting} samples are queued or generating; {len(requests)} more would pass the "
                     f"replica's limit of {self.max_queued} (max_queued_samples); retry later"
                 )
-            ticket = Ticket(self.version, len(requests), request_ids=[r.request_id for r in requests])
+            ticket = Ticket(
+                self.version,
+                len(requests),
+                request_ids=[r.request_id for r in requests],
+                stream=any(r.stream for r in requests),
+            )
             self._pending += [(r, ticket) for r in requests]
             self._cond.notify_all()
             return ticket
@@ -185,11 +198,15 @@ class GenerationLoop:
             if job is not None and not job.done.is_set():
                 self._run_job(job)
             if self._active:
-                for sample in self.engine.step():
-                    if sample.request_id in self._active:
-                        ticket = self._active.pop(sample.request_id)
-                        self.tokens_generated += len(sample.token_ids)
-                        ticket._results.put(sample)
+                for event in self.engine.step():
+                    if event.request_id not in self._active:
+                        continue
+                    if isinstance(event, Progress):
+                        self._active[event.request_id]._results.put(event)
+                        continue
+                    ticket = self._active.pop(event.request_id)
+                    self.tokens_generated += len(event.token_ids)
+                    ticket._results.put(event)
         except Exception as exc:  # an engine failure fails the requests it held, not the loop
             log.exception("engine step failed")
             self._fail_all(exc)

@@ -11,8 +11,9 @@ the sampled tokens (the distribution they were sampled from, as over gRPC), with
 ``max_top_logprobs`` alternatives per token when asked (``logprobs: N``; chat's ``top_logprobs``).
 ``echo`` returns the prompt with its logprobs (the model's raw distribution); with ``max_tokens: 0`` it
 only scores the prompt (one token is generated and dropped: the engine generates at least one). A
-stream sends each completion whole as soon as it finishes (the engine returns finished completions),
-then ``[DONE]``. A client that goes away cancels its generation.
+stream sends the tokens as the engine generates them (a chunk per engine step and choice, with their
+ids and logprobs; the last of each choice has its finish reason), then ``[DONE]``. A client that goes
+away cancels its generation.
 """
 
 from __future__ import annotations
@@ -224,7 +225,10 @@ class OpenAIFace:
         request = generate_request(asked, headers, completion_prompts(body["prompt"]), "max_tokens")
         request.top_logprobs = top or 0
         request.prompt_logprobs = echo and top is not None
-        return self.service.generate(request), {**body, SCORE_ONLY: score_only}
+        if echo and body.get("stream"):
+            raise InvalidRequest("echo", "not streamed by this server: ask without stream")
+        generation = self.service.generate(request, stream=bool(body.get("stream")))
+        return generation, {**body, SCORE_ONLY: score_only}
 
     def completion_choice(self, c: rollout_pb2.Completion, n: int, body: dict[str, Any]) -> Any:
         """OpenAI's choice of ``c``; with ``echo`` the prompt comes first, in the text and in the logprobs
@@ -257,8 +261,12 @@ class OpenAIFace:
         return choice
 
     def alternatives(self, a: rollout_pb2.TokenAlternatives) -> dict[str, float]:
-        """A position's alternatives as OpenAI's legacy completions show them: token text -> logprob."""
-        return dict(zip(self.token_texts(a.token_ids), a.logprobs, strict=True))
+        """A position's alternatives as OpenAI's legacy completions show them: token text -> logprob (two
+        tokens with one text, e.g. partial UTF-8 bytes, keep the more likely's)."""
+        shown: dict[str, float] = {}
+        for text, logprob in zip(self.token_texts(a.token_ids), a.logprobs, strict=True):
+            shown.setdefault(text, logprob)
+        return shown
 
     def completion(
         self, completions: list[rollout_pb2.Completion], version: int, body: dict[str, Any]
@@ -306,7 +314,7 @@ class OpenAIFace:
         key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         request = generate_request(body, headers, [prompt], key)
         request.top_logprobs = top or 0
-        return self.service.generate(request), body
+        return self.service.generate(request, stream=bool(body.get("stream"))), body
 
     def chat_logprobs(self, c: rollout_pb2.Completion) -> Any:
         from openai.types.chat.chat_completion import ChoiceLogprobs
@@ -360,21 +368,39 @@ class OpenAIFace:
             weight_version=version,
         )
 
-    def chat_chunks(self, version: int, body: dict[str, Any]) -> Callable[[rollout_pb2.Completion], Any]:
-        """One stream chunk per finished completion, all under one id."""
+    def chat_chunks(
+        self, version: int, body: dict[str, Any]
+    ) -> Callable[[rollout_pb2.Completion, bool], Any]:
+        """The stream's chunks, all under one id: a piece of a completion as it is generated (the first
+        of a choice with the assistant's role), then, once it finished, one with its finish reason and
+        prompt ids but nothing new."""
         from openai.types.chat import ChatCompletionChunk
-        from openai.types.chat.chat_completion_chunk import Choice, ChoiceDelta
+        from openai.types.chat.chat_completion_chunk import Choice, ChoiceDelta, ChoiceLogprobs
 
         chunk_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        started: set[int] = set()
 
-        def chunk(c: rollout_pb2.Completion) -> Any:
-            delta = ChoiceDelta(role="assistant", content=c.text)
+        def chunk(c: rollout_pb2.Completion, done: bool) -> Any:
+            first = c.sample_index not in started
+            started.add(c.sample_index)
+            if done:
+                fields = self.chat_choice_fields(c, body) | {"logprobs": None, "token_ids": []}
+                delta = ChoiceDelta(role="assistant") if first else ChoiceDelta()
+            else:
+                fields = {
+                    "index": c.sample_index,
+                    "logprobs": ChoiceLogprobs(content=self.chat_logprobs(c).content)
+                    if body.get("logprobs")
+                    else None,
+                    "token_ids": list(c.token_ids),
+                }
+                delta = ChoiceDelta(role="assistant" if first else None, content=c.text)
             return ChatCompletionChunk(
                 id=chunk_id,
                 object="chat.completion.chunk",
                 created=created,
                 model=self.model_name,
-                choices=[Choice(delta=delta, **self.chat_choice_fields(c, body))],
+                choices=[Choice(delta=delta, **fields)],
                 weight_version=version,
             )
 
@@ -382,10 +408,32 @@ class OpenAIFace:
 
     def completion_chunks(
         self, version: int, body: dict[str, Any]
-    ) -> Callable[[rollout_pb2.Completion], Any]:
-        return lambda c: self.completion_of(
-            [scored_prompt(c) if body[SCORE_ONLY] else c], version, body, usage=None
-        )
+    ) -> Callable[[rollout_pb2.Completion, bool], Any]:
+        """The stream's chunks: a piece of a completion as it is generated, then, once it finished, one
+        with its finish reason and prompt ids but nothing new."""
+
+        def chunk(c: rollout_pb2.Completion, done: bool) -> Any:
+            answer = self.completion_of([c], version, body, usage=None)
+            choice = answer.choices[0]
+            if done:  # (everything was sent in pieces)
+                choice.text, choice.token_ids, choice.logprobs = "", [], None
+            else:
+                answer.choices = [streamed_choice()(**choice.model_dump() | {"finish_reason": None})]
+            return answer
+
+        return chunk
+
+
+@functools.cache
+def streamed_choice() -> type:
+    """A completion choice mid-stream, which has no finish reason yet (the ``openai`` package's type
+    requires one)."""
+    from openai.types import CompletionChoice
+
+    class StreamedChoice(CompletionChoice):
+        finish_reason: str | None = None  # type: ignore[assignment]
+
+    return StreamedChoice
 
 
 @functools.cache
@@ -428,11 +476,22 @@ _DONE = object()
 
 
 async def finished(generation: Generation) -> AsyncIterator[rollout_pb2.Completion]:
-    """The completions as they finish. They are waited for on a thread of their own (the wait blocks),
-    so a long generation holds no worker of the server; leaving early (the client went away, or the
-    request was cancelled) cancels what is left, as gRPC does."""
+    """The completions as they finish (see :func:`happening`)."""
+    async for completion, done in happening(generation, lambda: ((c, True) for c in generation)):
+        if done:
+            yield completion
+
+
+async def happening(
+    generation: Generation, events: Callable[[], Iterable[tuple[rollout_pb2.Completion, bool]]] | None = None
+) -> AsyncIterator[tuple[rollout_pb2.Completion, bool]]:
+    """What the generation produces as it comes (``Generation.events``: pieces, then each whole
+    completion). It is waited for on a thread of its own (the wait blocks), so a long generation holds
+    no worker of the server; leaving early (the client went away, or the request was cancelled) cancels
+    what is left, as gRPC does."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[Any] = asyncio.Queue()
+    produce = events or generation.events
 
     def put(item: Any) -> None:
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
@@ -440,8 +499,8 @@ async def finished(generation: Generation) -> AsyncIterator[rollout_pb2.Completi
 
     def pump() -> None:
         try:
-            for completion in generation:
-                put(completion)
+            for event in produce():
+                put(event)
             put(_DONE)
         except BaseException as exc:
             put(exc)
@@ -486,21 +545,23 @@ async def stream(
     request: Request, generation: Generation, chunk: Any, include_usage: bool
 ) -> AsyncIterator[str]:
     async with watched(request, generation):
-        async for event in sse(finished(generation), chunk, include_usage):
+        async for event in sse(happening(generation), chunk, include_usage):
             yield event
 
 
 async def sse(
-    completions: AsyncIterator[rollout_pb2.Completion], chunk: Any, include_usage: bool
+    events: AsyncIterator[tuple[rollout_pb2.Completion, bool]], chunk: Any, include_usage: bool
 ) -> AsyncIterator[str]:
-    """Server-sent events: one chunk per completion, with ``include_usage`` a last one with the usage
-    and no choices (OpenAI's ``stream_options``), then [DONE]. A client that goes away cancels this
-    generator, and with it the generation."""
+    """Server-sent events: a chunk per piece of a completion as it is generated and one as each
+    finishes, with ``include_usage`` a last one with the usage and no choices (OpenAI's
+    ``stream_options``), then [DONE]. A client that goes away cancels this generator, and with it the
+    generation."""
     try:
         seen, last = [], None
-        async for c in completions:
-            seen.append(c)
-            last = chunk(c)
+        async for c, done in events:
+            if done:
+                seen.append(c)
+            last = chunk(c, done)
             yield f"data: {last.model_dump_json(exclude_none=True, serialize_as_any=True)}\n\n"
         if include_usage and last is not None:
             prompt_tokens = sum(len(c.prompt_token_ids) for c in seen if c.sample_index == 0)

@@ -144,22 +144,45 @@ class Generation:
     num_experts: int = 0  # > 0: each completion carries its routed experts, packed for this many experts
 
     def __iter__(self) -> Iterator[rollout_pb2.Completion]:
-        for sample in self.ticket:
-            slot = self.slots[sample.request_id]
-            yield rollout_pb2.Completion(
-                prompt_id=slot.prompt_id,
-                sample_index=slot.sample_index,
-                prompt_token_ids=slot.prompt_token_ids,
-                token_ids=sample.token_ids,
-                logprobs=sample.logprobs,
-                text=sample.text,
-                finish_reason=sample.finish_reason,
-                weight_version=self.ticket.version,
-                routed_experts=self._routed_experts(sample),
-                top_logprobs=alternatives(sample.top_logprobs),
-                prompt_logprobs=sample.prompt_logprobs,
-                prompt_top_logprobs=alternatives(sample.prompt_top_logprobs),
+        return (self._completion(sample) for sample in self.ticket)
+
+    def events(self) -> Iterator[tuple[rollout_pb2.Completion, bool]]:
+        """A streamed generation as it happens: (a piece of a completion: its new tokens, logprobs and
+        text, False) as the engine produces them, and (the whole completion, True) when it finishes."""
+        for event in self.ticket.events():
+            if isinstance(event, FinishedSample):
+                yield self._completion(event), True
+                continue
+            slot = self.slots[event.request_id]
+            yield (
+                rollout_pb2.Completion(
+                    prompt_id=slot.prompt_id,
+                    sample_index=slot.sample_index,
+                    token_ids=event.token_ids,
+                    logprobs=event.logprobs,
+                    text=event.text,
+                    weight_version=self.ticket.version,
+                    top_logprobs=alternatives(event.top_logprobs),
+                ),
+                False,
             )
+
+    def _completion(self, sample: FinishedSample) -> rollout_pb2.Completion:
+        slot = self.slots[sample.request_id]
+        return rollout_pb2.Completion(
+            prompt_id=slot.prompt_id,
+            sample_index=slot.sample_index,
+            prompt_token_ids=slot.prompt_token_ids,
+            token_ids=sample.token_ids,
+            logprobs=sample.logprobs,
+            text=sample.text,
+            finish_reason=sample.finish_reason,
+            weight_version=self.ticket.version,
+            routed_experts=self._routed_experts(sample),
+            top_logprobs=alternatives(sample.top_logprobs),
+            prompt_logprobs=sample.prompt_logprobs,
+            prompt_top_logprobs=alternatives(sample.prompt_top_logprobs),
+        )
 
     def _routed_experts(self, sample: FinishedSample) -> common_pb2.RoutedExperts | None:
         if not self.num_experts or sample.routed_experts is None:
@@ -239,11 +262,11 @@ class RolloutService:
     def version(self) -> int:
         return self.loop.version
 
-    def generate(self, request: rollout_pb2.GenerateRequest) -> Generation:
+    def generate(self, request: rollout_pb2.GenerateRequest, stream: bool = False) -> Generation:
         """Validate and admit a request; raises before anything runs if it is malformed or asks for a
-        version this replica does not hold."""
+        version this replica does not hold. ``stream``: its tokens as they come (Generation.events)."""
         version = required_version(request)
-        engine_requests, slots = parse_generate(request, self.limits, self.tokenizer)
+        engine_requests, slots = parse_generate(request, self.limits, self.tokenizer, stream)
         if request.return_routed_experts and not self.num_experts:
             raise InvalidRequest(
                 "return_routed_experts", "the model has no mixture-of-experts layers: nothing is routed"

@@ -116,7 +116,7 @@ def required_version(request: rollout_pb2.GenerateRequest) -> int:
 
 
 def parse_generate(
-    request: rollout_pb2.GenerateRequest, limits: Limits, tokenize: Tokenizer
+    request: rollout_pb2.GenerateRequest, limits: Limits, tokenize: Tokenizer, stream: bool = False
 ) -> tuple[list[EngineRequest], list[Slot]]:
     """Validate a request and expand it into one engine request per sample; unset fields take their
     defaults (n 1, max_tokens ``limits.default_max_tokens``). Its version: :func:`required_version`."""
@@ -164,6 +164,6 @@ def parse_generate(
                 request.top_logprobs,
                 request.prompt_logprobs,
             )
-            engine_requests.append(EngineRequest(f"{batch}:{i}:{j}", ids, per_sample))
+            engine_requests.append(EngineRequest(f"{batch}:{i}:{j}", ids, per_sample, stream))
             slots.append(Slot(prompt_id, j, ids))
     return engine_requests, slots

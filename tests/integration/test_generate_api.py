@@ -222,30 +222,40 @@ def test_chat_completion_renders_the_template_and_reports_logprobs(
 def test_logprobs_n_serves_the_engines_top_alternatives(
     client: openai.OpenAI, rollout_fp8: InProcessRollout
 ) -> None:
-    """``logprobs: 3``: at every position the three most likely tokens, most likely first; the sampled
-    token's logprob is the one gRPC (and so the trainer) sees, and among the alternatives it has the same
-    value. Chat's ``top_logprobs`` serves the same."""
+    """``logprobs: 3``: at every position the three most likely tokens, most likely first, the same
+    over gRPC (``top_logprobs``, by id) and over HTTP (by text); the sampled token's logprob is the one
+    gRPC without alternatives (and so the trainer) sees, and where it is among the three it has the
+    same value there. Chat's ``top_logprobs`` serves the same."""
     answer = client.completions.create(
         model=MODEL_NAME, prompt="12+34=", max_tokens=6, temperature=1.0, seed=7, logprobs=3
     )
     sampling = common_pb2.SamplingParams(temperature=1.0, max_tokens=6, seed=7)
-    [expected] = generate(
-        rollout_fp8, prompts=[rollout_pb2.Prompt(text="12+34=")], sampling=sampling
-    ).completions
+    prompt = [rollout_pb2.Prompt(text="12+34=")]
+    [plain] = generate(rollout_fp8, prompts=prompt, sampling=sampling).completions
+    [expected] = generate(rollout_fp8, prompts=prompt, sampling=sampling, top_logprobs=3).completions
+    assert list(expected.token_ids) == list(plain.token_ids)
+    assert list(expected.logprobs) == pytest.approx(list(plain.logprobs), abs=1e-6)
     [choice] = answer.choices
     assert choice.logprobs is not None and choice.logprobs.top_logprobs is not None
     assert choice.token_ids == list(expected.token_ids)  # type: ignore[attr-defined]
     assert choice.logprobs.token_logprobs == pytest.approx(list(expected.logprobs), abs=1e-4)
     sampled_in_top = 0
-    for token, logprob, top in zip(
-        choice.logprobs.tokens or [], expected.logprobs, choice.logprobs.top_logprobs, strict=True
+    for token, logprob, top, by_id in zip(
+        expected.token_ids,
+        expected.logprobs,
+        choice.logprobs.top_logprobs,
+        expected.top_logprobs,
+        strict=True,
     ):
-        values = list(top.values())
-        assert len(top) == 3 and values == sorted(values, reverse=True), top
-        assert values[0] >= logprob - 1e-6 and sum(math.exp(v) for v in values) <= 1 + 1e-5
-        if token in top:
+        assert len(by_id.token_ids) == 3 and list(by_id.logprobs) == sorted(by_id.logprobs, reverse=True)
+        assert by_id.logprobs[0] >= logprob - 1e-6 and sum(math.exp(v) for v in by_id.logprobs) <= 1 + 1e-5
+        shown: dict[str, float] = {}
+        for t, lp in zip(by_id.token_ids, by_id.logprobs, strict=True):
+            shown.setdefault(rollout_fp8.service.engine.tokenizer.decode([t]), lp)
+        assert top == pytest.approx(shown, abs=1e-4)
+        if token in by_id.token_ids:
             sampled_in_top += 1
-            assert top[token] == pytest.approx(logprob, abs=1e-5)
+            assert by_id.logprobs[list(by_id.token_ids).index(token)] == pytest.approx(logprob, abs=1e-5)
     assert sampled_in_top > 0
     chat = client.chat.completions.create(
         model=MODEL_NAME,
@@ -267,11 +277,10 @@ def test_echo_scores_a_prompt_as_generation_scored_its_tokens(
     tokens get the logprobs generation gave them (temperature 1: the raw distribution)."""
     first = client.completions.create(model=MODEL_NAME, prompt="12+34=", max_tokens=5, seed=3, logprobs=0)
     generated = first.choices[0]
-    scored = client.completions.create(
-        model=MODEL_NAME, prompt="12+34=" + generated.text, max_tokens=0, echo=True, logprobs=1
-    )
+    ids = [*generated.prompt_token_ids, *generated.token_ids]  # type: ignore[attr-defined]
+    scored = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=0, echo=True, logprobs=1)
     [choice] = scored.choices
-    assert choice.text == "12+34=" + generated.text
+    assert choice.text == rollout_fp8.service.engine.tokenizer.decode(ids)
     assert choice.token_ids == []  # type: ignore[attr-defined]
     assert scored.usage is not None and scored.usage.completion_tokens == 0
     assert choice.logprobs is not None and choice.logprobs.token_logprobs is not None
@@ -291,13 +300,13 @@ def test_streams_send_every_completion_then_end(client: openai.OpenAI) -> None:
             model=MODEL_NAME, messages=[{"role": "user", "content": "1+2="}], max_tokens=3, n=2, stream=True
         )
     )
-    assert sorted(choice.index for chunk in chunks for choice in chunk.choices) == [0, 1]
-    assert all(chunk.choices[0].finish_reason in ("stop", "length") for chunk in chunks)
-    assert all(chunk.choices[0].token_ids for chunk in chunks)  # type: ignore[attr-defined]
+    ends = [c.choices[0] for c in chunks if c.choices[0].finish_reason is not None]
+    assert sorted(choice.index for choice in ends) == [0, 1]
+    assert all(choice.finish_reason in ("stop", "length") for choice in ends)
     pieces = list(
         client.completions.create(model=MODEL_NAME, prompt=["1+2=", "3+4="], max_tokens=3, stream=True)
     )
-    assert sorted(choice.index for piece in pieces for choice in piece.choices) == [0, 1]
+    assert sorted(c.choices[0].index for c in pieces if c.choices[0].finish_reason is not None) == [0, 1]
     counted = list(
         client.chat.completions.create(
             model=MODEL_NAME,
@@ -312,6 +321,40 @@ def test_streams_send_every_completion_then_end(client: openai.OpenAI) -> None:
     assert not usage.choices and usage.usage is not None
     tokens = sum(len(c.choices[0].token_ids) for c in choices)  # type: ignore[attr-defined]
     assert usage.usage.completion_tokens == tokens
+
+
+def test_a_stream_sends_tokens_as_they_are_generated_and_adds_up_to_the_whole(
+    client: openai.OpenAI,
+) -> None:
+    """Chunk by chunk (an engine step each: several per choice), the same text, token ids and logprobs
+    as the same request unstreamed; the assistant's role and the weight version come first."""
+    ask = dict(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "12+34="}],
+        max_tokens=8,
+        n=2,
+        seed=5,
+        logprobs=True,
+    )
+    whole = client.chat.completions.create(**ask)  # type: ignore[call-overload]
+    chunks = list(client.chat.completions.create(stream=True, **ask))  # type: ignore[call-overload]
+    assert chunks[0].weight_version == whole.weight_version  # type: ignore[attr-defined]
+    for expected in whole.choices:
+        mine = [c.choices[0] for c in chunks if c.choices[0].index == expected.index]
+        assert mine[0].delta.role == "assistant" and mine[-1].finish_reason == expected.finish_reason
+        pieces = [m for m in mine if m.finish_reason is None]
+        assert len(pieces) >= min(3, len(expected.token_ids)), len(pieces)  # type: ignore[attr-defined]
+        assert "".join(m.delta.content or "" for m in pieces) == expected.message.content
+        assert [t for m in pieces for t in m.token_ids] == expected.token_ids  # type: ignore[attr-defined]
+        streamed = [t.logprob for m in pieces for t in (m.logprobs.content or [])]  # type: ignore[union-attr]
+        assert streamed == pytest.approx([t.logprob for t in expected.logprobs.content], abs=1e-5)  # type: ignore[union-attr]
+        assert mine[-1].prompt_token_ids == expected.prompt_token_ids  # type: ignore[attr-defined]
+    text = client.completions.create(model=MODEL_NAME, prompt="7+8=", max_tokens=6, seed=2, logprobs=0)
+    parts = list(
+        client.completions.create(model=MODEL_NAME, prompt="7+8=", max_tokens=6, seed=2, stream=True)
+    )
+    assert "".join(p.choices[0].text for p in parts) == text.choices[0].text
+    assert [t for p in parts for t in p.choices[0].token_ids] == text.choices[0].token_ids  # type: ignore[attr-defined]
 
 
 def test_version_rules_and_errors_in_openais_shape(
