@@ -178,7 +178,9 @@ class BatchMaker:
             self.store.event("replica-failed", f"{address}: {rpc_code(exc)} {exc.details()}")
             log.warning("replica %s failed (%s); its prompts move to another replica", address, rpc_code(exc))
 
-        return self.pool.generate(prompts, n, sampling, version, replicas, failed, routed_experts)
+        return self.pool.generate(
+            prompts, n, sampling, version, replicas, failed, routed_experts=routed_experts
+        )
 
 
 def wire_prompt(problem: Problem) -> rollout_pb2.Prompt:

@@ -62,7 +62,8 @@ class FakePool:
             raise ReplicaFailed("no rollout replica is reachable")
         return held
 
-    def generate(self, prompts, n, sampling, version, replicas, on_failure):  # type: ignore[no-untyped-def]
+    def generate(self, prompts, n, sampling, version, replicas, on_failure, routed_experts=False):  # type: ignore[no-untyped-def]
+        assert not routed_experts  # (the tiny model is dense: nothing is routed)
         if self.crash_generating:
             raise Crash("while generating")
         assert all(self.versions[a] == version for a in replicas), (version, replicas, self.versions)
