@@ -87,7 +87,9 @@ def test_replaying_the_routers_own_choice_changes_nothing_and_another_changes_th
         moved = model(input_ids=ids).logits
     assert torch.equal(own_routing(chosen, 3, 9)[0, 0], own[0, 0])  # (recorded: the router's own choice)
     assert not torch.allclose(moved[0], plain[0]) and not torch.allclose(moved[2], plain[2])
-    assert torch.equal(moved[1], plain[1])
+    # (Sequence 1 routes as before, but its experts' GEMMs now batch other rows with its own: equal up
+    # to float32 rounding, not bit for bit.)
+    torch.testing.assert_close(moved[1], plain[1], atol=1e-6, rtol=1e-5)
 
 
 def test_gradients_reach_the_router_under_replay(gen: torch.Generator) -> None:
