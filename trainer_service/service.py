@@ -25,6 +25,7 @@ from fp8rl.prometheus import Sample
 from fp8rl.recipes import get_recipe
 from fp8rl.sampling import SamplingSettings, sampling_settings
 from fp8rl.security import is_loopback, proof_valid
+from fp8rl.serving import FENCE_METADATA
 from fp8rl.v1 import trainer_pb2
 from trainer_service import checkpoint, distributed
 from trainer_service.config import TrainerConfig
@@ -192,10 +193,16 @@ class TrainerService:
             finally:
                 self._lock.release()
 
-    def check_fence(self, fence: str | None) -> None:
+    def check_fence(self, fence: str | None, method: str) -> None:
         """Refuse a coordinator whose fencing token is older than one already seen: another coordinator
-        took the run's lease after it (a call without a token, e.g. from a test client, is not fenced)."""
+        took the run's lease after it. With authentication on, a ``method`` call without a token is
+        refused too (without it, as from a test client on loopback, it is not fenced)."""
         if fence is None:
+            if self.config.security.identifies_callers:
+                raise PreconditionFailed(
+                    f"{method}: call metadata {FENCE_METADATA} is missing: with authentication on, every "
+                    "call that changes the run carries the coordinator's fencing token"
+                )
             return
         if not fence.isdigit() or int(fence) >= 2**63:  # it becomes the epoch of updates (int64)
             raise InvalidRequest("fencing token", f"expected an integer in [0, 2^63), got {fence[:32]!r}")

@@ -30,7 +30,7 @@ from fp8rl.security import (
     registration_proof,
     token_digest,
 )
-from fp8rl.serving import InsecureBinding, RunningServer, start_server
+from fp8rl.serving import FENCE_METADATA, InsecureBinding, RunningServer, start_server
 from fp8rl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc, weights_pb2
 from tests.conftest import InProcessRollout
 from tests.integration.test_rollout import random_state
@@ -154,7 +154,7 @@ def test_trainer_refuses_callers_without_the_coordinator_role(
 
     coordinator = trainer_stub(address, security_for(run_secrets, "coordinator", tls=False))
     assert coordinator.GetStatus(common_pb2.GetStatusRequest(), timeout=10).step == 0
-    reply = coordinator.TrainStep(train, timeout=120)
+    reply = coordinator.TrainStep(train, timeout=120, metadata=[(FENCE_METADATA, "1")])
     assert reply.metrics.loss == reply.metrics.loss and service.step == 1
 
 
@@ -180,7 +180,9 @@ def test_publish_goes_only_to_the_runs_replicas(
     real = trainer_pb2.PublishTarget(address="127.0.0.1:9", proof=registration_proof(key, "127.0.0.1:9"))
     impostor = trainer_pb2.PublishTarget(address="203.0.113.5:50051")
     reply = stub.PublishWeights(
-        trainer_pb2.PublishWeightsRequest(version=0, targets=[impostor, real]), timeout=300
+        trainer_pb2.PublishWeightsRequest(version=0, targets=[impostor, real]),
+        timeout=300,
+        metadata=[(FENCE_METADATA, "1")],
     )
     assert [r.address for r in reply.results] == [impostor.address, real.address]
     assert not reply.results[0].ok and reply.results[0].error.startswith(
@@ -188,6 +190,30 @@ def test_publish_goes_only_to_the_runs_replicas(
     )
     assert not reply.results[1].ok and "UNAVAILABLE" in reply.results[1].error  # proven, but nobody listens
     assert proof_valid(key, "127.0.0.1:9", registration_proof(key, "127.0.0.1:9"))
+
+
+def test_calls_that_change_the_run_need_the_fence_when_authentication_is_on(
+    secured_trainer: tuple[TrainerService, str], run_secrets: Path
+) -> None:
+    """A coordinator's call without its fencing token is refused (else a client with the coordinator's
+    token could act beside the lease holder, unfenced), before anything moves."""
+    service, address = secured_trainer
+    stub = trainer_stub(address, security_for(run_secrets, "coordinator", tls=False))
+    key = bytes.fromhex((run_secrets / "update.key").read_text())
+    proven = trainer_pb2.PublishTarget(address="127.0.0.1:9", proof=registration_proof(key, "127.0.0.1:9"))
+    for name, call, message in (
+        ("TrainStep", stub.TrainStep, trainer_pb2.TrainStepRequest(run_id="r", step=0, samples=samples(0))),
+        ("PublishWeights", stub.PublishWeights, trainer_pb2.PublishWeightsRequest(targets=[proven])),
+        ("SaveCheckpoint", stub.SaveCheckpoint, trainer_pb2.SaveCheckpointRequest()),
+    ):
+        code, details = code_of(call, message, timeout=30)
+        assert code == Code.FAILED_PRECONDITION, (name, code, details)
+        assert details.startswith(f"{name}: call metadata {FENCE_METADATA} is missing"), details
+    assert service.step == 0 and service.fence == 0 and service.publisher.last is None
+    assert not list((service.config.checkpoint_dir or Path("-")).glob("step-*"))
+    fenced = [(FENCE_METADATA, "3")]
+    saved = stub.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(), timeout=60, metadata=fenced)
+    assert saved.step == 0 and service.fence == 3
 
 
 def test_mutual_tls_identifies_callers_by_certificate(
