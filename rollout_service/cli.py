@@ -78,7 +78,8 @@ def serve(config: RolloutConfig) -> None:
 
             from fp8rl.registry import Heartbeat
 
-            info = {"model": str(config.model), "recipe": config.recipe, "proof": service.registration_proof}
+            # (No registration proof here: one expires within minutes; GetStatus makes a fresh one.)
+            info = {"model": str(config.model), "recipe": config.recipe}
             from fp8rl.credentials import redis_url_with_password
 
             client = redis.Redis.from_url(redis_url_with_password(config.redis_url))

@@ -205,11 +205,10 @@ class RolloutService:
         self.held: WeightSet | None = None  # host copy of the applied set: deltas are XORed against it
         self.held_epoch = -1  # epoch of the update that brought the held version
         self.newest = (-1, -1)  # (epoch, version) of the newest update applied; a failed apply keeps it
-        # With the run's key, only signed updates apply, and only forward (fp8rl.security).
-        self.update_key = config.security.update_key()
-        self.registration_proof = (
-            registration_proof(self.update_key, address) if self.update_key and address else ""
-        )
+        # With the trainer's public key, only updates it signed apply, and only forward (fp8rl.security).
+        security = config.security
+        self.update_public_key = security.update_public_key()
+        self.registration_key, self.address = security.registration_key(), address
         self.schema = expected_schema(
             config.model,
             self.recipe.rollout_weights,
@@ -318,11 +317,11 @@ class RolloutService:
         )
 
     def _check_forward(self, header: weights_pb2.WeightHeader) -> None:
-        """With the run's key, (epoch, version) never goes back. The healing cases, signed like any update:
-        an equal one (the publisher's same-version delta, or a keyframe of the version a replica claims,
-        for one whose bytes diverged or after a trainer restart), and an older version under a newer epoch
-        (a coordinator that took the run over, and rewound it to a trainer checkpoint)."""
-        if self.update_key is None:
+        """With the trainer's key, (epoch, version) never goes back. The healing cases, signed like any
+        update: an equal one (the publisher's same-version delta, or a keyframe of the version a replica
+        claims, for one whose bytes diverged or after a trainer restart), and an older version under a
+        newer epoch (a coordinator that took the run over, and rewound it to a trainer checkpoint)."""
+        if self.update_public_key is None:
             return
         new = (header.epoch, header.version)
         if new < self.newest:
@@ -383,9 +382,15 @@ class RolloutService:
             uptime_s=time.time() - self.started,
             weight_format=self.recipe.rollout_weights,
             needs_keyframe=self.loop.needs_keyframe,
-            registration_proof=self.registration_proof,
+            registration_proof=self.registration_proof(),
             weight_epoch=self.held_epoch,
         )
+
+    def registration_proof(self) -> str:
+        """A fresh proof that the run's replica is at this address (valid for minutes; fp8rl.security)."""
+        if self.registration_key is None or not self.address:
+            return ""
+        return registration_proof(self.registration_key, self.address)
 
     def engine_weights(self) -> dict[str, torch.Tensor]:
         """What the engine computes with (for checks): runs between batches."""
