@@ -30,6 +30,7 @@ def token_path(directory: Path, role: str) -> Path:
 
 
 SIGNING_KEY, PUBLIC_KEY, REGISTRATION_KEY = "update-signing.key", "update-verify.pub", "registration.key"
+HIGH_WATER = "replica.high-water"  # the embedded replica's (epoch, version) mark, beside its secrets
 OLD_UPDATE_KEY = "update.key"  # the symmetric key of earlier versions, which any replica could sign with
 
 
@@ -71,7 +72,10 @@ def security_for(directory: Path, role: str, tls: bool) -> SecurityConfig:
     if role == "trainer":
         keys = {"update_signing_key_file": directory / SIGNING_KEY}
     elif role == "replica":
-        keys = {"update_public_key_file": directory / PUBLIC_KEY}
+        keys = {
+            "update_public_key_file": directory / PUBLIC_KEY,
+            "update_high_water_file": directory / HIGH_WATER,
+        }
     if role in ("trainer", "replica"):
         keys["registration_key_file"] = directory / REGISTRATION_KEY
     return SecurityConfig(

@@ -14,9 +14,9 @@
   holds (over a BLAKE3 hash of the part's header fields and every byte of its blob: the part's own digest,
   XXH3, is not collision-resistant); replicas hold only the public key, so no replica can sign. A replica
   with it applies only updates that verify, and only forward: (epoch, version) must grow, where epoch is
-  the fencing token of the coordinator that asked for the publish. A coordinator that takes a run over
-  (a restart, a rewind to a checkpoint) holds a higher token, which is how a signed keyframe of an older
-  version heals replicas.
+  the fencing token of the coordinator that asked for the publish; a replica with a high-water file keeps
+  that mark across restarts. A coordinator that takes a run over (a restart, a rewind to a checkpoint)
+  holds a higher token, which is how a signed keyframe of an older version heals replicas.
 - Replicas prove they belong to the run with ``HMAC(registration key, address, expiry)``, made fresh for
   every status read and valid for minutes, which the trainer checks before sending weights anywhere
   (:func:`registration_proof`, :func:`proof_refusal`).
@@ -97,6 +97,10 @@ class SecurityConfig(BaseModel):
     holds it."""
     update_public_key_file: Path | None = None
     """Replica: the trainer's Ed25519 public key (PEM); only updates it verifies apply, and only forward."""
+    update_high_water_file: Path | None = None
+    """Replica: where it keeps the (epoch, version) of the newest signed update it applied (written
+    atomically, 0600), so that a restarted replica refuses older ones; unset: kept in memory (a replica
+    beyond loopback must set it)."""
     registration_key_file: Path | None = None
     """Trainer and replicas: the run's registration key (hex): a replica proves with it, a few minutes at
     a time, that the address it advertises is the run's; the trainer sends weights only to those."""
@@ -133,7 +137,7 @@ class SecurityConfig(BaseModel):
             "update_signing_key_file",
             "update_public_key_file",
             "registration_key_file",
-        )
+        )  # (not update_high_water_file: a replica writes it)
         return [
             f"security.{name}: {getattr(self, name)}"
             for name in fields
@@ -237,6 +241,11 @@ def exposure_problem(security: SecurityConfig, host: str, applies_updates: bool 
         return (
             f"{host} is not loopback, and a replica there applies only signed weight updates: set "
             "security.update_public_key_file (the trainer's public key, update-verify.pub)"
+        )
+    if applies_updates and security.update_high_water_file is None:
+        return (
+            f"{host} is not loopback, and a restarted replica there must refuse replays of older updates: "
+            "set security.update_high_water_file (a writable path of its own)"
         )
     if not security.identifies_callers:
         return (

@@ -6,6 +6,8 @@ mutual TLS; servers that refuse to bind beyond loopback unprotected."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
 import re
 import subprocess
@@ -40,6 +42,9 @@ from fp8rl.security import (
 )
 from fp8rl.serving import FENCE_METADATA, InsecureBinding, RunningServer, start_server
 from fp8rl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc, weights_pb2
+from rollout_service.high_water import HighWater
+from rollout_service.service import RolloutService
+from rollout_service.servicer import RolloutServicer
 from tests.conftest import InProcessRollout
 from tests.integration.test_rollout import random_state
 from tests.integration.test_trainer import samples
@@ -327,7 +332,7 @@ def secured_replica(
     rollout_fp8: InProcessRollout, run_secrets: Path
 ) -> Iterator[tuple[InProcessRollout, str]]:
     """The session's replica behind a second server that checks tokens, holding the trainer's public key
-    and the run's registration key for the test's duration."""
+    and the run's registration key for the test's duration (its high-water mark in memory)."""
     security = security_for(run_secrets, "replica", tls=False)
     service = rollout_fp8.service
     running = start_server(
@@ -339,12 +344,12 @@ def secured_replica(
     running.set_serving()
     public = security.update_public_key()
     assert public is not None
-    service.update_public_key = public
+    service.update_public_key, service.high_water = public, HighWater(None, signer_id(public))
     service.registration_key, service.address = security.registration_key(), running.address
     try:
         yield rollout_fp8, running.address
     finally:
-        service.update_public_key = service.registration_key = None
+        service.update_public_key = service.high_water = service.registration_key = None
         running.stop(0)
 
 
@@ -473,6 +478,75 @@ def test_replica_applies_only_signed_updates_from_the_trainer_role(
     assert len(reader.Generate(generate, timeout=60).completions) == 1
 
 
+@contextlib.contextmanager
+def replica_process_state(
+    rollout: InProcessRollout, security: SecurityConfig, run_secrets: Path
+) -> Iterator[tuple[RolloutService, rollout_pb2_grpc.RolloutStub]]:
+    """A replica as a fresh process would start it, over the session's engine: its handlers built anew
+    from ``security`` (what a restart rereads: keys, and the high-water file), behind a server of its own
+    that checks tokens; the trainer's stub to it."""
+    service = RolloutService(
+        rollout.service.config.model_copy(update={"security": security}), rollout.service.engine
+    )
+    servicer = RolloutServicer(service)
+    running = start_server(
+        lambda s: rollout_pb2_grpc.add_RolloutServicer_to_server(servicer, s),
+        ["fp8rl.v1.Rollout"],
+        security=security,
+        max_receive_bytes=64 * 1024 * 1024,
+    )
+    running.set_serving()
+    as_trainer = channel(running.address, security_for(run_secrets, "trainer", tls=False), "rollout")
+    try:
+        yield service, rollout_pb2_grpc.RolloutStub(as_trainer)
+    finally:
+        as_trainer.close()
+        running.stop(0)
+        service.loop.stop()
+
+
+def test_a_restarted_replica_refuses_a_replayed_older_update(
+    rollout_fp8: InProcessRollout, run_secrets: Path, tmp_path: Path, gen: torch.Generator
+) -> None:
+    """The high-water mark outlives the replica: an older signed update, captured off the wire and
+    replayed after a restart, is refused (FAILED_PRECONDITION naming it and the mark); a newer one
+    applies and raises the mark on disk."""
+    mark = tmp_path / "state" / "high-water.json"
+    security = security_for(run_secrets, "replica", tls=False).model_copy(
+        update={"update_high_water_file": mark}
+    )
+    key = trainer_key(run_secrets)
+    weights = build_weight_set(random_state(rollout_fp8.model_dir, 1), "fp8-block128", hp_dtype=torch.float32)
+    epoch = 3 * 10**6 + int(torch.randint(0, 1000, (1,), generator=gen))
+
+    def signed(version: int) -> list[weights_pb2.WeightChunk]:  # what a wire tap would have captured
+        return list(parts_to_chunks(keyframe_parts(weights, version, part_bytes=1 << 16), epoch, key))
+
+    captured = signed(5)
+    with replica_process_state(rollout_fp8, security, run_secrets) as (service, stub):
+        assert stub.UpdateWeights(iter(captured), timeout=120).version == 5
+        assert stub.UpdateWeights(iter(signed(6)), timeout=120).version == 6
+        assert service.version == 6
+    assert json.loads(mark.read_text())["epoch"] == epoch and json.loads(mark.read_text())["version"] == 6
+    assert mark.stat().st_mode & 0o777 == 0o600 and mark.parent.stat().st_mode & 0o777 == 0o700
+    assert sorted(p.name for p in mark.parent.iterdir()) == ["high-water.json", "high-water.json.lock"]
+
+    with replica_process_state(rollout_fp8, security, run_secrets) as (service, stub):  # restarted
+        before = service.version
+        code, details = code_of(stub.UpdateWeights, iter(captured), timeout=120)
+        assert code == Code.FAILED_PRECONDITION, (code, details)
+        assert f"keyframe of version 5 (epoch {epoch}) refused" in details, details
+        assert f"older than version 6 (epoch {epoch})" in details and str(mark) in details, details
+        assert service.version == before and service.held is None  # nothing was decoded or applied
+        assert stub.UpdateWeights(iter(signed(7)), timeout=120).version == 7
+        assert service.version == 7 and service.held_epoch == epoch
+    assert json.loads(mark.read_text())["version"] == 7
+    # Without the file (a replica that keeps its mark in memory only), the same replay would apply.
+    in_memory = security.model_copy(update={"update_high_water_file": None})
+    with replica_process_state(rollout_fp8, in_memory, run_secrets) as (_, stub):
+        assert stub.UpdateWeights(iter(captured), timeout=120).version == 5
+
+
 def test_trainer_publishes_signed_updates_to_a_replica_that_proves_itself(
     secured_replica: tuple[InProcessRollout, str], tiny_model_dir_f32: Path, run_secrets: Path, tmp_path: Path
 ) -> None:
@@ -556,7 +630,7 @@ def test_policy_is_closed_by_default_and_keys_are_checked(run_secrets: Path, tmp
     problem = exposure_problem(tokens_only, "0.0.0.0", applies_updates=True)
     assert "update_public_key_file" in str(problem)
     with_key = tokens_only.model_copy(update={"update_public_key_file": run_secrets / "update-verify.pub"})
-    assert exposure_problem(with_key, "0.0.0.0", applies_updates=True) is None
+    assert "update_high_water_file" in str(exposure_problem(with_key, "0.0.0.0", applies_updates=True))
 
 
 def test_old_or_misplaced_update_keys_are_config_errors_that_say_what_to_do(

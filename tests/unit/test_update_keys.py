@@ -1,9 +1,12 @@
-"""Updates only the trainer can sign, and proofs that expire: Ed25519 signatures checked part by part
-before a byte is yielded, registration proofs bound to an address and an expiry."""
+"""Updates only the trainer can sign, and marks and proofs that hold across restarts and expire: Ed25519
+signatures checked part by part before a byte is yielded, the replica's high-water file (atomic, 0600,
+bound to the signing key), registration proofs bound to an address and an expiry."""
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,8 +15,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from fp8rl.codec.encode import keyframe_parts
 from fp8rl.codec.stream import parts_to_chunks, receive_parts
 from fp8rl.codec.weight_set import WeightSet
-from fp8rl.errors import Unauthenticated
-from fp8rl.security import CLOCK_SKEW_S, PROOF_TTL_S, proof_refusal, registration_proof
+from fp8rl.errors import PreconditionFailed, Unauthenticated
+from fp8rl.security import CLOCK_SKEW_S, PROOF_TTL_S, proof_refusal, registration_proof, signer_id
+from rollout_service.high_water import HighWater
 
 
 def parted(gen: torch.Generator, signer: Ed25519PrivateKey | None) -> list:
@@ -41,6 +45,42 @@ def test_every_part_verifies_before_it_is_yielded(gen: torch.Generator) -> None:
     for signer in (Ed25519PrivateKey.generate(), None):
         with pytest.raises(Unauthenticated, match=r"header\.signature"):
             next(receive_parts(parted(gen, signer), verifier=trainer.public_key()))
+
+
+def test_the_high_water_mark_survives_a_restart_and_is_written_privately(tmp_path: Path) -> None:
+    path, signer = tmp_path / "state" / "mark.json", signer_id(Ed25519PrivateKey.generate().public_key())
+    mark = HighWater(path, signer)
+    mark.raise_to(4, 10)
+    mark.raise_to(4, 9)  # never lowered
+    assert json.loads(path.read_text()) == {"signer": signer, "epoch": 4, "version": 10}
+    assert path.stat().st_mode & 0o777 == 0o600 and path.parent.stat().st_mode & 0o777 == 0o700
+    assert not [p for p in path.parent.iterdir() if p.name.endswith(".tmp")]
+    restarted = HighWater(path, signer)
+    assert restarted.newest == (4, 10)
+    with pytest.raises(PreconditionFailed, match=r"delta of version 9 \(epoch 4\) refused: older than"):
+        restarted.check(4, 9, "delta")
+    restarted.check(4, 10, "keyframe")  # the same again heals
+    restarted.check(5, 0, "keyframe")  # a newer epoch (a coordinator that took over) goes back
+    # Replicas sharing the file keep the highest mark either of them took.
+    other = HighWater(path, signer)
+    restarted.raise_to(4, 12)
+    other.raise_to(4, 11)
+    assert HighWater(path, signer).newest == (4, 12)
+    # A run with new keys starts afresh; a file that is no mark is an error naming the field.
+    assert HighWater(path, signer_id(Ed25519PrivateKey.generate().public_key())).newest == (-1, -1)
+    path.write_text("not json")
+    with pytest.raises(ValueError, match=r"security\.update_high_water_file"):
+        HighWater(path, signer)
+
+
+def test_a_mark_that_cannot_be_written_is_not_raised(tmp_path: Path) -> None:
+    path = tmp_path / "mark.json"
+    mark = HighWater(path, "s")
+    mark.raise_to(1, 1)
+    (tmp_path / f".mark.json.{os.getpid()}.tmp").mkdir()  # where the write would go: it fails, even as root
+    with pytest.raises(OSError):
+        mark.raise_to(2, 0)
+    assert mark.newest == (1, 1) and HighWater(path, "s").newest == (1, 1)
 
 
 def test_registration_proofs_name_an_address_and_expire() -> None:
