@@ -13,8 +13,8 @@ engine, ``StoringReplica``, in place of vLLM). Printed, measured in this one run
 For a delta, raw is given for the delta's own wire bytes and for the whole set's bytes (what sending the
 new weights without a codec would cost). Each update is sent three ways: ``whole`` (one part: encoded
 whole, then sent, then decoded), ``parts`` (streamed: each part sent and applied while the next one is
-encoded) and ``signed`` (streamed, with the run's MAC on every part), each twice; the ratios printed
-last compare each mode's best ``send s``.
+encoded) and ``signed`` (streamed, with the trainer's Ed25519 signature on every part), each twice; the
+ratios printed last compare each mode's best ``send s``.
 
 With ``--split-cores`` the trainer runs on half the cores and the replica on the other half, as if on
 two machines: only then can one side encode while the other decodes (on shared cores, streaming only
@@ -39,6 +39,8 @@ from pathlib import Path
 import grpc
 import numpy as np
 import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/codec.py: the model's shapes
 
@@ -71,8 +73,9 @@ class StoringReplica(rollout_pb2_grpc.RolloutServicer):
             for chunk in stream:
                 assembler.add(chunk.data)
             return weights_pb2.UpdateWeightsResponse(encoding="raw", bytes_received=first.header.total_bytes)
-        key = BENCH_KEY if first.header.mac else None  # signed updates are verified, as with the run's key
-        parts = receive_parts(_prepend(first, stream), max_bytes=1 << 36, key=key)
+        # Signed updates are verified, as a replica with the trainer's public key does.
+        verifier = BENCH_KEY.public_key() if first.header.signature else None
+        parts = receive_parts(_prepend(first, stream), max_bytes=1 << 36, verifier=verifier)
         with contextlib.closing(read_ahead(parts)) as ahead:
             decoded, received = decode_parts(
                 ahead, self.held, self.version if self.held is not None else None
@@ -83,7 +86,8 @@ class StoringReplica(rollout_pb2_grpc.RolloutServicer):
         )
 
 
-BENCH_KEY = bytes(range(32))  # the signed rows' update key (both processes know it)
+# The signed rows' update-signing key (both processes derive it; a real replica holds the public key only).
+BENCH_KEY = Ed25519PrivateKey.from_private_bytes(bytes(range(32)))
 
 
 def _prepend(first: weights_pb2.WeightChunk, rest: Iterator[weights_pb2.WeightChunk]) -> Iterator:
@@ -168,8 +172,8 @@ def main() -> None:
             f"{'raw wire s':>10} "
             f"{'raw set s':>9} {'raw/ours wire':>13} {'raw set/ours':>12} {'raw set/send':>12}"
         )
-        key_file = Path(tempfile.mkdtemp()) / "update.key"
-        key_file.write_text(BENCH_KEY.hex())
+        key_file = Path(tempfile.mkdtemp()) / "update-signing.key"
+        key_file.write_bytes(BENCH_KEY.private_bytes(Encoding.PEM, PrivateFormat.PKCS8, NoEncryption()))
         steps: list[tuple[float | None, dict[str, torch.Tensor]]] = [(None, master)]
         for step_size in (1e-4, 1e-5, 1e-6):
             master = {n: w + step_size * w.abs() * torch.randn(w.shape) for n, w in master.items()}
@@ -180,11 +184,12 @@ def main() -> None:
         warm_up.close()
         # The same updates sent as one part (encoded whole, then sent, then decoded whole), streamed in
         # parts (each part encoded, sent and applied while the next is encoded), and streamed and signed
-        # (keyed BLAKE3 over every byte, made by the trainer as each part is encoded, checked by the
-        # replica as the chunks arrive): the differences are streaming's gain and the MAC's cost. Each
-        # mode runs twice, in mirrored order, and the ratios take each one's best (this VM drifts).
+        # (BLAKE3 over every byte, signed with Ed25519 by the trainer as each part is encoded, checked by
+        # the replica as the chunks arrive): the differences are streaming's gain and the signature's
+        # cost. Each mode runs twice, in mirrored order, and the ratios take each one's best (this VM
+        # drifts).
         for mode in ("whole", "parts", "signed", "signed", "parts", "whole"):
-            security = SecurityConfig(update_key_file=key_file) if mode == "signed" else None
+            security = SecurityConfig(update_signing_key_file=key_file) if mode == "signed" else None
             part_bytes = sys.maxsize if mode == "whole" else PART_BYTES
             publisher = Publisher(args.format, torch.bfloat16, args.format, security, part_bytes)
             held = -1

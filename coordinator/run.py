@@ -106,7 +106,8 @@ def redis_password_file(run_dir: Path) -> Path:
 
 
 def secrets_dir(run_dir: Path) -> Path:
-    """An embedded run's tokens, update key and (with tls) CA and certificates (fp8rl/run_secrets.py)."""
+    """An embedded run's tokens, update-signing pair, registration key, the replica's high-water mark and
+    (with tls) CA and certificates (fp8rl/run_secrets.py)."""
     return run_dir / "secrets"
 
 
@@ -353,7 +354,7 @@ class EmbeddedProcesses:
             watch=self.watched,
             password=password_file.read_text(),
         )
-        # The run's secrets (written here, first): tokens and the update key always, a CA with certificates
+        # The run's secrets (written here, first): tokens and the update keys always, a CA with certificates
         # with --tls; other local users can reach loopback ports too.
         me = security_for(secrets_dir(run_dir), "coordinator", config.embedded.tls)
         trainer_yaml = run_dir / "trainer.yaml"  # the embedded trainer's whole TrainerConfig, validated here

@@ -1,6 +1,6 @@
 """Secrets out of command lines and files: a Redis password comes from the environment (REDIS_PASSWORD)
 or from a file (REDIS_PASSWORD_FILE, e.g. a compose secret), never from an argument that `ps` shows, and
-URLs are written to disk and logs without it. Pure (no I/O beyond reading the password file)."""
+URLs are written to disk and logs without it; private files are written 0600 from their first byte."""
 
 from __future__ import annotations
 
@@ -78,3 +78,26 @@ def write_private(path: Path, text: str) -> None:
     with os.fdopen(fd, "w") as f:
         f.write(text)
     os.chmod(path, 0o600)
+
+
+def write_private_atomic(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` (0600) as one step that a crash cannot tear: written to a temporary
+    file beside it, flushed to disk, renamed over it, and the rename flushed too."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)

@@ -1,5 +1,7 @@
 """A run's secrets in one private directory: a bearer token per role, the tokens file servers check them
-against (digests only), the weight-update key and, for TLS, a private CA with a certificate per role.
+against (digests only), the trainer's Ed25519 key pair that signs weight updates (the private key goes to
+the trainer alone, the public key to replicas), the registration key replicas prove their address with
+and, for TLS, a private CA with a certificate per role.
 
 `python -m fp8rl.run_secrets DIR [--no-tls] [--export ROLE=DIR ...]` writes them and copies each role's
 share where that process mounts it (compose's one-shot `secrets` service does); an embedded `coordinator
@@ -27,9 +29,14 @@ def token_path(directory: Path, role: str) -> Path:
     return directory / f"{role}.token"
 
 
+SIGNING_KEY, PUBLIC_KEY, REGISTRATION_KEY = "update-signing.key", "update-verify.pub", "registration.key"
+HIGH_WATER = "replica.high-water"  # the embedded replica's (epoch, version) mark, beside its secrets
+OLD_UPDATE_KEY = "update.key"  # the symmetric key of earlier versions, which any replica could sign with
+
+
 def write_run_secrets(directory: Path, tls: bool = False) -> None:
-    """Tokens, tokens file and update key (and with ``tls`` a CA and role certificates) in ``directory``
-    (0700; files 0600), keeping what is there."""
+    """Tokens, tokens file, the update-signing key pair and the registration key (and with ``tls`` a CA
+    and role certificates) in ``directory`` (0700; files 0600), keeping what is there."""
     directory.mkdir(parents=True, exist_ok=True)
     os.chmod(directory, 0o700)
     for role in ROLES:
@@ -40,8 +47,10 @@ def write_run_secrets(directory: Path, tls: bool = False) -> None:
     if not tokens.exists() or tokens.read_text() != digests:  # servers may be reading it: swap it whole
         write_private(tokens.with_suffix(".new"), digests)
         os.replace(tokens.with_suffix(".new"), tokens)
-    if not (directory / "update.key").exists():
-        write_private(directory / "update.key", secrets.token_hex(32) + "\n")
+    write_signing_pair(directory)
+    if not (directory / REGISTRATION_KEY).exists():
+        write_private(directory / REGISTRATION_KEY, secrets.token_hex(32) + "\n")
+    (directory / OLD_UPDATE_KEY).unlink(missing_ok=True)  # replaced by the pair: nothing reads it now
     if tls:
         write_pki(directory)
 
@@ -59,12 +68,38 @@ def security_for(directory: Path, role: str, tls: bool) -> SecurityConfig:
         if tls
         else {}
     )
+    keys: dict[str, Path] = {}
+    if role == "trainer":
+        keys = {"update_signing_key_file": directory / SIGNING_KEY}
+    elif role == "replica":
+        keys = {
+            "update_public_key_file": directory / PUBLIC_KEY,
+            "update_high_water_file": directory / HIGH_WATER,
+        }
+    if role in ("trainer", "replica"):
+        keys["registration_key_file"] = directory / REGISTRATION_KEY
     return SecurityConfig(
-        token_file=token_path(directory, role),
-        tokens_file=directory / "tokens",
-        update_key_file=directory / "update.key",
-        **pki,
+        token_file=token_path(directory, role), tokens_file=directory / "tokens", **keys, **pki
     )
+
+
+def write_signing_pair(directory: Path) -> None:
+    """The trainer's Ed25519 key pair: the private key (PKCS8 PEM) that signs updates, and its public key
+    (PEM) that replicas verify them with. Kept when both are there."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    if (directory / SIGNING_KEY).exists() and (directory / PUBLIC_KEY).exists():
+        return
+    key = Ed25519PrivateKey.generate()
+    private = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    public = key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    write_private(directory / SIGNING_KEY, private.decode())
+    write_private(directory / PUBLIC_KEY, public.decode())
 
 
 def write_pki(directory: Path) -> None:
@@ -136,21 +171,24 @@ def write_pki(directory: Path) -> None:
         write_private(directory / f"{role}.pem", pem_cert(cert))
 
 
+_SERVER = ("ca.pem", "tokens", REGISTRATION_KEY)  # (a server's, beside its own certificate and token)
 BUNDLES = {
-    "trainer": ("ca.pem", "trainer.pem", "trainer.key", "trainer.token", "tokens", "update.key"),
-    "replica": ("ca.pem", "replica.pem", "replica.key", "replica.token", "tokens", "update.key"),
+    "trainer": (*_SERVER, "trainer.pem", "trainer.key", "trainer.token", SIGNING_KEY),
+    "replica": (*_SERVER, "replica.pem", "replica.key", "replica.token", PUBLIC_KEY),
     "coordinator": ("ca.pem", "coordinator.pem", "coordinator.key", "coordinator.token"),
     "reader": ("ca.pem", "reader.pem", "reader.key", "reader.token"),
     "redis": ("ca.pem", "redis.pem", "redis.key"),
 }
-"""What each process needs, and nothing more (never ca.key): servers hold the tokens file and the update
-key, clients their own certificate and token."""
+"""What each process needs, and nothing more (never ca.key): servers hold the tokens file, the trainer
+the key that signs updates, replicas only its public key (both the registration key), clients their own
+certificate and token."""
 
 
 def export_bundle(directory: Path, role: str, target: Path) -> None:
     """Copy ``role``'s files from ``directory`` into ``target`` (0700, files 0600)."""
     target.mkdir(parents=True, exist_ok=True)
     os.chmod(target, 0o700)
+    (target / OLD_UPDATE_KEY).unlink(missing_ok=True)  # an earlier version's export
     for name in BUNDLES[role]:
         if (directory / name).exists():
             write_private(target / name, (directory / name).read_text())
@@ -159,7 +197,7 @@ def export_bundle(directory: Path, role: str, target: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m fp8rl.run_secrets", description=__doc__.split("\n\n")[0])
     parser.add_argument("directory", type=Path, help="where all of the run's secrets are kept (with ca.key)")
-    parser.add_argument("--no-tls", action="store_true", help="tokens and update key only, no CA")
+    parser.add_argument("--no-tls", action="store_true", help="tokens and update keys only, no CA")
     parser.add_argument(
         "--export",
         action="append",

@@ -10,15 +10,16 @@
   (Generate, GetStatus, health, reflection) is a read, open to any identified caller, or to anyone where
   ``open_reads`` is set. A server with no way to identify callers (no tokens, no client CA) lets
   everyone in, and so may only bind loopback (:func:`exposure_problem`).
-- Updates: the trainer signs each part of an update (its header fields, and every byte) with keyed BLAKE3
-  (its key derived from the run's update key); a replica with that key applies only updates that
-  verify, and only forward: (epoch, version) must grow, where epoch is the fencing token of the
-  coordinator that asked for the publish. A coordinator that takes a run over (a restart, a rewind to a
-  checkpoint) holds a higher token, which is how a signed keyframe of an older version heals replicas.
-  The MAC covers the blob itself, not just its digest, because the digest (XXH3) is not
-  collision-resistant.
-- Replicas prove they belong to the run with ``HMAC(update key, address)``, which the trainer checks
-  before sending weights anywhere (:func:`registration_proof`).
+- Updates: the trainer signs each part of an update with the run's Ed25519 private key, which only it
+  holds (over a BLAKE3 hash of the part's header fields and every byte of its blob: the part's own digest,
+  XXH3, is not collision-resistant); replicas hold only the public key, so no replica can sign. A replica
+  with it applies only updates that verify, and only forward: (epoch, version) must grow, where epoch is
+  the fencing token of the coordinator that asked for the publish; a replica with a high-water file keeps
+  that mark across restarts. A coordinator that takes a run over (a restart, a rewind to a checkpoint)
+  holds a higher token, which is how a signed keyframe of an older version heals replicas.
+- Replicas prove they belong to the run with ``HMAC(registration key, address, expiry)``, made fresh for
+  every status read and valid for minutes, which the trainer checks before sending weights anywhere
+  (:func:`registration_proof`, :func:`proof_refusal`).
 """
 
 from __future__ import annotations
@@ -27,13 +28,19 @@ import hashlib
 import hmac
 import ipaddress
 import json
+import string
+import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import blake3
 import grpc
-from pydantic import BaseModel, ConfigDict, model_validator
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from fp8rl.errors import PermissionDenied, Unauthenticated
 
@@ -85,12 +92,32 @@ class SecurityConfig(BaseModel):
     """File holding the bearer token this process sends as a client."""
     tokens_file: Path | None = None
     """Server: the callers it accepts, one `<role> <sha256 hex of the token>` per line."""
-    update_key_file: Path | None = None
-    """The run's weight-update key (hex): the trainer signs updates with it, replicas verify them."""
+    update_signing_key_file: Path | None = None
+    """Trainer: the run's Ed25519 private key (PEM), which signs every weight update; no other process
+    holds it."""
+    update_public_key_file: Path | None = None
+    """Replica: the trainer's Ed25519 public key (PEM); only updates it verifies apply, and only forward."""
+    update_high_water_file: Path | None = None
+    """Replica: where it keeps the (epoch, version) of the newest signed update it applied (written
+    atomically, 0600), so that a restarted replica refuses older ones; unset: kept in memory (a replica
+    beyond loopback must set it)."""
+    registration_key_file: Path | None = None
+    """Trainer and replicas: the run's registration key (hex): a replica proves with it, a few minutes at
+    a time, that the address it advertises is the run's; the trainer sends weights only to those."""
+    update_key_file: Path | None = Field(None, exclude=True)
+    """Removed: the symmetric update key, with which any replica could sign updates. Setting it is a
+    config error that says what replaced it."""
     open_reads: bool = False
     """Server: Generate, GetStatus and health answer callers without identity too."""
     allow_plaintext: bool = False
     """Allow plaintext beyond loopback (tokens then cross the network readable: only on trusted networks)."""
+
+    @field_validator("update_key_file")
+    @classmethod
+    def _symmetric_key_removed(cls, value: Path | None) -> Path | None:
+        if value is not None:
+            raise ValueError(SYMMETRIC_KEY_REMOVED)
+        return value
 
     @model_validator(mode="after")
     def _pairs(self) -> SecurityConfig:
@@ -101,7 +128,16 @@ class SecurityConfig(BaseModel):
     def missing_files(self) -> list[str]:
         """``security.FIELD: PATH`` for each configured file that is not there (checked at start-up, not
         when a config is validated: a compose file's paths exist only inside its containers)."""
-        fields = ("tls_cert", "tls_key", "tls_ca", "token_file", "tokens_file", "update_key_file")
+        fields = (
+            "tls_cert",
+            "tls_key",
+            "tls_ca",
+            "token_file",
+            "tokens_file",
+            "update_signing_key_file",
+            "update_public_key_file",
+            "registration_key_file",
+        )  # (not update_high_water_file: a replica writes it)
         return [
             f"security.{name}: {getattr(self, name)}"
             for name in fields
@@ -116,15 +152,75 @@ class SecurityConfig(BaseModel):
     def identifies_callers(self) -> bool:
         return self.client_certs or self.tokens_file is not None
 
-    def update_key(self) -> bytes | None:
-        if self.update_key_file is None:
+    def update_signing_key(self) -> Ed25519PrivateKey | None:
+        """The trainer's key that signs updates (None without update_signing_key_file)."""
+        if self.update_signing_key_file is None:
             return None
-        key = bytes.fromhex(self.update_key_file.read_text().strip())
+        path = self.update_signing_key_file
+        key = _load_pem(path, "update_signing_key_file", private=True)
+        if not isinstance(key, Ed25519PrivateKey):
+            raise ValueError(f"security.update_signing_key_file: {path} {_NOT_ED25519}")
+        return key
+
+    def update_public_key(self) -> Ed25519PublicKey | None:
+        """The trainer's public key, which verifies updates (None without update_public_key_file)."""
+        if self.update_public_key_file is None:
+            return None
+        path = self.update_public_key_file
+        key = _load_pem(path, "update_public_key_file", private=False)
+        if not isinstance(key, Ed25519PublicKey):
+            raise ValueError(f"security.update_public_key_file: {path} {_NOT_ED25519}")
+        return key
+
+    def registration_key(self) -> bytes | None:
+        if self.registration_key_file is None:
+            return None
+        try:
+            key = bytes.fromhex(self.registration_key_file.read_text().strip())
+        except ValueError:
+            key = b""
         if len(key) < MIN_KEY_BYTES:
             raise ValueError(
-                f"security.update_key_file: {len(key)} bytes; a key has at least {MIN_KEY_BYTES}"
+                f"security.registration_key_file: {self.registration_key_file} holds no key of at least "
+                f"{MIN_KEY_BYTES} bytes (hex); `python -m fp8rl.run_secrets DIR` writes DIR/registration.key"
             )
         return key
+
+    def check_keys(self) -> None:
+        """Read every configured key (raises ValueError naming the field of one that is unusable)."""
+        self.update_signing_key()
+        self.update_public_key()
+        self.registration_key()
+
+
+SYMMETRIC_KEY_REMOVED = (
+    "the run's symmetric update key is no longer used (whoever held it, every replica included, could sign "
+    "updates for every replica): the trainer signs with security.update_signing_key_file (an Ed25519 "
+    "private key only it holds), replicas verify with security.update_public_key_file and prove their "
+    "address with security.registration_key_file; `python -m fp8rl.run_secrets DIR` writes "
+    "update-signing.key, update-verify.pub and registration.key"
+)
+_NOT_ED25519 = "is not an Ed25519 key in PEM; `python -m fp8rl.run_secrets DIR` writes the run's pair"
+
+
+def _load_pem(path: Path, field: str, private: bool) -> object:
+    """A PEM key from ``path``; a ValueError naming ``field`` and the fix for anything else (an old
+    symmetric key above all, or the trainer's private key where a replica's public key belongs)."""
+    data = path.read_bytes()
+    text = data.decode("ascii", "replace").strip()
+    if text and all(c in string.hexdigits for c in text):
+        raise ValueError(f"security.{field}: {path} holds a symmetric key (hex); {SYMMETRIC_KEY_REMOVED}")
+    if not private and b"PRIVATE KEY" in data:
+        raise ValueError(
+            f"security.{field}: {path} holds a private key; a replica holds only the trainer's public key "
+            "(update-verify.pub), never the key that signs"
+        )
+    try:
+        if private:
+            return serialization.load_pem_private_key(data, password=None)
+        return serialization.load_pem_public_key(data)
+    except (ValueError, TypeError, UnsupportedAlgorithm):
+        raise ValueError(f"security.{field}: {path} {_NOT_ED25519}") from None
 
 
 def is_loopback(host: str) -> bool:
@@ -141,10 +237,15 @@ def exposure_problem(security: SecurityConfig, host: str, applies_updates: bool 
     replica, which beyond loopback applies only signed updates."""
     if is_loopback(host):
         return None
-    if applies_updates and security.update_key_file is None:
+    if applies_updates and security.update_public_key_file is None:
         return (
             f"{host} is not loopback, and a replica there applies only signed weight updates: set "
-            "security.update_key_file (the run's key, as the trainer's)"
+            "security.update_public_key_file (the trainer's public key, update-verify.pub)"
+        )
+    if applies_updates and security.update_high_water_file is None:
+        return (
+            f"{host} is not loopback, and a restarted replica there must refuse replays of older updates: "
+            "set security.update_high_water_file (a writable path of its own)"
         )
     if not security.identifies_callers:
         return (
@@ -163,7 +264,7 @@ def exposure_problem(security: SecurityConfig, host: str, applies_updates: bool 
 
 def refuse_exposure(prog: str, security: SecurityConfig, host: str, applies_updates: bool = False) -> None:
     """Exit with status 2 and a message saying how to configure it, when a server must not bind ``host``
-    as configured, a configured file is missing, or the update key is too short."""
+    as configured, a configured file is missing, or a key is unusable."""
     import sys
 
     problem = exposure_problem(security, host, applies_updates)
@@ -175,7 +276,7 @@ def refuse_exposure(prog: str, security: SecurityConfig, host: str, applies_upda
         print(f"{prog}: no such file: {'; '.join(missing)}", file=sys.stderr)
         raise SystemExit(2)
     try:
-        security.update_key()
+        security.check_keys()
     except ValueError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -394,20 +495,24 @@ def channel(
 
 # -- weight updates -----------------------------------------------------------------------------------
 
-PROOF_SCHEME = "hmac-sha256:"
-UPDATE_MAC_SCHEME = "blake3-keyed:"
-_UPDATE_MAC_CONTEXT = "fp8rl 2026-12 weight update MAC"  # the update key is turned into BLAKE3's key
+UPDATE_SIGNATURE_SCHEME = "ed25519:"
+_UPDATE_CONTEXT = b"fp8rl 2026-12 weight update part\n"  # what the signature is over: this, then the hash
 
 
-class UpdateMac:
-    """Keyed BLAKE3 (a MAC: BLAKE3's keyed mode is a PRF) over the header fields of one part of an update
-    (its index and the part count among them) and then every byte of the part's blob, fed as it streams.
-    It runs on every core for big chunks: 6 GB/s on this project's 2-core machine against HMAC-SHA256's
-    1.5."""
+def signer_id(public: Ed25519PublicKey) -> str:
+    """A public key's fingerprint (SHA-256 of its raw bytes, hex): names the signer a replica trusts."""
+    return hashlib.sha256(public.public_bytes(Encoding.Raw, PublicFormat.Raw)).hexdigest()
 
-    def __init__(self, key: bytes, header: Any) -> None:
+
+class PartHash:
+    """BLAKE3 (collision-resistant, on every core for big chunks) over the header fields of one part of an
+    update (its index and the part count among them, never the signature) and then every byte of the
+    part's blob, fed as it streams. The trainer signs this hash with Ed25519; a replica recomputes it and
+    verifies the signature with the public key alone."""
+
+    def __init__(self, header: Any) -> None:
         fields = [
-            "fp8rl-update-v3",
+            "fp8rl-update-v4",
             header.version,
             header.base_version,
             header.epoch,
@@ -419,39 +524,79 @@ class UpdateMac:
             header.format,
             header.recipe,
         ]
-        mac_key = blake3.blake3(key, derive_key_context=_UPDATE_MAC_CONTEXT).digest()
-        self._mac = blake3.blake3(key=mac_key, max_threads=blake3.blake3.AUTO)
-        self._mac.update(json.dumps(fields).encode() + b"\n")  # JSON: one reading of where a field ends
+        self._hash = blake3.blake3(max_threads=blake3.blake3.AUTO)
+        self._hash.update(json.dumps(fields).encode() + b"\n")  # JSON: one reading of where a field ends
 
     def update(self, data: bytes | bytearray | memoryview) -> None:
-        self._mac.update(data)
+        self._hash.update(data)
 
-    def value(self) -> str:
-        return UPDATE_MAC_SCHEME + self._mac.hexdigest()
+    def message(self) -> bytes:
+        return _UPDATE_CONTEXT + self._hash.digest()
 
 
-def sign_update(key: bytes, header: Any, pieces: Iterable[bytes | memoryview]) -> str:
-    mac = UpdateMac(key, header)
+def sign_update(signer: Ed25519PrivateKey, header: Any, pieces: Iterable[bytes | memoryview]) -> str:
+    """The signature of one part (``header`` with ``pieces``, its blob), for ``header.signature``."""
+    part = PartHash(header)
     for piece in pieces:
-        mac.update(piece)
-    return mac.value()
+        part.update(piece)
+    return UPDATE_SIGNATURE_SCHEME + signer.sign(part.message()).hex()
 
 
-def verify_update(mac: UpdateMac, claimed: str) -> None:
+def verify_update(verifier: Ed25519PublicKey, part: PartHash, claimed: str) -> None:
+    """Raise :class:`~fp8rl.errors.Unauthenticated` unless ``claimed`` is the trainer's signature of
+    ``part``."""
     if not claimed:
         raise Unauthenticated(
-            "header.mac: missing; this replica applies only updates signed with the run's key"
+            "header.signature: missing; this replica applies only updates signed by the run's trainer"
         )
-    if not hmac.compare_digest(mac.value().encode(), claimed.encode("utf-8", "replace")):
+    try:
+        scheme, _, hex_signature = claimed.partition(":")
+        signature = bytes.fromhex(hex_signature)
+        if scheme + ":" != UPDATE_SIGNATURE_SCHEME:
+            raise ValueError(scheme)
+        verifier.verify(signature, part.message())
+    except (ValueError, InvalidSignature):
         raise Unauthenticated(
-            "header.mac: does not verify under the run's update key (forged or another run's)"
-        )
+            "header.signature: does not verify under the run's update public key (forged, altered, or "
+            "signed by another run's trainer)"
+        ) from None
 
 
-def registration_proof(key: bytes, address: str) -> str:
-    """What a replica at ``address`` shows to be sent the run's weights: only holders of the key make it."""
-    return PROOF_SCHEME + hmac.new(key, f"fp8rl-replica\n{address}".encode(), hashlib.sha256).hexdigest()
+# -- replica registration -----------------------------------------------------------------------------
+
+PROOF_SCHEME = "hmac-sha256-exp"
+PROOF_TTL_S = 300
+"""A registration proof's lifetime: a replica makes a fresh one for every GetStatus; a proof read there
+(or anywhere) stops working this long after it was made."""
+CLOCK_SKEW_S = 60
+"""How far the trainer's clock and a replica's may differ: a proof expired this long ago, or expiring this
+much beyond PROOF_TTL_S, still passes."""
 
 
-def proof_valid(key: bytes, address: str, proof: str) -> bool:
-    return bool(proof) and hmac.compare_digest(registration_proof(key, address), proof)
+def registration_proof(key: bytes, address: str, now: float | None = None) -> str:
+    """What a replica reachable at ``address`` shows, valid for PROOF_TTL_S, to be sent the run's weights:
+    only holders of the run's registration key (the trainer and its replicas) make it."""
+    expires = int((time.time() if now is None else now) + PROOF_TTL_S)
+    return f"{PROOF_SCHEME}:{expires}:{_proof_mac(key, address, expires)}"
+
+
+def proof_refusal(key: bytes, address: str, proof: str, now: float | None = None) -> str | None:
+    """Why ``proof`` does not show that a replica of the run is at ``address`` (None when it does)."""
+    if not proof:
+        return "no proof"
+    scheme, _, rest = proof.partition(":")
+    expires_text, _, mac = rest.partition(":")
+    if scheme != PROOF_SCHEME or not expires_text.isdigit():
+        return f"its proof is not of the form {PROOF_SCHEME}:<expiry>:<mac> (a replica of an older version?)"
+    expires, now = int(expires_text), time.time() if now is None else now
+    if not hmac.compare_digest(_proof_mac(key, address, expires), mac):
+        return "its proof does not verify under the run's registration key"
+    if expires < now - CLOCK_SKEW_S:
+        return f"its proof expired {now - expires:.0f} s ago (replayed, or its clock is behind)"
+    if expires > now + PROOF_TTL_S + CLOCK_SKEW_S:
+        return f"its proof expires {expires - now:.0f} s from now, beyond {PROOF_TTL_S} s (a clock ahead)"
+    return None
+
+
+def _proof_mac(key: bytes, address: str, expires: int) -> str:
+    return hmac.new(key, f"fp8rl-replica-v2\n{address}\n{expires}".encode(), hashlib.sha256).hexdigest()

@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> None:
     if has_password(config.redis_url):
         print(PASSWORD_IN_URL.format(prog="rollout-service"), file=sys.stderr)
     refuse_exposure("rollout-service", config.security, config.host, applies_updates=True)
+    refuse_unreadable_high_water(config)
     if config.http_port is not None and not is_loopback(config.host) and config.security.tokens_file is None:
         print(
             "rollout-service: the HTTP endpoint beyond loopback needs security.tokens_file (its callers send "
@@ -46,6 +47,21 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rollout %(levelname)s %(message)s")
     serve(config)
+
+
+def refuse_unreadable_high_water(config: RolloutConfig) -> None:
+    """Exit with status 2 before vLLM loads when the high-water file is there but no mark."""
+    from fp8rl.security import signer_id
+    from rollout_service.high_water import read_mark
+
+    public_key, path = config.security.update_public_key(), config.security.update_high_water_file
+    if public_key is None or path is None:
+        return
+    try:
+        read_mark(path, signer_id(public_key))
+    except (ValueError, OSError) as exc:
+        print(f"rollout-service: {exc}", file=sys.stderr)
+        sys.exit(2)
 
 
 def serve(config: RolloutConfig) -> None:
@@ -78,7 +94,8 @@ def serve(config: RolloutConfig) -> None:
 
             from fp8rl.registry import Heartbeat
 
-            info = {"model": str(config.model), "recipe": config.recipe, "proof": service.registration_proof}
+            # (No registration proof here: one expires within minutes; GetStatus makes a fresh one.)
+            info = {"model": str(config.model), "recipe": config.recipe}
             from fp8rl.credentials import redis_url_with_password
 
             client = redis.Redis.from_url(redis_url_with_password(config.redis_url))

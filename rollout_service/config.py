@@ -76,17 +76,17 @@ class RolloutConfig(BaseModel):
     heartbeat_s: float = Field(2.0, gt=0)
     """Seconds between registration refreshes; the key expires after three missed beats."""
     security: SecurityConfig = SecurityConfig()
-    """TLS, caller identities and roles, the run's update key (fp8rl/security.py): a replica bound beyond
-    loopback must identify its callers; one with update_key_file applies only signed updates, forward."""
+    """TLS, caller identities and roles, the trainer's public key (fp8rl/security.py): a replica bound
+    beyond loopback must identify its callers and apply only updates the trainer signed, forward."""
 
     @model_validator(mode="after")
     def _advertise_with_redis(self) -> RolloutConfig:
         if self.redis_url and not self.advertise:
             raise ValueError("advertise (host:port) is required when redis_url is set")
-        if self.security.update_key_file and not self.advertise and not is_loopback(self.host):
+        if self.security.registration_key_file and not self.advertise and not is_loopback(self.host):
             raise ValueError(
-                f"advertise (host:port) is required with security.update_key_file on {self.host}: the "
-                "replica's registration proof names the address the trainer reaches it at"
+                f"advertise (host:port) is required with security.registration_key_file on {self.host}: "
+                "the replica's registration proof names the address the trainer reaches it at"
             )
         return self
 

@@ -32,11 +32,12 @@ from fp8rl.codec.weight_set import WeightSet
 from fp8rl.errors import InvalidRequest, Overloaded, PreconditionFailed
 from fp8rl.prometheus import Sample
 from fp8rl.recipes import WeightFormat, get_recipe, is_fp8, weight_scale_format
-from fp8rl.security import registration_proof
+from fp8rl.security import registration_proof, signer_id
 from fp8rl.v1 import common_pb2, rollout_pb2, weights_pb2
 from rollout_service.config import RolloutConfig
 from rollout_service.engine import Alternatives, FinishedSample, VllmEngine
 from rollout_service.generation import GenerationLoop, Ticket
+from rollout_service.high_water import HighWater
 from rollout_service.validation import Limits, Slot, Tokenizer, parse_generate, required_version
 
 log = logging.getLogger(__name__)
@@ -238,12 +239,16 @@ class RolloutService:
         )
         self.held: WeightSet | None = None  # host copy of the applied set: deltas are XORed against it
         self.held_epoch = -1  # epoch of the update that brought the held version
-        self.newest = (-1, -1)  # (epoch, version) of the newest update applied; a failed apply keeps it
-        # With the run's key, only signed updates apply, and only forward (fp8rl.security).
-        self.update_key = config.security.update_key()
-        self.registration_proof = (
-            registration_proof(self.update_key, address) if self.update_key and address else ""
+        # With the trainer's public key, only updates it signed apply, and only forward, across restarts
+        # too where a high-water file is configured (fp8rl.security, rollout_service.high_water).
+        security = config.security
+        self.update_public_key = security.update_public_key()
+        self.high_water = (
+            HighWater(security.update_high_water_file, signer_id(self.update_public_key))
+            if self.update_public_key is not None
+            else None
         )
+        self.registration_key, self.address = security.registration_key(), address
         self.schema = expected_schema(
             config.model,
             self.recipe.rollout_weights,
@@ -327,6 +332,8 @@ class RolloutService:
             if decoded.version != header.version:
                 raise PreconditionFailed(f"header says version {header.version}, payload {decoded.version}")
             check_schema(decoded.weights, self.schema, held)
+            if self.high_water is not None:  # before the engine: a crash past here cannot lower the mark
+                self.high_water.raise_to(header.epoch, header.version)
 
         # A delta rewrites the held set's tensors in place, and puts them back if anything refuses it.
         decoded, received = decode_parts(
@@ -340,7 +347,6 @@ class RolloutService:
         start = time.perf_counter()
         self.loop.run_exclusive(lambda: self._apply(decoded.weights, decoded.version))
         self.held, self.held_epoch = decoded.weights, header.epoch
-        self.newest = max(self.newest, (header.epoch, header.version))
         self.updates_applied += 1
         self.update_seconds += time.perf_counter() - started
         return UpdateResult(
@@ -352,18 +358,12 @@ class RolloutService:
         )
 
     def _check_forward(self, header: weights_pb2.WeightHeader) -> None:
-        """With the run's key, (epoch, version) never goes back. The healing cases, signed like any update:
-        an equal one (the publisher's same-version delta, or a keyframe of the version a replica claims,
-        for one whose bytes diverged or after a trainer restart), and an older version under a newer epoch
-        (a coordinator that took the run over, and rewound it to a trainer checkpoint)."""
-        if self.update_key is None:
-            return
-        new = (header.epoch, header.version)
-        if new < self.newest:
-            raise PreconditionFailed(
-                f"header.version: {header.version} (epoch {header.epoch}) is older than version "
-                f"{self.newest[1]} (epoch {self.newest[0]}), which this replica applied"
-            )
+        """With the trainer's key, (epoch, version) never goes back. The healing cases, signed like any
+        update: an equal one (the publisher's same-version delta, or a keyframe of the version a replica
+        claims, for one whose bytes diverged or after a trainer restart), and an older version under a
+        newer epoch (a coordinator that took the run over, and rewound it to a trainer checkpoint)."""
+        if self.high_water is not None:
+            self.high_water.check(header.epoch, header.version, header.encoding)
 
     def _apply(self, weights: WeightSet, version: int) -> None:
         """Runs on the engine thread with no request in flight."""
@@ -417,9 +417,15 @@ class RolloutService:
             uptime_s=time.time() - self.started,
             weight_format=self.recipe.rollout_weights,
             needs_keyframe=self.loop.needs_keyframe,
-            registration_proof=self.registration_proof,
+            registration_proof=self.registration_proof(),
             weight_epoch=self.held_epoch,
         )
+
+    def registration_proof(self) -> str:
+        """A fresh proof that the run's replica is at this address (valid for minutes; fp8rl.security)."""
+        if self.registration_key is None or not self.address:
+            return ""
+        return registration_proof(self.registration_key, self.address)
 
     def engine_weights(self) -> dict[str, torch.Tensor]:
         """What the engine computes with (for checks): runs between batches."""

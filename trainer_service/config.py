@@ -105,10 +105,10 @@ class TrainerConfig(LearnerConfig):
     """Serve Prometheus /metrics on host:metrics_port (0: a free port, printed at start-up); unset: off."""
     security: SecurityConfig = SecurityConfig()
     """TLS, caller identities and roles (fp8rl/security.py); the same identity is shown to replicas, and
-    with update_key_file every update is signed."""
+    with update_signing_key_file every update is signed."""
     publish_to: list[str] = []
-    """host:port of replicas the trainer may publish to besides those that prove they hold the run's update
-    key (their registration_proof); without a key and this list, only loopback replicas."""
+    """host:port of replicas the trainer may publish to besides those that prove they hold the run's
+    registration key (their registration_proof); without a key and this list, only loopback replicas."""
 
     @property
     def fp8_plan(self) -> FP8Plan:

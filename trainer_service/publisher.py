@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import grpc
 import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from fp8rl.codec.encode import PART_BYTES, EncodedUpdate, changed_fraction, delta_parts, keyframe_parts
 from fp8rl.codec.schema import build_weight_set
@@ -70,7 +71,7 @@ class Publisher:
         self.high_precision = frozenset(high_precision)
         self.part_bytes = part_bytes
         self.security = security or SecurityConfig()
-        self.update_key = self.security.update_key()  # every update is signed with it (fp8rl.security)
+        self.signer = self.security.update_signing_key()  # every update is signed with it (fp8rl.security)
         self.last: tuple[int, WeightSet] | None = None  # the one base any delta is computed against
         self._channels: dict[str, grpc.Channel] = {}
         self._channels_lock = threading.Lock()
@@ -93,7 +94,7 @@ class Publisher:
                 weights = base[1]
             else:
                 weights = built or self._weight_set(master())
-            updates = _Updates(weights, version, base, self.recipe, epoch, self.update_key, self.part_bytes)
+            updates = _Updates(weights, version, base, self.recipe, epoch, self.signer, self.part_bytes)
             try:
                 with ThreadPoolExecutor(max_workers=max(1, len(targets))) as pool:
                     deliveries = list(pool.map(lambda t: self._deliver(t, updates), targets))
@@ -170,7 +171,9 @@ class _Streamed:
     target's stream sends the parts as they come (the next part is encoded while this one travels and is
     applied), and each distinct update is encoded once, however many targets need it."""
 
-    def __init__(self, encoding: str, parts: Iterator[EncodedUpdate], epoch: int, key: bytes | None) -> None:
+    def __init__(
+        self, encoding: str, parts: Iterator[EncodedUpdate], epoch: int, signer: Ed25519PrivateKey | None
+    ) -> None:
         self.encoding = encoding
         self._parts: list[tuple[EncodedUpdate, weights_pb2.WeightHeader]] = []
         self._done = False
@@ -178,7 +181,7 @@ class _Streamed:
         self._ready = threading.Condition()
         self._cancelled = threading.Event()
         self._encoder = threading.Thread(
-            target=self._encode, args=(parts, epoch, key), name=f"encode-{encoding}", daemon=True
+            target=self._encode, args=(parts, epoch, signer), name=f"encode-{encoding}", daemon=True
         )
         self._encoder.start()
 
@@ -187,12 +190,12 @@ class _Streamed:
         self._cancelled.set()
         self._encoder.join()
 
-    def _encode(self, parts: Iterator[EncodedUpdate], epoch: int, key: bytes | None) -> None:
+    def _encode(self, parts: Iterator[EncodedUpdate], epoch: int, signer: Ed25519PrivateKey | None) -> None:
         try:
             for part in parts:
                 if self._cancelled.is_set():  # (a stream still reading ends short: refused whole)
                     return
-                signed = (part, header_of(part, epoch, key))
+                signed = (part, header_of(part, epoch, signer))
                 with self._ready:
                     self._parts.append(signed)
                     self._ready.notify_all()
@@ -241,11 +244,11 @@ class _Updates:
         base: tuple[int, WeightSet] | None,
         recipe: str,
         epoch: int,
-        key: bytes | None,
+        signer: Ed25519PrivateKey | None,
         part_bytes: int,
     ) -> None:
         self.weights, self.version, self.base, self.recipe = weights, version, base, recipe
-        self.epoch, self.key, self.part_bytes = epoch, key, part_bytes
+        self.epoch, self.signer, self.part_bytes = epoch, signer, part_bytes
         self._cache: dict[str, _Streamed] = {}
         self._lock = threading.Lock()
 
@@ -274,5 +277,5 @@ class _Updates:
     def _get(self, kind: str, parts: Callable[[], Iterator[EncodedUpdate]]) -> _Streamed:
         with self._lock:
             if kind not in self._cache:
-                self._cache[kind] = _Streamed(kind, parts(), self.epoch, self.key)
+                self._cache[kind] = _Streamed(kind, parts(), self.epoch, self.signer)
             return self._cache[kind]

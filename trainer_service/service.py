@@ -24,7 +24,8 @@ from fp8rl.errors import InvalidRequest, PermissionDenied, PreconditionFailed
 from fp8rl.prometheus import Sample
 from fp8rl.recipes import get_recipe
 from fp8rl.sampling import SamplingSettings, sampling_settings
-from fp8rl.security import is_loopback, proof_valid
+from fp8rl.security import is_loopback, proof_refusal
+from fp8rl.serving import FENCE_METADATA
 from fp8rl.v1 import trainer_pb2
 from trainer_service import checkpoint, distributed
 from trainer_service.config import TrainerConfig
@@ -143,6 +144,7 @@ class TrainerService:
             config.security,
             high_precision=config.fp8_plan.high_precision,
         )
+        self.registration_key = config.security.registration_key()  # checks replicas' proofs
         self.run_id = ""
         self.results: OrderedDict[int, trainer_pb2.TrainStepResponse] = OrderedDict()
         self.request_digests: dict[int, str] = {}  # step -> SHA-256 of the request that trained it
@@ -192,10 +194,16 @@ class TrainerService:
             finally:
                 self._lock.release()
 
-    def check_fence(self, fence: str | None) -> None:
+    def check_fence(self, fence: str | None, method: str) -> None:
         """Refuse a coordinator whose fencing token is older than one already seen: another coordinator
-        took the run's lease after it (a call without a token, e.g. from a test client, is not fenced)."""
+        took the run's lease after it. With authentication on, a ``method`` call without a token is
+        refused too (without it, as from a test client on loopback, it is not fenced)."""
         if fence is None:
+            if self.config.security.identifies_callers:
+                raise PreconditionFailed(
+                    f"{method}: call metadata {FENCE_METADATA} is missing: with authentication on, every "
+                    "call that changes the run carries the coordinator's fencing token"
+                )
             return
         if not fence.isdigit() or int(fence) >= 2**63:  # it becomes the epoch of updates (int64)
             raise InvalidRequest("fencing token", f"expected an integer in [0, 2^63), got {fence[:32]!r}")
@@ -374,19 +382,19 @@ class TrainerService:
         return refused
 
     def _target_refusal(self, field: str, target: trainer_pb2.PublishTarget) -> str | None:
-        """Weights go only to the run's replicas: listed in publish_to, or proving they hold the run's
-        update key; a trainer without either sends only to loopback."""
+        """Weights go only to the run's replicas: listed in publish_to, or proving (with a proof that has
+        not expired) they hold the run's registration key; a trainer without either sends only to
+        loopback."""
         if target.address in self.config.publish_to:
             return None
-        key = self.publisher.update_key
-        if key is not None:
-            if proof_valid(key, target.address, target.proof):
+        if self.registration_key is not None:
+            why = proof_refusal(self.registration_key, target.address, target.proof)
+            if why is None:
                 return None
-            why = "its proof does not verify under the run's update key" if target.proof else "no proof"
         elif not self.config.publish_to and is_loopback(target.address.rsplit(":", 1)[0]):
             return None
         else:
-            why = "not loopback, and this trainer has no update key to check a proof with"
+            why = "not loopback, and this trainer has no registration key to check a proof with"
         return f"{field}: {target.address} is not a replica of this run ({why}; not in publish_to)"
 
     def save_checkpoint(self) -> trainer_pb2.SaveCheckpointResponse:

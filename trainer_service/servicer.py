@@ -40,7 +40,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     def TrainStep(
         self, request: trainer_pb2.TrainStepRequest, context: grpc.ServicerContext
     ) -> trainer_pb2.TrainStepResponse:
-        self.service.check_fence(fence_of(context))
+        self.service.check_fence(fence_of(context), "TrainStep")
         with self.model_calls.slot():
             return self.service.train_step(request)
 
@@ -56,7 +56,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         self, request: trainer_pb2.PublishWeightsRequest, context: grpc.ServicerContext
     ) -> trainer_pb2.PublishWeightsResponse:
         self.service.check_targets(request)  # before the fence moves: a refused call changes nothing
-        self.service.check_fence(fence_of(context))
+        self.service.check_fence(fence_of(context), "PublishWeights")
         with self.model_calls.slot():
             return self.service.publish(request)
 
@@ -64,7 +64,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     def SaveCheckpoint(
         self, request: trainer_pb2.SaveCheckpointRequest, context: grpc.ServicerContext
     ) -> trainer_pb2.SaveCheckpointResponse:
-        self.service.check_fence(fence_of(context))
+        self.service.check_fence(fence_of(context), "SaveCheckpoint")
         with self.model_calls.slot():
             return self.service.save_checkpoint()
 

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
 from fp8rl.codec.decode import Admit, DecodedUpdate, UpdateDecoder
 from fp8rl.codec.encode import EncodedUpdate
 from fp8rl.codec.layout import MAX_PARTS
 from fp8rl.codec.weight_set import WeightSet, bytes_digest
 from fp8rl.errors import CorruptUpdateError
-from fp8rl.security import UpdateMac, sign_update, verify_update
+from fp8rl.security import PartHash, sign_update, verify_update
 from fp8rl.v1 import weights_pb2
 
 # Data bytes per WeightChunk message. gRPC's default receive limit is 4 MiB per message; leave room for the
@@ -22,9 +24,11 @@ from fp8rl.v1 import weights_pb2
 MESSAGE_BYTES = 4 * 1024 * 1024 - 4096
 
 
-def header_of(update: EncodedUpdate, epoch: int = 0, key: bytes | None = None) -> weights_pb2.WeightHeader:
-    """The header of one part; with the run's ``key``, signed (one pass over the part: sign once, send to
-    every target)."""
+def header_of(
+    update: EncodedUpdate, epoch: int = 0, signer: Ed25519PrivateKey | None = None
+) -> weights_pb2.WeightHeader:
+    """The header of one part; with the trainer's ``signer`` key, signed (one pass over the part: sign
+    once, send to every target)."""
     header = weights_pb2.WeightHeader(
         version=update.version,
         base_version=update.base_version,
@@ -37,8 +41,8 @@ def header_of(update: EncodedUpdate, epoch: int = 0, key: bytes | None = None) -
         part=update.part,
         parts=update.parts,
     )
-    if key is not None:
-        header.mac = sign_update(key, header, update.segments)  # the same bytes as the pieces, uncopied
+    if signer is not None:
+        header.signature = sign_update(signer, header, update.segments)  # the pieces' bytes, uncopied
     return header
 
 
@@ -52,25 +56,30 @@ def update_to_chunks(
 
 
 def parts_to_chunks(
-    parts: Iterable[EncodedUpdate], epoch: int = 0, key: bytes | None = None, chunk_bytes: int = MESSAGE_BYTES
+    parts: Iterable[EncodedUpdate],
+    epoch: int = 0,
+    signer: Ed25519PrivateKey | None = None,
+    chunk_bytes: int = MESSAGE_BYTES,
 ) -> Iterator[weights_pb2.WeightChunk]:
-    """An update's messages, each part signed (with ``key``) and sent as it comes."""
+    """An update's messages, each part signed (with ``signer``) and sent as it comes."""
     for part in parts:
-        yield from update_to_chunks(part, chunk_bytes, header_of(part, epoch, key))
+        yield from update_to_chunks(part, chunk_bytes, header_of(part, epoch, signer))
 
 
 _SAME_IN_EVERY_PART = ("version", "base_version", "encoding", "format", "recipe", "epoch", "parts")
 
 
 def receive_parts(
-    chunks: Iterable[weights_pb2.WeightChunk], max_bytes: int | None = None, key: bytes | None = None
+    chunks: Iterable[weights_pb2.WeightChunk],
+    max_bytes: int | None = None,
+    verifier: Ed25519PublicKey | None = None,
 ) -> Iterator[tuple[weights_pb2.WeightHeader, bytearray]]:
     """Reassemble a chunk stream part by part, yielding each part's header and blob (writable: it is
     decoded in place) as soon as the part is whole. Raises :class:`CorruptUpdateError` unless every part is
     one header followed by data whose total size and header digest match it, the headers number the
     parts 0, 1, ... up to their count and agree on everything else, and all parts together stay within
-    ``max_bytes``; with the run's ``key``, :class:`~fp8rl.errors.Unauthenticated` unless every part's MAC
-    verifies (each before a byte of it is yielded)."""
+    ``max_bytes``; with the trainer's public key (``verifier``), :class:`~fp8rl.errors.Unauthenticated`
+    unless every part's signature verifies (each before a byte of it is yielded)."""
     stream = iter(chunks)
     chunk = next(stream, None)
     if chunk is None or chunk.WhichOneof("part") != "header":
@@ -90,19 +99,19 @@ def receive_parts(
         differs = [f for f in _SAME_IN_EVERY_PART if getattr(header, f) != getattr(first, f)]
         if differs:
             raise CorruptUpdateError(f"header.{differs[0]}: part {index} belongs to another update")
-        mac = UpdateMac(key, header) if key is not None else None
-        if mac is not None and not header.mac:
-            verify_update(mac, "")  # refused before a byte of data is read
+        check = (verifier, PartHash(header)) if verifier is not None else None
+        if check is not None and not header.signature:
+            verify_update(*check, "")  # refused before a byte of data is read
         assembler = Reassembler(header.total_bytes, header.digest, budget)
         chunk = next(stream, None)
         while chunk is not None and chunk.WhichOneof("part") == "data":
             assembler.add(chunk.data)
-            if mac is not None:
-                mac.update(chunk.data)
+            if check is not None:
+                check[1].update(chunk.data)
             chunk = next(stream, None)
         blob = assembler.finish()
-        if mac is not None:
-            verify_update(mac, header.mac)
+        if check is not None:
+            verify_update(*check, header.signature)
         if budget is not None:
             budget -= len(blob)
         yield header, blob

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x66p8rl/v1/weights.proto\x12\x08\x66p8rl.v1\"\xc5\x01\n\x0cWeightHeader\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x14\n\x0c\x62\x61se_version\x18\x02 \x01(\x03\x12\x10\n\x08\x65ncoding\x18\x03 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x03\x12\x0e\n\x06\x64igest\x18\x05 \x01(\t\x12\x0e\n\x06\x66ormat\x18\x06 \x01(\t\x12\x0e\n\x06recipe\x18\x07 \x01(\t\x12\r\n\x05\x65poch\x18\x08 \x01(\x03\x12\x0b\n\x03mac\x18\t \x01(\t\x12\x0c\n\x04part\x18\n \x01(\x03\x12\r\n\x05parts\x18\x0b \x01(\x03\"O\n\x0bWeightChunk\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.fp8rl.v1.WeightHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"|\n\x15UpdateWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x10\n\x08\x65ncoding\x18\x02 \x01(\t\x12\x16\n\x0e\x62ytes_received\x18\x03 \x01(\x03\x12\x17\n\x0ftensors_updated\x18\x04 \x01(\x05\x12\x0f\n\x07\x61pply_s\x18\x05 \x01(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x66p8rl/v1/weights.proto\x12\x08\x66p8rl.v1\"\xcb\x01\n\x0cWeightHeader\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x14\n\x0c\x62\x61se_version\x18\x02 \x01(\x03\x12\x10\n\x08\x65ncoding\x18\x03 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x03\x12\x0e\n\x06\x64igest\x18\x05 \x01(\t\x12\x0e\n\x06\x66ormat\x18\x06 \x01(\t\x12\x0e\n\x06recipe\x18\x07 \x01(\t\x12\r\n\x05\x65poch\x18\x08 \x01(\x03\x12\x11\n\tsignature\x18\t \x01(\t\x12\x0c\n\x04part\x18\n \x01(\x03\x12\r\n\x05parts\x18\x0b \x01(\x03\"O\n\x0bWeightChunk\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.fp8rl.v1.WeightHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"|\n\x15UpdateWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x10\n\x08\x65ncoding\x18\x02 \x01(\t\x12\x16\n\x0e\x62ytes_received\x18\x03 \x01(\x03\x12\x17\n\x0ftensors_updated\x18\x04 \x01(\x05\x12\x0f\n\x07\x61pply_s\x18\x05 \x01(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,9 +32,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'fp8rl.v1.weights_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_WEIGHTHEADER']._serialized_start=37
-  _globals['_WEIGHTHEADER']._serialized_end=234
-  _globals['_WEIGHTCHUNK']._serialized_start=236
-  _globals['_WEIGHTCHUNK']._serialized_end=315
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=317
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=441
+  _globals['_WEIGHTHEADER']._serialized_end=240
+  _globals['_WEIGHTCHUNK']._serialized_start=242
+  _globals['_WEIGHTCHUNK']._serialized_end=321
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=323
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=447
 # @@protoc_insertion_point(module_scope)

@@ -6,7 +6,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WeightHeader(_message.Message):
-    __slots__ = ("version", "base_version", "encoding", "total_bytes", "digest", "format", "recipe", "epoch", "mac", "part", "parts")
+    __slots__ = ("version", "base_version", "encoding", "total_bytes", "digest", "format", "recipe", "epoch", "signature", "part", "parts")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     ENCODING_FIELD_NUMBER: _ClassVar[int]
@@ -15,7 +15,7 @@ class WeightHeader(_message.Message):
     FORMAT_FIELD_NUMBER: _ClassVar[int]
     RECIPE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
-    MAC_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
     version: int
@@ -26,10 +26,10 @@ class WeightHeader(_message.Message):
     format: str
     recipe: str
     epoch: int
-    mac: str
+    signature: str
     part: int
     parts: int
-    def __init__(self, version: _Optional[int] = ..., base_version: _Optional[int] = ..., encoding: _Optional[str] = ..., total_bytes: _Optional[int] = ..., digest: _Optional[str] = ..., format: _Optional[str] = ..., recipe: _Optional[str] = ..., epoch: _Optional[int] = ..., mac: _Optional[str] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ...) -> None: ...
+    def __init__(self, version: _Optional[int] = ..., base_version: _Optional[int] = ..., encoding: _Optional[str] = ..., total_bytes: _Optional[int] = ..., digest: _Optional[str] = ..., format: _Optional[str] = ..., recipe: _Optional[str] = ..., epoch: _Optional[int] = ..., signature: _Optional[str] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ...) -> None: ...
 
 class WeightChunk(_message.Message):
     __slots__ = ("header", "data")

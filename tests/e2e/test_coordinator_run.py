@@ -157,10 +157,13 @@ def test_embedded_run_writes_metrics_and_leaves_no_child(tiny_model_dir_f32: Pat
         coordinator("status", "--run-dir", str(run_dir)), capture_output=True, text=True, timeout=60
     )
     assert status.returncode == 0 and "embedded" in status.stdout
-    # The run's processes spoke mutual TLS under the run's own CA, with tokens and a signed-update key.
+    # The run's processes spoke mutual TLS under the run's own CA, with tokens and signed updates; the
+    # replica kept its high-water mark beside the secrets, and only the trainer's config names the key
+    # that signs.
     secrets = run_dir / "secrets"
-    assert {"ca.pem", "coordinator.pem", "tokens", "update.key"} <= {p.name for p in secrets.iterdir()}
-    assert "security" in (run_dir / "trainer.yaml").read_text()
+    names = {"ca.pem", "coordinator.pem", "tokens", "update-signing.key", "update-verify.pub"}
+    assert names | {"replica.high-water"} <= {p.name for p in secrets.iterdir()}
+    assert "update-signing.key" in (run_dir / "trainer.yaml").read_text()
 
 
 def test_kill_9_mid_step_then_resume(tiny_model_dir_f32: Path, tmp_path: Path) -> None:

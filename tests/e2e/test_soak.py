@@ -88,7 +88,8 @@ def assert_secrets_kept(run_dir: Path) -> None:
     password = password_file.read_text()
     assert len(password) >= 24 and password not in info_path.read_text()
     assert info_path.stat().st_mode & 0o777 == 0o600 and password_file.stat().st_mode & 0o777 == 0o600
-    secrets = [(run_dir / "secrets" / name).read_text().strip() for name in ("update.key", "trainer.token")]
+    names = ("update-signing.key", "registration.key", "trainer.token")
+    secrets = [(run_dir / "secrets" / name).read_text().strip() for name in names]
     for pid in info["children"].values():
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         assert all(secret.encode() not in cmdline for secret in (password, *secrets))
