@@ -114,8 +114,8 @@ def test_jsonl_task_takes_chat_format_prompts(tmp_path: Path) -> None:
     first = task.val_problems()[0]
     assert first.messages == (("system", "Answer briefly."), ("user", "0*2?")) and first.prompt == "0*2?"
     wire = wire_prompt(first)
-    assert wire.WhichOneof("input") == "messages" and wire.id == first.id
-    assert [(m.role, m.content) for m in wire.messages.messages] == list(first.messages)
+    assert wire.WhichOneof("input") == "chat" and wire.id == first.id
+    assert [(m.role, m.content) for m in wire.chat.messages] == list(first.messages)
     plain = wire_prompt(Problem("p", "plain text", "1"))
     assert plain.WhichOneof("input") == "text" and plain.text == "plain text"
     (tmp_path / "bad.jsonl").write_text('{"prompt": [{"role": "user"}], "answer": "1"}\n')
