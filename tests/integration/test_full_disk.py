@@ -160,3 +160,50 @@ def test_resuming_on_a_full_disk_starts_from_the_last_complete_checkpoint(
     finally:
         resumed.close()
 
+
+# TensorBoard's writer thread dies of the full disk, printing its traceback (its writer then raises it at
+# every call: the sink starts a new one once there is room).
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_the_coordinator_s_files_on_a_full_disk_stop_no_run_and_catch_up(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """metrics.jsonl and TensorBoard are views of the records in Redis: on a full disk the sink goes on,
+    metrics.jsonl keeps whole lines (the records before the disk filled), and both catch up once there is
+    room."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from coordinator.metrics import MetricsSink, read_metrics
+
+    def record(step: int) -> dict[str, object]:
+        # (60 scalars: a few records fill TensorBoard's last page as well as metrics.jsonl's)
+        return {"step": step, "reward_mean": step / 10} | {f"figure_{i}": step + i / 7 for i in range(60)}
+
+    with tmpfs(tmp_path / "run", "1m") as run_dir:
+        sink = MetricsSink(run_dir, steps=40, progress="plain")
+        sink.rebuild([record(1)], next_step=2)
+        sink.write(record(2))
+        fill_disk(run_dir, 0)
+        for step in range(3, 8):
+            assert sink.write(record(step)) == []  # no exception: the run goes on
+        assert [r["step"] for r in read_metrics(run_dir)] == [1, 2]  # whole lines only
+        assert sink.write_failures >= 5
+        failed = [r for r in caplog.records if "not written" in r.getMessage()]
+        assert {r.getMessage().split()[0] for r in failed} == {"metrics.jsonl", "TensorBoard"}
+        assert len(failed) == 2  # once each, not at every step
+        (run_dir / ".ballast").unlink()
+        sink.write(record(8))
+        assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, 9))
+        sink.close()
+        events = EventAccumulator(str(run_dir / "tensorboard"))
+        events.Reload()
+        assert sorted({e.step for e in events.Scalars("reward_mean")}) == list(range(2, 9))
+        # A resume on a full disk rebuilds nothing and stops nothing: the file is written whole later.
+        fill_disk(run_dir, 0)
+        again = MetricsSink(run_dir, steps=40, progress="plain", tensorboard=False)
+        again.rebuild([record(s) for s in range(1, 10)], next_step=10)
+        again.write(record(10))
+        assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, 9))
+        (run_dir / ".ballast").unlink()
+        again.write(record(11))
+        assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, 12))
+        again.close()
