@@ -15,6 +15,7 @@ import argparse
 import importlib
 import sys
 import tempfile
+from pathlib import Path
 
 INSTRUMENTED = ["fp8rl", "rollout_service", "trainer_service"]
 
@@ -32,7 +33,7 @@ def main() -> None:
     import atheris
 
     with atheris.instrument_imports(include=INSTRUMENTED):
-        from tests.fuzz.targets import CORPUS, TARGETS, run_one
+        from tests.fuzz.targets import CORPUS, DICTS, TARGETS, run_one
 
         target = TARGETS[args.target]
         for module in target.modules:
@@ -42,6 +43,8 @@ def main() -> None:
         run_one(target, seed.read_bytes())
     print(f"fuzz {target.name}: {len(seeds)} seed inputs replayed", flush=True)
     work = args.work or tempfile.mkdtemp(prefix=f"fuzz-{target.name}-")
+    Path(work).mkdir(parents=True, exist_ok=True)
+    Path(args.artifacts).mkdir(parents=True, exist_ok=True)
     libfuzzer = [
         sys.argv[0],
         f"-max_total_time={args.seconds}",
@@ -50,6 +53,7 @@ def main() -> None:
         "-max_len=65536",
         "-print_final_stats=1",
         f"-artifact_prefix={args.artifacts.rstrip('/')}/",
+        *([f"-dict={DICTS / target.dictionary}"] if target.dictionary else []),
         work,
         str(CORPUS / target.name),
     ]

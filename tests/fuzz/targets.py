@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 import struct
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ class Target:
     one_input: Callable[[bytes], None]
     accepted: tuple[type[BaseException], ...]  # what bad input may raise (the module's documented errors)
     modules: tuple[str, ...] = ()  # imported (so instrumented for coverage) before the fuzzing starts
+    dictionary: str | None = None  # a libFuzzer dictionary in tests/fuzz/dicts: words of its format
 
 
 # -- the weight codec ----------------------------------------------------------------------------------
@@ -69,7 +71,7 @@ def fresh_held() -> WeightSet:
 def capped_admit(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
     """The harness's admit: any name, but bounded (the decoder's callers bound every tensor: the rollout by
     its model's schema)."""
-    if any(d < 0 for d in shape) or torch.Size(shape).numel() * dtype.itemsize > MAX_TENSOR_BYTES:
+    if any(d < 0 for d in shape) or math.prod(shape) * dtype.itemsize > MAX_TENSOR_BYTES:
         raise InvalidRequest("weights", f"{name}: {list(shape)} is too large")
 
 
@@ -388,8 +390,14 @@ def openai(data: bytes) -> None:
 TARGETS = {
     t.name: t
     for t in (
-        Target("codec_decode", codec_decode, (WeightCodecError, InvalidRequest)),
-        Target("codec_stream", codec_stream, (WeightCodecError, InvalidRequest, Unauthenticated)),
+        Target("codec_decode", codec_decode, (WeightCodecError, InvalidRequest), (), "codec.dict"),
+        Target(
+            "codec_stream",
+            codec_stream,
+            (WeightCodecError, InvalidRequest, Unauthenticated),
+            (),
+            "codec.dict",
+        ),
         Target("generate", generate, (InvalidRequest, Overloaded), ("rollout_service.validation",)),
         Target("train_samples", train_samples, (InvalidRequest,), ("trainer_service.service",)),
         Target(
@@ -397,10 +405,12 @@ TARGETS = {
             openai,
             (),
             ("rollout_service.openai_api", "rollout_service.service", "rollout_service.validation"),
+            "openai.dict",
         ),
     )
 }
 CORPUS = Path(__file__).parent / "corpus"
+DICTS = Path(__file__).parent / "dicts"
 
 
 def run_one(target: Target, data: bytes) -> None:
