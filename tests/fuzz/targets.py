@@ -147,7 +147,8 @@ def _reseal_digests(data: bytes, header: dict[str, Any], metadata: dict[str, Any
 
 def codec_decode(data: bytes) -> None:
     """UpdateDecoder over the parts of an update. Mode: bits 0-1 the reseal level, bit 2 a held set
-    (deltas apply to it), bit 3 the rollout's kind of admit (the held names only) or any bounded tensor."""
+    (deltas apply to it), bit 3 the rollout's kind of admit (the held names only) or any bounded tensor,
+    bit 4 read-only parts (decoded into copies, not in place)."""
     if not data:
         return
     mode, parts = data[0], data[1:].split(PART_SEPARATOR)
@@ -157,7 +158,8 @@ def codec_decode(data: bytes) -> None:
     try:
         with UpdateDecoder(held, HELD_VERSION if held is not None else None, admit) as decoder:
             for part in parts:
-                decoder.add(bytearray(reseal(part, mode & 3)))
+                blob = reseal(part, mode & 3)
+                decoder.add(blob if mode & 16 else bytearray(blob))
             decoded = decoder.finish()
     except (WeightCodecError, InvalidRequest):
         check_all_or_nothing(held, before)
