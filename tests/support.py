@@ -3,6 +3,7 @@ loopback, and an independent reference for the logprobs an FP8 engine should pro
 
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 import re
@@ -177,7 +178,12 @@ def fill_disk(path: Path, leave: int, ballast: str = ".ballast") -> int:
     size = stats.f_bavail * stats.f_frsize - leave
     if size < 0:
         raise ValueError(f"{path} has only {stats.f_bavail * stats.f_frsize} bytes free, not {leave}")
-    with open(target, "wb") as f:
-        f.truncate(0)
-        f.write(b"\0" * size)  # (written, not sparse: a tmpfs counts only the pages that hold data)
-    return size
+    written, block = 0, b"\0" * (1 << 20)  # (written, not sparse: a tmpfs counts only pages holding data)
+    with open(target, "wb", buffering=0) as f:
+        try:
+            while written < size:
+                written += f.write(block[: size - written])
+        except OSError as exc:  # others wrote meanwhile: the disk is full all the same
+            if exc.errno != errno.ENOSPC:
+                raise
+    return written
