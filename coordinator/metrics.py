@@ -2,13 +2,20 @@
 a run resumes), TensorBoard event files (RUN_DIR/tensorboard) and Weights & Biases when asked, all fed
 the same record under the same names, and the terminal — a live rich display on a TTY, plain lines
 otherwise. A resumed run continues the same TensorBoard run (events from the resume point on are purged
-first) and the same W&B run (its id is derived from the run id), so no step appears twice."""
+first) and the same W&B run (its id is derived from the run id), so no step appears twice.
+
+The files are views of Redis, never the record itself: a write that fails (a full disk) is logged and the
+run goes on; metrics.jsonl keeps whole lines only (a failed append is cut back) and catches up with the
+records it missed at the next write that succeeds, and TensorBoard's writer, dead after a failed write,
+is started again from the first step it missed."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
+import os
 import re
 import statistics
 import sys
@@ -48,6 +55,13 @@ class MetricsSink:
             self._console = Console()
         self._want_tensorboard = tensorboard
         self._tb: Any = None
+        self.records: list[dict[str, Any]] = []  # what the files must hold, in order
+        self._written = 0  # records metrics.jsonl holds (the first ones)
+        self._rewrite = False  # metrics.jsonl is to be written whole (a rebuild did not get through)
+        self._tb_on = False  # TensorBoard is written (from the first rebuild on)
+        self._tb_written = 0  # records TensorBoard holds
+        self.write_failures = 0  # writes of metrics.jsonl or TensorBoard that failed (a full disk)
+        self._failing: set[str] = set()  # what failed at its last write (logged once, until it recovers)
         self._wandb: Any = None
         if wandb_project:
             import wandb
@@ -64,29 +78,22 @@ class MetricsSink:
     def rebuild(self, records: list[dict[str, Any]], next_step: int) -> None:
         """Start from the run's committed records, before ``next_step`` (a rewound run recorded some
         steps again: the latest record of each step counts)."""
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in committed(records, next_step)))
+        self.records = committed(records, next_step)
+        self._written, self._rewrite = 0, True
+        self._save_lines()
+        self._tb_written = len(self.records)  # (earlier sessions wrote them)
         if self._want_tensorboard and self._tb is None:
-            from torch.utils.tensorboard import SummaryWriter
-
+            self._tb_on = True
             # Steps from here on are written again: TensorBoard drops what an earlier session wrote for them.
-            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=next_step or None)
+            self._start_tensorboard(next_step)
 
     def write(self, record: dict[str, Any]) -> list[str]:
         """Append a record and show it; returns the warnings it raised."""
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-        numbers = {
-            k: v
-            for k, v in record.items()
-            if isinstance(v, int | float) and not isinstance(v, bool) and k != "step"
-        }
+        self.records.append(record)
+        self._save_lines()
+        numbers = numbers_of(record)
         histograms = histograms_of(record)
-        if self._tb is not None:
-            for key, value in numbers.items():
-                self._tb.add_scalar(key, value, record["step"])
-            for key, (counts, edges) in histograms.items():
-                add_histogram(self._tb, key, counts, edges, record["step"])
-            self._tb.flush()
+        self._save_tensorboard()
         if self._wandb is not None:
             import numpy as np
             import wandb
@@ -106,9 +113,82 @@ class MetricsSink:
         self._show(record, warnings)
         return warnings
 
+    def _save_lines(self) -> None:
+        """Bring metrics.jsonl up to :attr:`records`: append the lines it lacks (cut back to whole lines if
+        that fails), or write it whole (aside, then renamed) after a rebuild."""
+        try:
+            if self._rewrite:
+                aside = self.path.with_name(f".{self.path.name}.tmp")
+                try:
+                    aside.write_text("".join(json.dumps(r) + "\n" for r in self.records))
+                    os.replace(aside, self.path)
+                finally:
+                    aside.unlink(missing_ok=True)
+                self._rewrite = False
+            elif self._written < len(self.records):
+                append_whole(self.path, "".join(json.dumps(r) + "\n" for r in self.records[self._written :]))
+        except OSError as exc:
+            self._failed("metrics.jsonl", exc)
+            return
+        self._written = len(self.records)
+        self._recovered("metrics.jsonl")
+
+    def _start_tensorboard(self, purge_step: int | None) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        try:
+            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=purge_step or None)
+        except OSError as exc:
+            self._failed("TensorBoard", exc)
+
+    def _save_tensorboard(self) -> None:
+        """Write the records TensorBoard lacks. A writer whose write failed raises ever after: it is closed,
+        and a new one starts from the first step missed (purging what the dead one may have left of it)."""
+        if not self._tb_on or self._tb_written >= len(self.records):
+            return
+        if self._tb is None:
+            if "metrics.jsonl" in self._failing:  # no room yet: each new writer's thread would die too
+                return
+            self._start_tensorboard(int(self.records[self._tb_written]["step"]))
+            if self._tb is None:
+                return
+        try:
+            for record in self.records[self._tb_written :]:
+                for key, value in numbers_of(record).items():
+                    self._tb.add_scalar(key, value, record["step"])
+                for key, (counts, edges) in histograms_of(record).items():
+                    add_histogram(self._tb, key, counts, edges, record["step"])
+            self._tb.flush()
+        except OSError as exc:
+            with contextlib.suppress(Exception):
+                self._tb.close()
+            self._tb = None
+            self._failed("TensorBoard", exc)
+            return
+        self._tb_written = len(self.records)
+        self._recovered("TensorBoard")
+
+    def _failed(self, what: str, exc: OSError) -> None:
+        self.write_failures += 1
+        if what not in self._failing:
+            self._failing.add(what)
+            log.error(
+                "%s not written (%s): the run goes on (every record is in Redis), and %s catches up at "
+                "the next write that succeeds",
+                what,
+                exc,
+                what,
+            )
+
+    def _recovered(self, what: str) -> None:
+        if what in self._failing:
+            self._failing.discard(what)
+            log.warning("%s written again: it holds all %d records", what, len(self.records))
+
     def close(self) -> None:
         if self._tb is not None:
-            self._tb.close()
+            with contextlib.suppress(OSError):  # (a full disk: the records are in Redis)
+                self._tb.close()
             self._tb = None
         if self._wandb is not None:
             self._wandb.finish()
@@ -131,6 +211,32 @@ class MetricsSink:
             self._console.print(text)
         else:
             print(text, flush=True)
+
+
+def numbers_of(record: dict[str, Any]) -> dict[str, int | float]:
+    """The record's scalars, but its step."""
+    return {
+        k: v
+        for k, v in record.items()
+        if isinstance(v, int | float) and not isinstance(v, bool) and k != "step"
+    }
+
+
+def append_whole(path: Path, text: str) -> None:
+    """Append ``text`` to ``path`` in full, or not at all: a write cut short (a full disk) is cut back to
+    the file's size before it, so the file keeps whole lines."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        data = memoryview(text.encode())
+        try:
+            while data:
+                data = data[os.write(fd, data) :]
+        except BaseException:
+            os.ftruncate(fd, size)
+            raise
+    finally:
+        os.close(fd)
 
 
 def histograms_of(record: dict[str, Any]) -> dict[str, tuple[list[int], list[float]]]:

@@ -241,12 +241,19 @@ class Supervisor:
         except TrainingRefused as exc:
             raise RunExit(1, str(exc)) from None
         summary = summarize(records) | {"linears": precision["summary"]}
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         sink.say("summary: " + ", ".join(f"{k}={_short(v)}" for k, v in summary.items()))
-        from coordinator.report import write_plots
+        try:  # every step is committed by now: a full disk costs the files, not the run
+            (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            from coordinator.report import write_plots
 
-        for path in write_plots(records, run_dir):
-            sink.say(f"plot: {path}")
+            for path in write_plots(records, run_dir):
+                sink.say(f"plot: {path}")
+        except OSError as exc:
+            print(
+                f"coordinator: the run is complete, but its summary and plots were not written ({exc}); "
+                f"`coordinator report --run-id {run_id}` draws the plots once there is room",
+                file=sys.stderr,
+            )
         return 0
 
 

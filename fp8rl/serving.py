@@ -63,7 +63,13 @@ def status_of(exc: BaseException) -> grpc.StatusCode:
     return next((code for kind, code in STATUS_OF if isinstance(exc, kind)), grpc.StatusCode.INTERNAL)
 
 
-def _abort(context: grpc.ServicerContext, exc: Exception) -> None:
+# What a handler lets through unanswered: the process is stopping, or a stream's generator is being closed.
+# Any other BaseException (torch.distributed.checkpoint's CheckpointException is one) is answered
+# INTERNAL: grpc answers nothing for one, and the caller would wait out its deadline.
+_EXITS = (KeyboardInterrupt, SystemExit, GeneratorExit)
+
+
+def _abort(context: grpc.ServicerContext, exc: BaseException) -> None:
     code = status_of(exc)
     if code == grpc.StatusCode.INTERNAL:
         log.exception("internal error")
@@ -79,7 +85,9 @@ def map_errors(method: Method) -> Method:
         def stream(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
             try:
                 yield from method(self, request, context)
-            except Exception as exc:
+            except _EXITS:
+                raise
+            except BaseException as exc:
                 _abort(context, exc)
 
         return stream  # type: ignore[return-value]
@@ -88,7 +96,9 @@ def map_errors(method: Method) -> Method:
     def unary(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
         try:
             return method(self, request, context)
-        except Exception as exc:
+        except _EXITS:
+            raise
+        except BaseException as exc:
             _abort(context, exc)
 
     return unary  # type: ignore[return-value]

@@ -85,6 +85,16 @@ def _adapters() -> tuple[TypeAdapter[Any], TypeAdapter[Any]]:
     )
 
 
+def json_body(raw: bytes) -> Any:
+    """The request body as JSON. Every way bytes fail to be JSON is the client's: not UTF-8, not JSON,
+    an integer of more digits than Python reads (a ValueError, not a JSONDecodeError), nesting deeper than
+    the parser recurses."""
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise InvalidRequest("body", f"is not JSON: {exc}") from None
+
+
 def validated(adapter: TypeAdapter[Any], body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise InvalidRequest("body", "must be a JSON object")
@@ -595,7 +605,7 @@ def build_app(service: RolloutService, model_name: str, security: SecurityConfig
             return cast(Response, await call_next(request))
 
     async def answer(request: Request, admit: Any, build: Any, chunks: Any) -> Response:
-        body = await request.json()
+        body = json_body(await request.body())
         # Validation, tokenization and admission run on a worker thread: tokenizing can take a while.
         generation, body = await run_in_threadpool(admit, body, request.headers)
         version = generation.ticket.version
@@ -635,10 +645,6 @@ def build_app(service: RolloutService, model_name: str, security: SecurityConfig
 
     for kind, _ in STATUS_OF:  # domain errors; anything else is a 500 that uvicorn logs
         app.add_exception_handler(cast(type[Exception], kind), on_error)
-
-    @app.exception_handler(json.JSONDecodeError)
-    def on_bad_json(_: Request, exc: json.JSONDecodeError) -> JSONResponse:
-        return error_response(InvalidRequest("body", f"is not JSON: {exc}"))
 
     return app
 

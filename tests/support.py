@@ -3,6 +3,7 @@ loopback, and an independent reference for the logprobs an FP8 engine should pro
 
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 import re
@@ -142,3 +143,47 @@ def service_process(
     with child_process(args, log, env) as proc:
         wait_for_line(proc, log, ready)
         yield proc, f"127.0.0.1:{port}"
+
+
+@contextmanager
+def tmpfs(path: Path, size: str) -> Iterator[Path]:
+    """A real filesystem of ``size`` (``mount -t tmpfs -o size=40m``) at ``path``, unmounted on exit: a
+    disk that really fills. Skips the test, saying why, where mounting is not permitted (not root, or a
+    container without CAP_SYS_ADMIN)."""
+    import pytest
+
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (a real full disk: mount -t tmpfs -o size=...)")
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip() or mounted.returncode}")
+    try:
+        yield path
+    finally:
+        if subprocess.run(["umount", str(path)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(path)], capture_output=True)  # busy: detach it now
+
+
+def fill_disk(path: Path, leave: int, ballast: str = ".ballast") -> int:
+    """Fill the filesystem of ``path`` with one file until ``leave`` bytes are free (a multiple of the
+    page size on a tmpfs: its blocks); returns the bytes written. Writing again resizes the ballast."""
+    target = path / ballast
+    target.unlink(missing_ok=True)
+    stats = os.statvfs(path)
+    size = stats.f_bavail * stats.f_frsize - leave
+    if size < 0:
+        raise ValueError(f"{path} has only {stats.f_bavail * stats.f_frsize} bytes free, not {leave}")
+    written, block = 0, b"\0" * (1 << 20)  # (written, not sparse: a tmpfs counts only pages holding data)
+    with open(target, "wb", buffering=0) as f:
+        try:
+            while written < size:
+                written += f.write(block[: size - written])
+        except OSError as exc:  # others wrote meanwhile: the disk is full all the same
+            if exc.errno != errno.ENOSPC:
+                raise
+    return written

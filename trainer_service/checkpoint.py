@@ -44,10 +44,17 @@ SHARDED = ("model", "optimizer")  # the parts of Learner.state_dict() whose tens
 REST = "learner"  # trainer.json's entry for their non-tensors (JSON)
 
 
+class SaveFailed(Exception):
+    """A checkpoint could not be written, whatever the cause: a full disk surfaces as an OSError,
+    safetensors' SafetensorError (an Exception) or torch.distributed.checkpoint's CheckpointException (a
+    BaseException), depending on which file it hit. Nothing of the checkpoint is left behind."""
+
+
 def write(root: Path, learner: Learner, meta: Mapping[str, Any], keep: int | None = None) -> Path:
     """Checkpoint ``learner`` as step ``learner.step``, with ``meta`` (its service's state, JSON), every
     rank calling: each writes its shards into one staging directory; rank 0 then seals them with the rest
-    and renames it into place (:func:`save`). A failed write leaves nothing behind."""
+    and renames it into place (:func:`save`). A failed write leaves nothing behind and raises
+    :class:`SaveFailed` (an interrupt or exit propagates as itself)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
@@ -75,11 +82,24 @@ def write(root: Path, learner: Learner, meta: Mapping[str, Any], keep: int | Non
             sealed = {**meta, "step": step, "ranks": ranks.world, "optimizer_saved": saved, REST: rest}
             path = save(root, step, tensors, sealed, keep, staged)
             log.info("checkpoint %s written by %d rank(s)", path, ranks.world)
-    except BaseException:  # (across ranks the group ends too: the next start cleans up after the others)
+    except BaseException as exc:
+        # (across ranks the group ends too: the next start cleans up after the others)
         shutil.rmtree(staged, ignore_errors=True)
-        raise
+        if isinstance(exc, KeyboardInterrupt | SystemExit):
+            raise
+        raise SaveFailed(f"checkpoint of step {step} into {root} failed: {cause(exc)}") from exc
     ranks.barrier()
     return path
+
+
+def cause(exc: BaseException) -> str:
+    """One line for what made a save fail: a CheckpointException's first rank's own error, not its
+    traceback text."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        inner = next(iter(failures.values()))
+        exc = inner[0] if isinstance(inner, tuple) else inner
+    return f"{type(exc).__name__}: {exc}"
 
 
 def resume(root: Path | None, learner: Learner) -> tuple[Path, dict[str, Any]] | None:
@@ -256,7 +276,13 @@ def save(
     old = root / f".old-{final.name}-{os.getpid()}"
     if final.exists():  # re-saving a step: the old copy is set aside, not deleted, until the new one is in
         os.rename(final, old)
-    os.rename(tmp, final)
+    try:
+        os.rename(tmp, final)
+    except BaseException:
+        if old.exists():  # (clean_stale would delete it: the complete copy goes back in place)
+            os.rename(old, final)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     _fsync_dir(root)
     shutil.rmtree(old, ignore_errors=True)
     if keep is not None:

@@ -152,8 +152,9 @@ class TrainerService:
         self.started = time.time()
         self.steps_trained, self.train_seconds = 0, 0.0  # by this process, for /metrics
         self.last_metrics: dict[str, Any] = {}
-        self.save_failures = 0
+        self.save_failures = 0  # scheduled checkpoints that failed (each retried after the next step)
         self.save_pending = False
+        self.last_checkpoint = -1  # the step of the newest checkpoint this process wrote or resumed
         self._lock = threading.Lock()  # one TrainStep / checkpoint at a time
         if config.checkpoint_dir is not None and self.ranks.is_root:
             for path in checkpoint.clean_stale(config.checkpoint_dir):
@@ -279,18 +280,26 @@ class TrainerService:
         return response
 
     def _save_after_step(self) -> None:
-        """A scheduled checkpoint. The step is applied whatever happens here: a failed save (a full disk)
-        is logged, counted and retried after the next step, never reported as the step's failure."""
+        """A scheduled checkpoint. The step is applied whatever happens here: a failed save (a full disk,
+        whichever file it hit) is logged, counted and retried after the next step, never reported as the
+        step's failure; it leaves nothing behind, so a resume takes the last complete checkpoint."""
         try:
             self._save()
-        except OSError as exc:
+        except checkpoint.SaveFailed as exc:
             if self.ranks.sharded:
                 raise  # a rank's failed write leaves the ranks out of step: the group ends (in_step)
             self.save_failures += 1
             self.save_pending = True
-            log.error("checkpoint after step %d failed (%s); retrying after the next step", self.step, exc)
+            log.error(
+                "%s; the step is trained all the same (version %d), and the checkpoint is retried after "
+                "the next step (%d failed so far)",
+                exc,
+                self.step,
+                self.save_failures,
+            )
         else:
             self.save_pending = False
+            self.last_checkpoint = self.step
 
     def _remember(self, step: int, response: trainer_pb2.TrainStepResponse, digest: str | None) -> None:
         self.results[step] = response
@@ -402,6 +411,7 @@ class TrainerService:
             raise PreconditionFailed("no checkpoint_dir configured")
         with self._lock, self._collective("save"):
             path = self._save()
+            self.save_pending, self.last_checkpoint = False, self.step
         return trainer_pb2.SaveCheckpointResponse(path=path, step=self.step)
 
     def _save(self) -> str:
@@ -431,6 +441,7 @@ class TrainerService:
             log.info("no checkpoint to resume from; starting at step 0")
             return
         path, meta = found
+        self.last_checkpoint = self.step
         self.run_id = meta["run_id"]
         self.fence = int(meta.get("fence", 0))
         digests = meta.get("request_digests", {})  # (absent from checkpoints of older versions)
@@ -475,4 +486,7 @@ class TrainerService:
             weight_version=self.step,
             uptime_s=time.time() - self.started,
             run_id=self.run_id,
+            checkpoint_failures=self.save_failures,
+            checkpoint_pending=self.save_pending,
+            last_checkpoint_step=self.last_checkpoint,
         )

@@ -64,9 +64,10 @@ def read_header(blob: bytes | bytearray | memoryview) -> tuple[dict[str, object]
 
 
 def tensor_nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:
-    """Bytes of a tensor, for shapes read from an update (bounded: no overflow, no absurd claim)."""
-    if any(d < 0 for d in shape):
-        raise ValueError(f"negative dimension in shape {list(shape)}")
+    """Bytes of a tensor, for shapes read from an update (bounded: no overflow, no absurd claim, and no
+    dimension beyond what any tensor has, which an empty tensor's product of dimensions would hide)."""
+    if any(not 0 <= d <= MAX_TENSOR_BYTES for d in shape):
+        raise ValueError(f"a dimension outside [0, {MAX_TENSOR_BYTES}] in shape {list(shape)}")
     nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
     if nbytes > MAX_TENSOR_BYTES:
         raise ValueError(f"shape {list(shape)} claims {nbytes} bytes")

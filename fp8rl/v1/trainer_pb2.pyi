@@ -199,7 +199,7 @@ class SaveCheckpointResponse(_message.Message):
     def __init__(self, path: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
 
 class TrainerStatus(_message.Message):
-    __slots__ = ("model", "recipe", "backend", "device", "step", "weight_version", "uptime_s", "run_id")
+    __slots__ = ("model", "recipe", "backend", "device", "step", "weight_version", "uptime_s", "run_id", "checkpoint_failures", "checkpoint_pending", "last_checkpoint_step")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     RECIPE_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
@@ -208,6 +208,9 @@ class TrainerStatus(_message.Message):
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_PENDING_FIELD_NUMBER: _ClassVar[int]
+    LAST_CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
     model: str
     recipe: str
     backend: str
@@ -216,4 +219,7 @@ class TrainerStatus(_message.Message):
     weight_version: int
     uptime_s: float
     run_id: str
-    def __init__(self, model: _Optional[str] = ..., recipe: _Optional[str] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., uptime_s: _Optional[float] = ..., run_id: _Optional[str] = ...) -> None: ...
+    checkpoint_failures: int
+    checkpoint_pending: bool
+    last_checkpoint_step: int
+    def __init__(self, model: _Optional[str] = ..., recipe: _Optional[str] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., uptime_s: _Optional[float] = ..., run_id: _Optional[str] = ..., checkpoint_failures: _Optional[int] = ..., checkpoint_pending: _Optional[bool] = ..., last_checkpoint_step: _Optional[int] = ...) -> None: ...

@@ -390,9 +390,19 @@ def test_a_checkpoint_with_pickled_shards_is_refused_unread(tiny_model_dir_f32: 
         TrainerService(checkpointing(tiny_model_dir_f32, root).model_copy(update={"resume": True}))
 
 
+class CheckpointError(BaseException):
+    """As torch.distributed.checkpoint's CheckpointException: not an Exception."""
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [OSError(28, "No space left on device"), RuntimeError("a bug in the writer"), CheckpointError("rank 0")],
+    ids=["oserror", "exception", "base-exception"],
+)
 def test_a_failed_checkpoint_does_not_fail_the_step_and_is_retried(
-    tiny_model_dir_f32: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_model_dir_f32: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failure: BaseException
 ) -> None:
+    """Whatever a save raises (a full disk on a real filesystem: tests/integration/test_full_disk.py)."""
     from trainer_service import checkpoint
 
     root = tmp_path / "ckpt"
@@ -401,7 +411,7 @@ def test_a_failed_checkpoint_does_not_fail_the_step_and_is_retried(
     real_save = checkpoint.save
 
     def disk_full(*args: object, **kwargs: object) -> Path:
-        raise OSError(28, "No space left on device")
+        raise failure
 
     monkeypatch.setattr(checkpoint, "save", disk_full)
     response = service.train_step(step_request(1, samples(1)))  # due to checkpoint: the disk is full
@@ -411,6 +421,12 @@ def test_a_failed_checkpoint_does_not_fail_the_step_and_is_retried(
     service.train_step(step_request(2, samples(2)))  # not due, but the failed one is retried now
     assert checkpoint_steps(root) == ["step-00000003"] and not service.save_pending
     assert {s.name: s.value for s in service.prometheus()}["trainer_checkpoint_failures"] == 1
+    status = service.status()
+    assert (status.checkpoint_failures, status.checkpoint_pending, status.last_checkpoint_step) == (
+        1,
+        False,
+        3,
+    )
 
 
 def test_a_stale_fencing_token_is_refused(trainer) -> None:  # type: ignore[no-untyped-def]

@@ -739,6 +739,23 @@ def test_sizes_claimed_by_an_update_are_bounded_before_anything_is_allocated(gen
         )
 
 
+def test_an_empty_tensor_claiming_an_absurd_dimension_is_corrupt(gen: torch.Generator) -> None:
+    """[0, 2**64] holds no byte, so its size (0) passed every bound, and torch.empty raised a TypeError
+    that the servicer answered INTERNAL (found writing the fuzz target codec_decode, tests/fuzz)."""
+    blob = to_bytes(encode_keyframe(build_weight_set(model_like_state_dict(gen, layers=1), "bf16"), 1))
+    header_len = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8 : 8 + header_len])
+    metadata = {k: v for k, v in header.pop("__metadata__").items() if k != "metadata_digest"}
+    end = max(spec["data_offsets"][1] for spec in header.values())
+    for shape in ([0, 2**64], [0, 2**63 - 1], [2**41, 0]):
+        header["empty"] = {"dtype": "F32", "shape": shape, "data_offsets": [end, end]}
+        text = json.dumps({"__metadata__": sealed(metadata), **header}, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)
+        crafted = len(text).to_bytes(8, "little") + text + blob[8 + header_len :]
+        with pytest.raises(CorruptUpdateError, match="a dimension outside"):
+            decode_update(crafted)
+
+
 def test_only_the_canonical_header_is_accepted(gen: torch.Generator) -> None:
     """Whitespace is invisible to JSON: a header re-spelled with it must still be refused."""
     blob = to_bytes(encode_keyframe(build_weight_set(model_like_state_dict(gen, layers=1), "bf16"), 1))

@@ -22,8 +22,8 @@ from fp8rl.codec.stream import decode_parts, parts_to_chunks, receive_parts, upd
 from fp8rl.codec.testing import decode_update, encode_keyframe
 from fp8rl.codec.weight_set import WeightSet
 from fp8rl.errors import CorruptUpdateError
-from fp8rl.serving import read_ahead, start_server
-from fp8rl.v1 import rollout_pb2, rollout_pb2_grpc, trainer_pb2_grpc, weights_pb2
+from fp8rl.serving import map_errors, read_ahead, start_server
+from fp8rl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, trainer_pb2_grpc, weights_pb2
 
 ROOT = Path(__file__).resolve().parents[2]
 GRPC_DEFAULT_LIMIT = 4 * 1024 * 1024
@@ -216,5 +216,57 @@ def test_servers_expose_health_and_reflection() -> None:
             )
             names = {s.name for s in reply.list_services_response.service}
             assert {"fp8rl.v1.Rollout", "fp8rl.v1.Trainer", "grpc.health.v1.Health"} <= names
+    finally:
+        running.stop(0)
+
+
+class Escaped(BaseException):
+    """Not an Exception, not an exit: what torch.distributed.checkpoint raises for a failed save."""
+
+
+class EscapingTrainer(trainer_pb2_grpc.TrainerServicer):
+    @map_errors
+    def GetStatus(self, request: object, context: grpc.ServicerContext) -> object:
+        raise Escaped("the disk is full")
+
+
+class EscapingRollout(rollout_pb2_grpc.RolloutServicer):
+    @map_errors
+    def GenerateStream(self, request: object, context: grpc.ServicerContext) -> Iterator[object]:
+        raise Escaped("the engine is gone")
+        yield  # (a streaming method)
+
+
+def test_a_base_exception_in_a_handler_is_answered_internal_not_left_to_the_deadline() -> None:
+    running = start_server(
+        lambda s: (
+            trainer_pb2_grpc.add_TrainerServicer_to_server(EscapingTrainer(), s),
+            rollout_pb2_grpc.add_RolloutServicer_to_server(EscapingRollout(), s),
+        ),
+        ["fp8rl.v1.Trainer", "fp8rl.v1.Rollout"],
+    )
+    try:
+        with grpc.insecure_channel(running.address) as channel:
+            for call, text in (
+                (
+                    lambda: trainer_pb2_grpc.TrainerStub(channel).GetStatus(
+                        common_pb2.GetStatusRequest(), timeout=30
+                    ),
+                    "the disk is full",
+                ),
+                (
+                    lambda: list(
+                        rollout_pb2_grpc.RolloutStub(channel).GenerateStream(
+                            rollout_pb2.GenerateRequest(), timeout=30
+                        )
+                    ),
+                    "the engine is gone",
+                ),
+            ):
+                started = time.monotonic()
+                with pytest.raises(grpc.RpcError) as err:
+                    call()
+                assert err.value.code() == grpc.StatusCode.INTERNAL and text in err.value.details()
+                assert time.monotonic() - started < 10  # answered, not timed out
     finally:
         running.stop(0)
