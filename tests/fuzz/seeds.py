@@ -15,7 +15,7 @@ from fp8rl.codec.encode import EncodedUpdate, delta_parts, keyframe_parts
 from fp8rl.codec.stream import parts_to_chunks
 from fp8rl.codec.weight_set import WeightSet
 from fp8rl.v1 import common_pb2, rollout_pb2, trainer_pb2
-from tests.fuzz.targets import CORPUS, HELD_FORMAT, HELD_VERSION, KEY, PART_SEPARATOR, held_tensors
+from tests.fuzz.targets import CORPUS, HELD_FORMAT, HELD_VERSION, PART_SEPARATOR, SIGNER, held_tensors
 
 
 def new_tensors() -> dict[str, torch.Tensor]:
@@ -57,7 +57,7 @@ def codec_stream() -> dict[str, bytes]:
     for kind, parts in encoded_parts(400).items():
         held = 4 if kind == "delta" else 0
         for signed in (0, 1):
-            chunks = parts_to_chunks(parts, epoch=2, key=KEY if signed else None, chunk_bytes=300)
+            chunks = parts_to_chunks(parts, epoch=2, signer=SIGNER if signed else None, chunk_bytes=300)
             stream = b"".join(
                 len(c.SerializeToString()).to_bytes(2, "little") + c.SerializeToString() for c in chunks
             )
@@ -84,7 +84,7 @@ def generate() -> dict[str, bytes]:
         "chat": rollout_pb2.GenerateRequest(
             prompts=[
                 P(
-                    messages=rollout_pb2.ChatMessages(
+                    chat=rollout_pb2.ChatMessages(
                         messages=[
                             rollout_pb2.ChatMessage(role="system", content="add"),
                             rollout_pb2.ChatMessage(role="user", content="2+2="),

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from fp8rl.codec.decode import UpdateDecoder
 from fp8rl.codec.layout import sealed
@@ -31,7 +32,9 @@ from fp8rl.security import sign_update
 from fp8rl.v1 import rollout_pb2, trainer_pb2, weights_pb2
 
 PART_SEPARATOR = b"\x00--part--\x00"  # between the parts of a codec_decode input
-KEY = b"fuzz-update-key-of-32-bytes-long"
+# The trainer's signing key, fixed so the corpus replays (the replica holds its public half).
+SIGNER = Ed25519PrivateKey.from_private_bytes(b"fuzz-update-key-of-32-bytes-long")
+VERIFIER = SIGNER.public_key()
 MAX_TENSOR_BYTES = 1 << 20  # what the harness's admit lets through (the rollout's is the model's schema)
 
 
@@ -183,7 +186,7 @@ def chunks_of(data: bytes) -> Iterator[weights_pb2.WeightChunk]:
 
 def fix_stream(chunks: list[weights_pb2.WeightChunk], sign: bool) -> None:
     """Each part's header made to match its data (total_bytes, the digest of the part's own header) and,
-    with ``sign``, signed with :data:`KEY`: the stream's checks then pass and the decoder's are reached."""
+    with ``sign``, signed with :data:`SIGNER`: the stream's checks then pass and the decoder's are reached."""
     starts = [i for i, c in enumerate(chunks) if c.WhichOneof("part") == "header"]
     for n, start in enumerate(starts):
         end = starts[n + 1] if n + 1 < len(starts) else len(chunks)
@@ -194,14 +197,14 @@ def fix_stream(chunks: list[weights_pb2.WeightChunk], sign: bool) -> None:
         if len(blob) >= 8:
             header.digest = bytes_digest(blob[: 8 + int.from_bytes(blob[:8], "little")])
         if sign:
-            header.mac = ""
-            header.mac = sign_update(KEY, header, data)
+            header.signature = ""
+            header.signature = sign_update(SIGNER, header, data)
 
 
 def codec_stream(data: bytes) -> None:
-    """receive_parts and decode_parts over a message stream. Mode: bit 0 the run's key (updates must be
-    signed), bit 1 the harness fixes sizes and digests (and signs, with the key), bit 2 a held set, bit 3
-    a small max_bytes."""
+    """receive_parts and decode_parts over a message stream. Mode: bit 0 the trainer's public key
+    (updates must be signed), bit 1 the harness fixes sizes and digests (and signs, with the private
+    key), bit 2 a held set, bit 3 a small max_bytes."""
     if not data:
         return
     mode = data[0]
@@ -213,7 +216,7 @@ def codec_stream(data: bytes) -> None:
     max_bytes = 4096 if mode & 8 else 1 << 24
     try:
         decoded, _ = decode_parts(
-            receive_parts(chunks, max_bytes, KEY if mode & 1 else None),
+            receive_parts(chunks, max_bytes, VERIFIER if mode & 1 else None),
             held,
             HELD_VERSION if held is not None else None,
             capped_admit,
