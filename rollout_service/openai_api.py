@@ -23,7 +23,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any, cast
 
 import grpc
@@ -143,20 +143,29 @@ def required_version(body: dict[str, Any], headers: Any) -> int | None:
     return field if field is not None else from_header
 
 
+@contextlib.contextmanager
+def fitting(field: str) -> Iterator[None]:
+    """Around building wire messages from a body that passed OpenAI's types: a value the wire cannot hold
+    (an integer beyond its range, text with a lone UTF-16 surrogate, which JSON can spell) is the
+    client's error, named by ``field``."""
+    try:
+        yield
+    except InvalidRequest:
+        raise
+    except (TypeError, ValueError, OverflowError) as exc:  # (UnicodeEncodeError is a ValueError)
+        raise InvalidRequest(field, f"a value does not fit the request: {exc}") from None
+
+
 def generate_request(
     body: dict[str, Any], headers: Any, prompts: list[rollout_pb2.Prompt], max_tokens_key: str
 ) -> rollout_pb2.GenerateRequest:
-    try:
+    with fitting("body"):
         request = rollout_pb2.GenerateRequest(prompts=prompts, sampling=sampling_of(body, max_tokens_key))
         if body.get("n") is not None:
             request.n = body["n"]
         version = required_version(body, headers)
         if version is not None:
             request.weight_version = version
-    except (TypeError, ValueError, OverflowError) as exc:  # e.g. an integer beyond the wire's range
-        if isinstance(exc, InvalidRequest):
-            raise
-        raise InvalidRequest("body", f"a value does not fit the request: {exc}") from None
     return request
 
 
@@ -226,7 +235,9 @@ class OpenAIFace:
             raise InvalidRequest("logit_bias", "not supported by this server")
         if body.get("logprobs") not in (None, 0):
             raise InvalidRequest("logprobs", "use 0: the sampled token's logprob is served, not alternatives")
-        request = generate_request(body, headers, completion_prompts(body["prompt"]), "max_tokens")
+        with fitting("prompt"):
+            prompts = completion_prompts(body["prompt"])
+        request = generate_request(body, headers, prompts, "max_tokens")
         return self.service.generate(request), body
 
     def completion_choice(self, c: rollout_pb2.Completion, n: int, logprobs: bool) -> Any:
@@ -284,7 +295,8 @@ class OpenAIFace:
         ):
             if body.get(name):
                 raise InvalidRequest(name, "not supported by this server")
-        prompt = chat_prompt(body["messages"])
+        with fitting("messages"):
+            prompt = chat_prompt(body["messages"])
         key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         return self.service.generate(generate_request(body, headers, [prompt], key)), body
 
