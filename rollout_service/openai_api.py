@@ -28,7 +28,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any, cast
 
 import grpc
@@ -148,20 +148,29 @@ def required_version(body: dict[str, Any], headers: Any) -> int | None:
     return field if field is not None else from_header
 
 
+@contextlib.contextmanager
+def fitting(field: str) -> Iterator[None]:
+    """Around building wire messages from a body that passed OpenAI's types: a value the wire cannot hold
+    (an integer beyond its range, text with a lone UTF-16 surrogate, which JSON can spell) is the
+    client's error, named by ``field``."""
+    try:
+        yield
+    except InvalidRequest:
+        raise
+    except (TypeError, ValueError, OverflowError) as exc:  # (UnicodeEncodeError is a ValueError)
+        raise InvalidRequest(field, f"a value does not fit the request: {exc}") from None
+
+
 def generate_request(
     body: dict[str, Any], headers: Any, prompts: list[rollout_pb2.Prompt], max_tokens_key: str
 ) -> rollout_pb2.GenerateRequest:
-    try:
+    with fitting("body"):
         request = rollout_pb2.GenerateRequest(prompts=prompts, sampling=sampling_of(body, max_tokens_key))
         if body.get("n") is not None:
             request.n = body["n"]
         version = required_version(body, headers)
         if version is not None:
             request.weight_version = version
-    except (TypeError, ValueError, OverflowError) as exc:  # e.g. an integer beyond the wire's range
-        if isinstance(exc, InvalidRequest):
-            raise
-        raise InvalidRequest("body", f"a value does not fit the request: {exc}") from None
     return request
 
 
@@ -232,7 +241,9 @@ class OpenAIFace:
         echo = bool(body.get("echo"))
         score_only = echo and body.get("max_tokens") == 0
         asked = {**body, "max_tokens": 1} if score_only else body
-        request = generate_request(asked, headers, completion_prompts(body["prompt"]), "max_tokens")
+        with fitting("prompt"):
+            prompts = completion_prompts(body["prompt"])
+        request = generate_request(asked, headers, prompts, "max_tokens")
         request.top_logprobs = top or 0
         request.prompt_logprobs = echo and top is not None
         if echo and body.get("stream"):
@@ -320,7 +331,8 @@ class OpenAIFace:
         ):
             if body.get(name):
                 raise InvalidRequest(name, "not supported by this server")
-        prompt = chat_prompt(body["messages"])
+        with fitting("messages"):
+            prompt = chat_prompt(body["messages"])
         key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         request = generate_request(body, headers, [prompt], key)
         request.top_logprobs = top or 0

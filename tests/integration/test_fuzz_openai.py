@@ -38,3 +38,35 @@ def test_a_body_that_is_not_json_is_a_400_naming_the_body(body: bytes) -> None:
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == "body" and error["message"].startswith("body: is not JSON"), error
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        # Found by the fuzzer: a token id the wire's int32 cannot hold was a 500 (protobuf's ValueError).
+        ("/v1/completions", {"prompt": [[5, 21474836487], [8, 9]]}, "prompt"),
+        # JSON spells lone UTF-16 surrogates, which no UTF-8 string (so no protobuf one) holds.
+        ("/v1/completions", {"prompt": "3+\ud8004="}, "prompt"),
+        ("/v1/completions", {"prompt": "3+4=", "stop": ["\udc00"]}, "body"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "\udfff", "content": "hi"}]}, "messages"),
+    ],
+    ids=[
+        "token-id-beyond-int32",
+        "surrogate-prompt",
+        "surrogate-stop",
+        "surrogate-content",
+        "surrogate-role",
+    ],
+)
+def test_a_value_the_wire_cannot_hold_is_a_400_naming_its_field(
+    path: str, body: dict[str, object], param: str
+) -> None:
+    import json
+
+    from tests.fuzz.targets import openai_client
+
+    response = openai_client().post(path, content=json.dumps({"model": "tiny", **body}))
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and "does not fit the request" in error["message"], error
