@@ -20,6 +20,7 @@ def test_every_committed_input_replays_without_a_crash(target: str) -> None:
 
 
 @pytest.mark.slow
+@suite.OPT_IN
 @pytest.mark.parametrize("target", PURE)
 def test_fuzzing_finds_no_crash(target: str, tmp_path: Path) -> None:
     pytest.importorskip("atheris", reason="atheris (coverage-guided fuzzing) has wheels for x86-64 Linux")
