@@ -47,6 +47,9 @@ class SampleData:
     # MoE: the experts the rollout routed each position it computed to, [prompt + completion - 1,
     # MoE layers, top_k] (fp8rl.routing)
     routed_experts: torch.Tensor | None = None
+    # Multi-turn: one flag per completion token, True where the policy sampled it (only those are trained
+    # and measured); None: every completion token is the policy's
+    loss_mask: list[bool] | None = None
 
 
 @dataclass
@@ -57,7 +60,7 @@ class Batch:
     input_ids: torch.Tensor  # [B, L]
     attention_mask: torch.Tensor  # [B, L]
     targets: torch.Tensor  # [B, L-1]
-    mask: torch.Tensor  # [B, L-1] float, 1 on completion tokens
+    mask: torch.Tensor  # [B, L-1] float, 1 on the policy's completion tokens
     gen: torch.Tensor  # [B, L-1] rollout logprobs (0 elsewhere)
     routed: torch.Tensor | None = None  # [B, L, MoE layers, top_k] the rollout's experts (UNKNOWN elsewhere)
 
@@ -88,7 +91,7 @@ def collate(samples: Sequence[SampleData], pad_id: int = 0, multiple: int = 1) -
         p, c = len(s.prompt), len(s.completion)
         input_ids[i, : p + c] = torch.tensor(s.prompt + s.completion)
         attention[i, : p + c] = 1
-        mask[i, p - 1 : p + c - 1] = 1
+        mask[i, p - 1 : p + c - 1] = 1 if s.loss_mask is None else torch.tensor(s.loss_mask, dtype=mask.dtype)
         gen[i, p - 1 : p + c - 1] = torch.tensor(s.gen_logprobs)
     return Batch(input_ids, attention, input_ids[:, 1:].clone(), mask, gen, _routed(samples, length))
 

@@ -93,8 +93,15 @@ def parse_samples(
             if s.HasField("routed_experts")
             else None
         )
+        loss_mask = list(s.loss_mask) or None
+        if loss_mask is not None and len(loss_mask) != len(completion):
+            raise InvalidRequest(f"{field}.loss_mask", f"{len(loss_mask)} flags for {len(completion)} tokens")
+        if loss_mask is not None and not any(loss_mask):
+            raise InvalidRequest(f"{field}.loss_mask", "covers none of the policy's tokens")
         out.append(
-            SampleData(prompt, completion, logprobs, s.reward, s.group_id or str(i), advantage, routed)
+            SampleData(
+                prompt, completion, logprobs, s.reward, s.group_id or str(i), advantage, routed, loss_mask
+            )
         )
     return out
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from fp8rl.v1 import common_pb2 as fp8rl_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x66p8rl/v1/trainer.proto\x12\x08\x66p8rl.v1\x1a\x15\x66p8rl/v1/common.proto\"\xcf\x01\n\x06Sample\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12\x1c\n\x14\x63ompletion_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0cgen_logprobs\x18\x03 \x03(\x02\x12\x0e\n\x06reward\x18\x04 \x01(\x02\x12\x10\n\x08group_id\x18\x05 \x01(\t\x12\x16\n\tadvantage\x18\x06 \x01(\x02H\x00\x88\x01\x01\x12/\n\x0erouted_experts\x18\x07 \x01(\x0b\x32\x17.fp8rl.v1.RoutedExpertsB\x0c\n\n_advantage\"\x7f\n\x10TrainStepRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12!\n\x07samples\x18\x03 \x03(\x0b\x32\x10.fp8rl.v1.Sample\x12*\n\x08sampling\x18\x04 \x01(\x0b\x32\x18.fp8rl.v1.SamplingParams\"\xd7\x04\n\x0cTrainMetrics\x12\x0c\n\x04loss\x18\x01 \x01(\x01\x12\x11\n\tgrad_norm\x18\x02 \x01(\x01\x12\x15\n\rlearning_rate\x18\x03 \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\x04 \x01(\x01\x12\x1d\n\x15token_mult_prob_error\x18\x05 \x01(\x01\x12\x14\n\x0cgen_kl_error\x18\x06 \x01(\x01\x12\x16\n\x0eis_weight_mean\x18\x07 \x01(\x01\x12\x15\n\ris_weight_min\x18\x08 \x01(\x01\x12\x15\n\ris_weight_max\x18\t \x01(\x01\x12\x1b\n\x13is_clipped_fraction\x18\n \x01(\x01\x12\x1f\n\x17max_seq_mult_prob_error\x18\x0b \x01(\x01\x12\x12\n\nnum_tokens\x18\x0c \x01(\x03\x12\x13\n\x0bnum_samples\x18\r \x01(\x05\x12\x0f\n\x07train_s\x18\x0e \x01(\x01\x12\x1c\n\x14ppo_clipped_fraction\x18\x0f \x01(\x01\x12\x13\n\x0breward_mean\x18\x10 \x01(\x01\x12\x1f\n\x17out_of_support_fraction\x18\x11 \x01(\x01\x12\x1c\n\x14\x61\x62s_log_ratio_counts\x18\x12 \x03(\x03\x12\x18\n\x10is_weight_counts\x18\x13 \x03(\x03\x12\x1d\n\x10routing_mismatch\x18\x14 \x01(\x01H\x00\x88\x01\x01\x12\'\n\x1arouting_mismatch_positions\x18\x15 \x01(\x01H\x01\x88\x01\x01\x42\x13\n\x11_routing_mismatchB\x1d\n\x1b_routing_mismatch_positions\"\x9c\x01\n\x11TrainStepResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x12\'\n\x07metrics\x18\x03 \x01(\x0b\x32\x16.fp8rl.v1.TrainMetrics\x12\x10\n\x08replayed\x18\x04 \x01(\x08\x12&\n\x07skipped\x18\x05 \x01(\x0b\x32\x15.fp8rl.v1.StepSkipped\"\x8d\x01\n\x0bStepSkipped\x12,\n\x06reason\x18\x01 \x01(\x0e\x32\x1c.fp8rl.v1.StepSkipped.Reason\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\"@\n\x06Reason\x12\x16\n\x12REASON_UNSPECIFIED\x10\x00\x12\x1e\n\x1aREASON_NON_FINITE_GRADIENT\x10\x01\"G\n\rTokenSequence\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12\x1c\n\x14\x63ompletion_token_ids\x18\x02 \x03(\x05\"p\n\x16\x43omputeLogprobsRequest\x12*\n\tsequences\x18\x01 \x03(\x0b\x32\x17.fp8rl.v1.TokenSequence\x12*\n\x08sampling\x18\x02 \x01(\x0b\x32\x18.fp8rl.v1.SamplingParams\"$\n\x10SequenceLogprobs\x12\x10\n\x08logprobs\x18\x01 \x03(\x02\"^\n\x17\x43omputeLogprobsResponse\x12+\n\x07results\x18\x01 \x03(\x0b\x32\x1a.fp8rl.v1.SequenceLogprobs\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\"E\n\rPublishTarget\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x14\n\x0cheld_version\x18\x02 \x01(\x03\x12\r\n\x05proof\x18\x03 \x01(\t\"R\n\x15PublishWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12(\n\x07targets\x18\x02 \x03(\x0b\x32\x17.fp8rl.v1.PublishTarget\"\x83\x01\n\rPublishResult\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\x10\n\x08\x65ncoding\x18\x03 \x01(\t\x12\x12\n\nwire_bytes\x18\x04 \x01(\x03\x12\x0f\n\x07\x64\x65nsity\x18\x05 \x01(\x01\x12\x0f\n\x07seconds\x18\x06 \x01(\x01\x12\r\n\x05\x65rror\x18\x07 \x01(\t\"S\n\x16PublishWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12(\n\x07results\x18\x02 \x03(\x0b\x32\x17.fp8rl.v1.PublishResult\"\x17\n\x15SaveCheckpointRequest\"4\n\x16SaveCheckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\"\xee\x01\n\rTrainerStatus\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06recipe\x18\x02 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x0c\n\x04step\x18\x05 \x01(\x03\x12\x16\n\x0eweight_version\x18\x06 \x01(\x03\x12\x10\n\x08uptime_s\x18\x07 \x01(\x01\x12\x0e\n\x06run_id\x18\x08 \x01(\t\x12\x1b\n\x13\x63heckpoint_failures\x18\t \x01(\x03\x12\x1a\n\x12\x63heckpoint_pending\x18\n \x01(\x08\x12\x1c\n\x14last_checkpoint_step\x18\x0b \x01(\x03\x32\x93\x03\n\x07Trainer\x12\x44\n\tTrainStep\x12\x1a.fp8rl.v1.TrainStepRequest\x1a\x1b.fp8rl.v1.TrainStepResponse\x12V\n\x0f\x43omputeLogprobs\x12 .fp8rl.v1.ComputeLogprobsRequest\x1a!.fp8rl.v1.ComputeLogprobsResponse\x12S\n\x0ePublishWeights\x12\x1f.fp8rl.v1.PublishWeightsRequest\x1a .fp8rl.v1.PublishWeightsResponse\x12S\n\x0eSaveCheckpoint\x12\x1f.fp8rl.v1.SaveCheckpointRequest\x1a .fp8rl.v1.SaveCheckpointResponse\x12@\n\tGetStatus\x12\x1a.fp8rl.v1.GetStatusRequest\x1a\x17.fp8rl.v1.TrainerStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x66p8rl/v1/trainer.proto\x12\x08\x66p8rl.v1\x1a\x15\x66p8rl/v1/common.proto\"\xe2\x01\n\x06Sample\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12\x1c\n\x14\x63ompletion_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0cgen_logprobs\x18\x03 \x03(\x02\x12\x0e\n\x06reward\x18\x04 \x01(\x02\x12\x10\n\x08group_id\x18\x05 \x01(\t\x12\x16\n\tadvantage\x18\x06 \x01(\x02H\x00\x88\x01\x01\x12/\n\x0erouted_experts\x18\x07 \x01(\x0b\x32\x17.fp8rl.v1.RoutedExperts\x12\x11\n\tloss_mask\x18\x08 \x03(\x08\x42\x0c\n\n_advantage\"\x7f\n\x10TrainStepRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12!\n\x07samples\x18\x03 \x03(\x0b\x32\x10.fp8rl.v1.Sample\x12*\n\x08sampling\x18\x04 \x01(\x0b\x32\x18.fp8rl.v1.SamplingParams\"\xd7\x04\n\x0cTrainMetrics\x12\x0c\n\x04loss\x18\x01 \x01(\x01\x12\x11\n\tgrad_norm\x18\x02 \x01(\x01\x12\x15\n\rlearning_rate\x18\x03 \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\x04 \x01(\x01\x12\x1d\n\x15token_mult_prob_error\x18\x05 \x01(\x01\x12\x14\n\x0cgen_kl_error\x18\x06 \x01(\x01\x12\x16\n\x0eis_weight_mean\x18\x07 \x01(\x01\x12\x15\n\ris_weight_min\x18\x08 \x01(\x01\x12\x15\n\ris_weight_max\x18\t \x01(\x01\x12\x1b\n\x13is_clipped_fraction\x18\n \x01(\x01\x12\x1f\n\x17max_seq_mult_prob_error\x18\x0b \x01(\x01\x12\x12\n\nnum_tokens\x18\x0c \x01(\x03\x12\x13\n\x0bnum_samples\x18\r \x01(\x05\x12\x0f\n\x07train_s\x18\x0e \x01(\x01\x12\x1c\n\x14ppo_clipped_fraction\x18\x0f \x01(\x01\x12\x13\n\x0breward_mean\x18\x10 \x01(\x01\x12\x1f\n\x17out_of_support_fraction\x18\x11 \x01(\x01\x12\x1c\n\x14\x61\x62s_log_ratio_counts\x18\x12 \x03(\x03\x12\x18\n\x10is_weight_counts\x18\x13 \x03(\x03\x12\x1d\n\x10routing_mismatch\x18\x14 \x01(\x01H\x00\x88\x01\x01\x12\'\n\x1arouting_mismatch_positions\x18\x15 \x01(\x01H\x01\x88\x01\x01\x42\x13\n\x11_routing_mismatchB\x1d\n\x1b_routing_mismatch_positions\"\x9c\x01\n\x11TrainStepResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x12\'\n\x07metrics\x18\x03 \x01(\x0b\x32\x16.fp8rl.v1.TrainMetrics\x12\x10\n\x08replayed\x18\x04 \x01(\x08\x12&\n\x07skipped\x18\x05 \x01(\x0b\x32\x15.fp8rl.v1.StepSkipped\"\x8d\x01\n\x0bStepSkipped\x12,\n\x06reason\x18\x01 \x01(\x0e\x32\x1c.fp8rl.v1.StepSkipped.Reason\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\"@\n\x06Reason\x12\x16\n\x12REASON_UNSPECIFIED\x10\x00\x12\x1e\n\x1aREASON_NON_FINITE_GRADIENT\x10\x01\"G\n\rTokenSequence\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12\x1c\n\x14\x63ompletion_token_ids\x18\x02 \x03(\x05\"p\n\x16\x43omputeLogprobsRequest\x12*\n\tsequences\x18\x01 \x03(\x0b\x32\x17.fp8rl.v1.TokenSequence\x12*\n\x08sampling\x18\x02 \x01(\x0b\x32\x18.fp8rl.v1.SamplingParams\"$\n\x10SequenceLogprobs\x12\x10\n\x08logprobs\x18\x01 \x03(\x02\"^\n\x17\x43omputeLogprobsResponse\x12+\n\x07results\x18\x01 \x03(\x0b\x32\x1a.fp8rl.v1.SequenceLogprobs\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\"E\n\rPublishTarget\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x14\n\x0cheld_version\x18\x02 \x01(\x03\x12\r\n\x05proof\x18\x03 \x01(\t\"R\n\x15PublishWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12(\n\x07targets\x18\x02 \x03(\x0b\x32\x17.fp8rl.v1.PublishTarget\"\x83\x01\n\rPublishResult\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\x10\n\x08\x65ncoding\x18\x03 \x01(\t\x12\x12\n\nwire_bytes\x18\x04 \x01(\x03\x12\x0f\n\x07\x64\x65nsity\x18\x05 \x01(\x01\x12\x0f\n\x07seconds\x18\x06 \x01(\x01\x12\r\n\x05\x65rror\x18\x07 \x01(\t\"S\n\x16PublishWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12(\n\x07results\x18\x02 \x03(\x0b\x32\x17.fp8rl.v1.PublishResult\"\x17\n\x15SaveCheckpointRequest\"4\n\x16SaveCheckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\"\xee\x01\n\rTrainerStatus\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06recipe\x18\x02 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x0c\n\x04step\x18\x05 \x01(\x03\x12\x16\n\x0eweight_version\x18\x06 \x01(\x03\x12\x10\n\x08uptime_s\x18\x07 \x01(\x01\x12\x0e\n\x06run_id\x18\x08 \x01(\t\x12\x1b\n\x13\x63heckpoint_failures\x18\t \x01(\x03\x12\x1a\n\x12\x63heckpoint_pending\x18\n \x01(\x08\x12\x1c\n\x14last_checkpoint_step\x18\x0b \x01(\x03\x32\x93\x03\n\x07Trainer\x12\x44\n\tTrainStep\x12\x1a.fp8rl.v1.TrainStepRequest\x1a\x1b.fp8rl.v1.TrainStepResponse\x12V\n\x0f\x43omputeLogprobs\x12 .fp8rl.v1.ComputeLogprobsRequest\x1a!.fp8rl.v1.ComputeLogprobsResponse\x12S\n\x0ePublishWeights\x12\x1f.fp8rl.v1.PublishWeightsRequest\x1a .fp8rl.v1.PublishWeightsResponse\x12S\n\x0eSaveCheckpoint\x12\x1f.fp8rl.v1.SaveCheckpointRequest\x1a .fp8rl.v1.SaveCheckpointResponse\x12@\n\tGetStatus\x12\x1a.fp8rl.v1.GetStatusRequest\x1a\x17.fp8rl.v1.TrainerStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,39 +33,39 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'fp8rl.v1.trainer_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLE']._serialized_start=60
-  _globals['_SAMPLE']._serialized_end=267
-  _globals['_TRAINSTEPREQUEST']._serialized_start=269
-  _globals['_TRAINSTEPREQUEST']._serialized_end=396
-  _globals['_TRAINMETRICS']._serialized_start=399
-  _globals['_TRAINMETRICS']._serialized_end=998
-  _globals['_TRAINSTEPRESPONSE']._serialized_start=1001
-  _globals['_TRAINSTEPRESPONSE']._serialized_end=1157
-  _globals['_STEPSKIPPED']._serialized_start=1160
-  _globals['_STEPSKIPPED']._serialized_end=1301
-  _globals['_STEPSKIPPED_REASON']._serialized_start=1237
-  _globals['_STEPSKIPPED_REASON']._serialized_end=1301
-  _globals['_TOKENSEQUENCE']._serialized_start=1303
-  _globals['_TOKENSEQUENCE']._serialized_end=1374
-  _globals['_COMPUTELOGPROBSREQUEST']._serialized_start=1376
-  _globals['_COMPUTELOGPROBSREQUEST']._serialized_end=1488
-  _globals['_SEQUENCELOGPROBS']._serialized_start=1490
-  _globals['_SEQUENCELOGPROBS']._serialized_end=1526
-  _globals['_COMPUTELOGPROBSRESPONSE']._serialized_start=1528
-  _globals['_COMPUTELOGPROBSRESPONSE']._serialized_end=1622
-  _globals['_PUBLISHTARGET']._serialized_start=1624
-  _globals['_PUBLISHTARGET']._serialized_end=1693
-  _globals['_PUBLISHWEIGHTSREQUEST']._serialized_start=1695
-  _globals['_PUBLISHWEIGHTSREQUEST']._serialized_end=1777
-  _globals['_PUBLISHRESULT']._serialized_start=1780
-  _globals['_PUBLISHRESULT']._serialized_end=1911
-  _globals['_PUBLISHWEIGHTSRESPONSE']._serialized_start=1913
-  _globals['_PUBLISHWEIGHTSRESPONSE']._serialized_end=1996
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=1998
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=2021
-  _globals['_SAVECHECKPOINTRESPONSE']._serialized_start=2023
-  _globals['_SAVECHECKPOINTRESPONSE']._serialized_end=2075
-  _globals['_TRAINERSTATUS']._serialized_start=2078
-  _globals['_TRAINERSTATUS']._serialized_end=2316
-  _globals['_TRAINER']._serialized_start=2319
-  _globals['_TRAINER']._serialized_end=2722
+  _globals['_SAMPLE']._serialized_end=286
+  _globals['_TRAINSTEPREQUEST']._serialized_start=288
+  _globals['_TRAINSTEPREQUEST']._serialized_end=415
+  _globals['_TRAINMETRICS']._serialized_start=418
+  _globals['_TRAINMETRICS']._serialized_end=1017
+  _globals['_TRAINSTEPRESPONSE']._serialized_start=1020
+  _globals['_TRAINSTEPRESPONSE']._serialized_end=1176
+  _globals['_STEPSKIPPED']._serialized_start=1179
+  _globals['_STEPSKIPPED']._serialized_end=1320
+  _globals['_STEPSKIPPED_REASON']._serialized_start=1256
+  _globals['_STEPSKIPPED_REASON']._serialized_end=1320
+  _globals['_TOKENSEQUENCE']._serialized_start=1322
+  _globals['_TOKENSEQUENCE']._serialized_end=1393
+  _globals['_COMPUTELOGPROBSREQUEST']._serialized_start=1395
+  _globals['_COMPUTELOGPROBSREQUEST']._serialized_end=1507
+  _globals['_SEQUENCELOGPROBS']._serialized_start=1509
+  _globals['_SEQUENCELOGPROBS']._serialized_end=1545
+  _globals['_COMPUTELOGPROBSRESPONSE']._serialized_start=1547
+  _globals['_COMPUTELOGPROBSRESPONSE']._serialized_end=1641
+  _globals['_PUBLISHTARGET']._serialized_start=1643
+  _globals['_PUBLISHTARGET']._serialized_end=1712
+  _globals['_PUBLISHWEIGHTSREQUEST']._serialized_start=1714
+  _globals['_PUBLISHWEIGHTSREQUEST']._serialized_end=1796
+  _globals['_PUBLISHRESULT']._serialized_start=1799
+  _globals['_PUBLISHRESULT']._serialized_end=1930
+  _globals['_PUBLISHWEIGHTSRESPONSE']._serialized_start=1932
+  _globals['_PUBLISHWEIGHTSRESPONSE']._serialized_end=2015
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=2017
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=2040
+  _globals['_SAVECHECKPOINTRESPONSE']._serialized_start=2042
+  _globals['_SAVECHECKPOINTRESPONSE']._serialized_end=2094
+  _globals['_TRAINERSTATUS']._serialized_start=2097
+  _globals['_TRAINERSTATUS']._serialized_end=2335
+  _globals['_TRAINER']._serialized_start=2338
+  _globals['_TRAINER']._serialized_end=2741
 # @@protoc_insertion_point(module_scope)

@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Sample(_message.Message):
-    __slots__ = ("prompt_token_ids", "completion_token_ids", "gen_logprobs", "reward", "group_id", "advantage", "routed_experts")
+    __slots__ = ("prompt_token_ids", "completion_token_ids", "gen_logprobs", "reward", "group_id", "advantage", "routed_experts", "loss_mask")
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     GEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class Sample(_message.Message):
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     ADVANTAGE_FIELD_NUMBER: _ClassVar[int]
     ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     completion_token_ids: _containers.RepeatedScalarFieldContainer[int]
     gen_logprobs: _containers.RepeatedScalarFieldContainer[float]
@@ -24,7 +25,8 @@ class Sample(_message.Message):
     group_id: str
     advantage: float
     routed_experts: _common_pb2.RoutedExperts
-    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., completion_token_ids: _Optional[_Iterable[int]] = ..., gen_logprobs: _Optional[_Iterable[float]] = ..., reward: _Optional[float] = ..., group_id: _Optional[str] = ..., advantage: _Optional[float] = ..., routed_experts: _Optional[_Union[_common_pb2.RoutedExperts, _Mapping]] = ...) -> None: ...
+    loss_mask: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., completion_token_ids: _Optional[_Iterable[int]] = ..., gen_logprobs: _Optional[_Iterable[float]] = ..., reward: _Optional[float] = ..., group_id: _Optional[str] = ..., advantage: _Optional[float] = ..., routed_experts: _Optional[_Union[_common_pb2.RoutedExperts, _Mapping]] = ..., loss_mask: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class TrainStepRequest(_message.Message):
     __slots__ = ("run_id", "step", "samples", "sampling")

@@ -141,6 +141,10 @@ def corrupt(field: str) -> list[trainer_pb2.Sample]:
     elif field == "completion-empty":
         del s.completion_token_ids[:]
         del s.gen_logprobs[:]
+    elif field == "loss_mask-length":
+        s.loss_mask.extend([True] * (len(s.completion_token_ids) + 1))
+    elif field == "loss_mask-none":
+        s.loss_mask.extend([False] * len(s.completion_token_ids))
     return batch
 
 
@@ -154,6 +158,8 @@ def corrupt(field: str) -> list[trainer_pb2.Sample]:
         ("completion-vocab", "samples[1].completion_token_ids"),
         ("prompt-vocab", "samples[1].prompt_token_ids"),
         ("completion-empty", "samples[1].completion_token_ids"),
+        ("loss_mask-length", "samples[1].loss_mask"),
+        ("loss_mask-none", "samples[1].loss_mask"),
         ("empty", "samples"),
     ],
 )
@@ -167,6 +173,45 @@ def test_malformed_samples_are_rejected_and_nothing_changes(trainer, case: str, 
     assert err.value.details().startswith(field + ":"), err.value.details()
     assert weight_bytes(service) == before and service.step == 0
     assert stub.TrainStep(step_request(0, samples(3)), timeout=120).weight_version == 1  # still serving
+
+
+def test_a_loss_mask_trains_and_measures_only_the_policys_tokens(tiny_model_dir_f32: Path) -> None:
+    """A multi-turn sample's environment tokens (loss_mask false) are context only: their rollout
+    logprobs change nothing, bit for bit, and the policy's tokens are scored as without a mask."""
+    from fp8rl.recipes import get_recipe
+    from fp8rl.sampling import SamplingSettings
+    from trainer_service.learner import Learner
+
+    batch = samples(4)
+    masks = [
+        [bool(torch.rand(()) < 0.6) or j == 0 for j in range(len(s.completion_token_ids))] for s in batch
+    ]
+    for s, m in zip(batch, masks, strict=True):
+        s.loss_mask.extend(m)
+    data = parse_samples(batch, vocab=320, max_positions=512)
+    config = TrainerConfig(
+        model=tiny_model_dir_f32, recipe="fp8", compute_dtype="float32", fp8_backend="emulated"
+    )  # type: ignore[arg-type]
+    sampling = SamplingSettings()
+    masked, unmasked = Learner(config, get_recipe("fp8")), Learner(config, get_recipe("fp8"))
+    plain_batch = masked.collate(parse_samples(samples(4), vocab=320, max_positions=512))
+    masked_batch = masked.collate(data)
+    assert masked_batch.mask.sum() == sum(map(sum, masks)) < plain_batch.mask.sum()
+    scored = masked.score(masked_batch, sampling)
+    on = masked_batch.mask.bool()
+    torch.testing.assert_close(scored[on], unmasked.score(plain_batch, sampling)[on], rtol=0, atol=0)
+
+    # The environment's tokens' logprobs are ignored: other values train the same update, bit for bit.
+    for s, m in zip(batch, masks, strict=True):
+        s.gen_logprobs[:] = [lp if keep else -50.0 for lp, keep in zip(s.gen_logprobs, m, strict=True)]
+    other = parse_samples(batch, vocab=320, max_positions=512)
+    assert [s.gen_logprobs for s in other] != [s.gen_logprobs for s in data]
+    first, second = masked.train(data, sampling), unmasked.train(other, sampling)
+    assert first["num_tokens"] == sum(map(sum, masks))
+    for key in ("loss", "token_mult_prob_error", "grad_norm", "num_tokens"):
+        assert first[key] == second[key], key
+    for (name, p), q in zip(masked.model.named_parameters(), unmasked.model.parameters(), strict=True):
+        assert torch.equal(p, q), name
 
 
 def test_mean_normalised_advantages_need_non_negative_rewards() -> None:
