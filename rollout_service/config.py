@@ -11,6 +11,7 @@ from fp8rl.devices import Device
 from fp8rl.models import TINY_ARITH, ModelDir
 from fp8rl.recipes import RecipeName
 from fp8rl.security import SecurityConfig, is_loopback
+from rollout_service.episodes import EpisodeLimits
 
 
 class RolloutConfig(BaseModel):
@@ -54,6 +55,8 @@ class RolloutConfig(BaseModel):
     max_concurrent_generate: int = Field(10, ge=1, le=10)
     """Generate / GenerateStream calls served at once (of 16 server threads: 2 are for UpdateWeights and 4
     stay with health and status); one more is refused (RESOURCE_EXHAUSTED)."""
+    episodes: EpisodeLimits = EpisodeLimits()
+    """Bounds of the HTTP endpoint's episodes (/episodes/{id}/v1/...: rollout_service/episodes.py)."""
     stream_idle_s: float = Field(30.0, gt=0)
     """An UpdateWeights stream that sends nothing for this long is cancelled, freeing its thread."""
     kv_cache_gib: float = Field(1.0, gt=0)

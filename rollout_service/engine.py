@@ -346,10 +346,10 @@ class VllmEngine:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
-    def tokenize_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """``messages`` rendered by the model's chat template, generation prompt added."""
+    def tokenize_chat(self, messages: list[dict[str, str]], generation_prompt: bool = True) -> list[int]:
+        """``messages`` rendered by the model's chat template, by default with the generation prompt."""
         ids: Any = self.tokenizer.apply_chat_template(
-            cast(Any, messages), add_generation_prompt=True, tokenize=True
+            cast(Any, messages), add_generation_prompt=generation_prompt, tokenize=True
         )
         return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
 

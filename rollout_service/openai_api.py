@@ -41,6 +41,15 @@ from fp8rl.errors import Cancelled, InvalidRequest
 from fp8rl.security import SecurityConfig, bearer_role, read_tokens
 from fp8rl.serving import STATUS_OF, status_of
 from fp8rl.v1 import common_pb2, rollout_pb2
+from rollout_service.episodes import (
+    Episode,
+    EpisodeNotFound,
+    Episodes,
+    Turn,
+    spliced_chat,
+    spliced_ids,
+    spliced_text,
+)
 from rollout_service.service import Generation, RolloutService
 
 VERSION_HEADER = "X-Weight-Version"
@@ -52,6 +61,9 @@ HTTP_OF = {
     grpc.StatusCode.FAILED_PRECONDITION: (409, "conflict_error"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
     grpc.StatusCode.CANCELLED: (499, "cancelled"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
 }
 
 
@@ -60,7 +72,8 @@ class UnknownModel(InvalidRequest):
 
 
 def error_response(exc: Exception) -> JSONResponse:
-    code = grpc.StatusCode.NOT_FOUND if isinstance(exc, UnknownModel) else status_of(exc)
+    unknown = isinstance(exc, (UnknownModel, EpisodeNotFound))
+    code = grpc.StatusCode.NOT_FOUND if unknown else status_of(exc)
     status, kind = HTTP_OF.get(code, (500, "server_error"))
     param = openai_param(exc.field) if isinstance(exc, InvalidRequest) else None
     body = {"error": {"message": str(exc), "type": kind, "param": param, "code": None}}
@@ -220,6 +233,7 @@ class OpenAIFace:
     def __init__(self, service: RolloutService, model_name: str) -> None:
         self.service, self.model_name = service, model_name
         self.completion_params, self.chat_params = _adapters()
+        self.episodes = Episodes(service.config.episodes)
 
     def token_texts(self, ids: Iterable[int]) -> list[str]:
         return [self.service.engine.tokenizer.decode([t]) for t in ids]
@@ -229,7 +243,9 @@ class OpenAIFace:
             raise UnknownModel("model", f"this replica serves {self.model_name!r}, not {body.get('model')!r}")
 
     # -- /v1/completions ----------------------------------------------------------------------------
-    def completions(self, body: Any, headers: Any) -> tuple[Generation, dict[str, Any]]:
+    def completions(
+        self, body: Any, headers: Any, episode: Episode | None = None
+    ) -> tuple[Generation, dict[str, Any]]:
         body = validated(self.completion_params, body)
         self.check_model(body)
         refuse_unsupported(body, {"best_of": 1, "suffix": "", "presence_penalty": 0, "frequency_penalty": 0})
@@ -243,13 +259,76 @@ class OpenAIFace:
         asked = {**body, "max_tokens": 1} if score_only else body
         with fitting("prompt"):
             prompts = completion_prompts(body["prompt"])
+        if episode is not None:
+            if echo:
+                raise InvalidRequest("echo", "not within an episode: a turn samples")
+            prompts, body = self.episode_turn(episode, body, prompts)
         request = generate_request(asked, headers, prompts, "max_tokens")
         request.top_logprobs = top or 0
         request.prompt_logprobs = echo and top is not None
         if echo and body.get("stream"):
             raise InvalidRequest("echo", "not streamed by this server: ask without stream")
+        if episode is not None:
+            self.check_room(episode, request)
         generation = self.service.generate(request, stream=bool(body.get("stream")))
         return generation, {**body, SCORE_ONLY: score_only}
+
+    # -- episodes -----------------------------------------------------------------------------------
+    def episode_turn(
+        self, episode: Episode, body: dict[str, Any], prompts: list[rollout_pb2.Prompt]
+    ) -> tuple[list[rollout_pb2.Prompt], dict[str, Any]]:
+        """A turn's one prompt as the exact ids it continues (rollout_service/episodes.py), and the body
+        with what recording it needs."""
+        if len(prompts) != 1:
+            raise InvalidRequest("prompt", "an episode's turn has one prompt")
+        if (body.get("n") or 1) != 1:
+            raise InvalidRequest("n", "an episode's turn samples once (n: 1)")
+        previous = episode.turns[-1] if episode.turns else None
+        prompt = prompts[0]
+        if prompt.HasField("chat"):
+            messages = [{"role": m.role, "content": m.content} for m in prompt.chat.messages]
+            if not self.service.engine.has_chat_template:
+                raise InvalidRequest("messages", "the model has no chat template")
+            engine = self.service.engine
+            ids, extends = spliced_chat(
+                previous, messages, engine.tokenize_chat, engine.tokenize, engine.eos_token_id
+            )
+            context: Any = messages
+        elif prompt.HasField("text"):
+            ids, extends = spliced_text(previous, prompt.text, self.service.engine.tokenize)
+            context = prompt.text
+        else:
+            ids, extends = spliced_ids(previous, list(prompt.token_ids.ids))
+            context = None
+        return [rollout_pb2.Prompt(token_ids={"ids": ids})], {**body, EPISODE: (episode, extends, context)}
+
+    def check_room(self, episode: Episode, request: rollout_pb2.GenerateRequest) -> None:
+        limits = self.service.limits
+        most = (
+            request.sampling.max_tokens
+            if request.sampling.HasField("max_tokens")
+            else limits.default_max_tokens
+        )
+        self.episodes.check_room(episode, len(request.prompts[0].token_ids.ids), most)
+
+    def record(self, body: dict[str, Any], c: rollout_pb2.Completion) -> None:
+        """An episode's turn, once its completion finished."""
+        episode, extends, context = body[EPISODE]
+        if isinstance(context, list):
+            context = [*context, {"role": "assistant", "content": c.text}]
+        elif isinstance(context, str):
+            context += c.text
+        turn = Turn(
+            list(c.prompt_token_ids),
+            list(c.token_ids),
+            list(c.logprobs),
+            c.weight_version,
+            c.finish_reason,
+            extends,
+            c.text,
+            context,
+        )
+        self.episodes.record(episode, turn)
 
     def completion_choice(self, c: rollout_pb2.Completion, n: int, body: dict[str, Any]) -> Any:
         """OpenAI's choice of ``c``; with ``echo`` the prompt comes first, in the text and in the logprobs
@@ -313,7 +392,9 @@ class OpenAIFace:
         )
 
     # -- /v1/chat/completions -----------------------------------------------------------------------
-    def chat(self, body: Any, headers: Any) -> tuple[Generation, dict[str, Any]]:
+    def chat(
+        self, body: Any, headers: Any, episode: Episode | None = None
+    ) -> tuple[Generation, dict[str, Any]]:
         body = validated(self.chat_params, body)
         self.check_model(body)
         refuse_unsupported(body, {"presence_penalty": 0, "frequency_penalty": 0})
@@ -332,10 +413,14 @@ class OpenAIFace:
             if body.get(name):
                 raise InvalidRequest(name, "not supported by this server")
         with fitting("messages"):
-            prompt = chat_prompt(body["messages"])
+            prompts = [chat_prompt(body["messages"])]
+        if episode is not None:
+            prompts, body = self.episode_turn(episode, body, prompts)
         key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        request = generate_request(body, headers, [prompt], key)
+        request = generate_request(body, headers, prompts, key)
         request.top_logprobs = top or 0
+        if episode is not None:
+            self.check_room(episode, request)
         return self.service.generate(request, stream=bool(body.get("stream"))), body
 
     def chat_logprobs(self, c: rollout_pb2.Completion) -> Any:
@@ -473,6 +558,7 @@ def completion_logprobs() -> type:
 
 
 SCORE_ONLY = "fp8rl_score_only"  # (in the admitted body: echo with max_tokens 0)
+EPISODE = "fp8rl_episode"  # (in the admitted body of an episode's turn: the episode, extends, context)
 
 
 def scored_prompt(c: rollout_pb2.Completion) -> rollout_pb2.Completion:
@@ -594,6 +680,25 @@ async def sse(
         yield f"data: {bytes(error_response(exc).body).decode()}\n\n"
 
 
+def recording(chunk: Any, record: Callable[[rollout_pb2.Completion], None]) -> Any:
+    """``chunk``, recording each whole completion as it finishes (an episode's streamed turn)."""
+
+    def recorded(c: rollout_pb2.Completion, done: bool) -> Any:
+        if done:
+            record(c)
+        return chunk(c, done)
+
+    return recorded
+
+
+async def finishing(events: AsyncIterator[str], finish: Callable[[], None]) -> AsyncIterator[str]:
+    try:
+        async for event in events:
+            yield event
+    finally:
+        finish()
+
+
 def build_app(service: RolloutService, model_name: str, security: SecurityConfig | None = None) -> FastAPI:
     face = OpenAIFace(service, model_name)
     app = FastAPI(title="fp8rl rollout (OpenAI-compatible)", docs_url=None, redoc_url=None)
@@ -616,17 +721,36 @@ def build_app(service: RolloutService, model_name: str, security: SecurityConfig
                 return JSONResponse(body, status_code=401)
             return cast(Response, await call_next(request))
 
-    async def answer(request: Request, admit: Any, build: Any, chunks: Any) -> Response:
+    async def answer(
+        request: Request, admit: Any, build: Any, chunks: Any, episode_id: str | None = None
+    ) -> Response:
         body = json_body(await request.body())
-        # Validation, tokenization and admission run on a worker thread: tokenizing can take a while.
-        generation, body = await run_in_threadpool(admit, body, request.headers)
+        episode = face.episodes.begin(episode_id) if episode_id is not None else None
+        try:
+            # Validation, tokenization and admission run on a worker thread: tokenizing can take a while.
+            generation, body = await run_in_threadpool(admit, body, request.headers, episode)
+        except BaseException:
+            if episode is not None:
+                face.episodes.finish(episode)
+            raise
         version = generation.ticket.version
         headers = {VERSION_HEADER: str(version)}
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            events = stream(request, generation, chunks(version, body), include_usage)
+            chunk = chunks(version, body)
+            if episode is not None:
+                chunk = recording(chunk, lambda c: face.record(body, c))
+            events = stream(request, generation, chunk, include_usage)
+            if episode is not None:
+                events = finishing(events, lambda: face.episodes.finish(episode))
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-        completions = await collect(generation, request)
+        try:
+            completions = await collect(generation, request)
+            if completions is not None and episode is not None:
+                face.record(body, completions[0])
+        finally:
+            if episode is not None:
+                face.episodes.finish(episode)
         if completions is None:
             return Response(status_code=499)  # nobody is listening
         result = build(ordered(completions), version, body)
@@ -642,6 +766,25 @@ def build_app(service: RolloutService, model_name: str, security: SecurityConfig
     async def chat_completions(request: Request) -> Response:
         return await answer(request, face.chat, face.chat_completion, face.chat_chunks)
 
+    @app.post("/episodes/{episode_id}/v1/completions")
+    async def episode_completions(request: Request, episode_id: str) -> Response:
+        return await answer(request, face.completions, face.completion, face.completion_chunks, episode_id)
+
+    @app.post("/episodes/{episode_id}/v1/chat/completions")
+    async def episode_chat_completions(request: Request, episode_id: str) -> Response:
+        return await answer(request, face.chat, face.chat_completion, face.chat_chunks, episode_id)
+
+    @app.get("/episodes/{episode_id}")
+    async def episode(episode_id: str) -> Any:
+        """The episode's turns as recorded and its training samples."""
+        return face.episodes.get(episode_id).as_json()
+
+    @app.delete("/episodes/{episode_id}")
+    async def end_episode(episode_id: str) -> Any:
+        """Ends the episode, answering what :func:`episode` answers."""
+        return face.episodes.end(episode_id).as_json()
+
+    @app.get("/episodes/{episode_id}/v1/models")
     @app.get("/v1/models")
     async def models() -> Any:
         from openai.types import Model
