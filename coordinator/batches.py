@@ -15,9 +15,10 @@ import grpc
 
 from coordinator.clients import RolloutPool, rpc_code
 from coordinator.config import CoordinatorConfig
+from coordinator.environments import Episode, EpisodeRunner
 from coordinator.problems import Problem, RewardTimeout
 from coordinator.state import RunStore
-from coordinator.tasks import Task
+from coordinator.tasks import EnvironmentTask, Task
 from fp8rl.architectures import moe_layers, read_config
 from fp8rl.models import TINY_ARITH
 from fp8rl.v1 import common_pb2, rollout_pb2, trainer_pb2
@@ -53,9 +54,13 @@ class BatchMaker:
         # An MoE model's samples carry the experts the rollout routed them to: the trainer measures its
         # routers' disagreement with them (routing_mismatch) and, with routing_replay, routes as they did.
         self.routed_experts = bool(moe_layers(read_config(config.run.model or TINY_ARITH)))
+        # A multi-turn environment plays episodes on the replicas' HTTP faces instead.
+        self.episodes = EpisodeRunner(task.env, pool.security) if isinstance(task, EnvironmentTask) else None
 
     def close(self) -> None:
         self._rewards.shutdown(wait=False)
+        if self.episodes is not None:
+            self.episodes.close()
 
     def batch_for(self, k: int, ahead: Future[Batch | None] | None) -> Batch:
         """The stored batch of step k if fresh enough, else the one generated ahead, else a new one."""
@@ -100,6 +105,8 @@ class BatchMaker:
 
     def generate(self, step: int, version: int, replicas: list[str]) -> Batch:
         problems = self.task.train_problems(step, self.config.sampling.prompts_per_step)
+        if self.episodes is not None:
+            return self._generate_episodes(step, problems, version, replicas)
         start = time.perf_counter()
         completions = self._complete(
             problems, self.config.sampling.group_size, self.sampling, version, replicas, self.routed_experts
@@ -136,9 +143,71 @@ class BatchMaker:
         }
         return Batch(request, version, info)
 
+    def _generate_episodes(
+        self, step: int, problems: list[Problem], version: int, replicas: list[str]
+    ) -> Batch:
+        """A step of a multi-turn environment: group_size episodes per problem, each recorded sample of
+        an episode (one, unless a turn rewrote the conversation) trained with the episode's reward."""
+        assert self.episodes is not None
+        start = time.perf_counter()
+        n = self.config.sampling.group_size
+        episodes = self._play(problems, n, self.sampling, version, replicas, f"{self.run_id}.s{step}")
+        samples = [
+            trainer_pb2.Sample(
+                prompt_token_ids=s["prompt_token_ids"],
+                completion_token_ids=s["completion_token_ids"],
+                gen_logprobs=s["logprobs"],
+                loss_mask=s["loss_mask"],
+                reward=e.reward,
+                group_id=e.problem.id,
+            )
+            for e in episodes
+            for s in e.recorded["samples"]
+        ]
+        generate_s = time.perf_counter() - start
+        tokens = sum(sum(s.loss_mask) for s in samples)
+        request = trainer_pb2.TrainStepRequest(
+            run_id=self.run_id, step=step, samples=samples, sampling=self.sampling
+        )
+        rewards = [e.reward for e in episodes]
+        info = {
+            "generate_s": generate_s,
+            "score_s": 0.0,
+            "rollout_tokens": tokens,
+            "rollout_tokens_per_s": tokens / max(generate_s, 1e-9),
+            "reward_mean": sum(rewards) / len(rewards),
+            "reward_timeouts": 0,
+            "episode_turns_mean": sum(e.turns for e in episodes) / len(episodes),
+            "episode_samples": len(samples),
+        }
+        return Batch(request, version, info)
+
+    def _play(
+        self,
+        problems: list[Problem],
+        n: int,
+        sampling: common_pb2.SamplingParams,
+        version: int,
+        replicas: list[str],
+        prefix: str,
+    ) -> list[Episode]:
+        assert self.episodes is not None
+        if any(a not in self.pool.http for a in replicas):
+            self.pool.held_versions()  # (their HTTP faces' addresses come with their status)
+        served = {a: self.pool.http.get(a, "") for a in replicas}
+
+        def failed(address: str, exc: Exception) -> None:
+            self.store.event("replica-failed", f"{address}: episode failed: {type(exc).__name__}: {exc}")
+            log.warning("replica %s failed an episode (%s); it is played again elsewhere", address, exc)
+
+        return self.episodes.play([(p, n) for p in problems], sampling, version, served, prefix, failed)
+
     def validate(self, version: int, replicas: list[str]) -> float:
         """Mean reward of greedy completions of the held-out prompts."""
         problems = self.task.val_problems()
+        if self.episodes is not None:
+            episodes = self._play(problems, 1, self.greedy, version, replicas, f"{self.run_id}.val{version}")
+            return sum(e.reward for e in episodes) / len(episodes)
         completions = self._complete(problems, 1, self.greedy, version, replicas)
         rewards, timeouts = self._rewards_of(problems, completions)
         if timeouts:

@@ -102,6 +102,7 @@ class RolloutPool:
         self._stubs: dict[str, rollout_pb2_grpc.RolloutStub] = {}
         self._channels: dict[str, grpc.Channel] = {}
         self.proofs: dict[str, str] = {}  # address -> registration proof, as its last status showed
+        self.http: dict[str, str] = {}  # address -> its OpenAI-compatible face's, as its last status showed
 
     def stub(self, address: str) -> rollout_pb2_grpc.RolloutStub:
         if address not in self._stubs:
@@ -118,6 +119,7 @@ class RolloutPool:
                     common_pb2.GetStatusRequest(), timeout=STATUS_DEADLINE_S
                 )
                 held[address], self.proofs[address] = status.weight_version, status.registration_proof
+                self.http[address] = status.http_address
             except grpc.RpcError as exc:
                 log.warning("replica %s unreachable (%s): dropped for this step", address, exc.code().name)
             except ValueError as exc:  # our security settings forbid talking to it (e.g. plaintext)

@@ -121,6 +121,10 @@ class TaskConfig(_Slice):
     """Task dataset: hold out this fraction of the rows (seeded) instead of the first val_size."""
     reward: str | None = None
     """`module:function(prompt, completion, answer) -> float` replacing the task's reward."""
+    env: str | None = None
+    """A multi-turn environment instead of a task: `module:factory` (called with seed=...) or
+    `arith-feedback` (shipped); its episodes talk to the policy over the replicas' OpenAI-compatible HTTP
+    and are trained as recorded (coordinator/environments.py)."""
     val_size: int = Field(128, ge=1)
     """Validation problems (the most kept from a held-out split or val_dataset). Held out by count, the
     first val_size rows of a dataset, but never more than half of its rows."""
@@ -148,6 +152,8 @@ class TaskConfig(_Slice):
     def check_reward(self) -> None:
         if self.reward is not None and ":" not in self.reward:
             raise ValueError(f"reward {self.reward!r} is not of the form module:function")
+        if self.env is not None and (self.reward or self.dataset or self.name != "arith"):
+            raise ValueError("env brings its own problems and rewards: give no task, dataset or reward")
 
 
 class SamplingConfig(_Slice):
@@ -235,6 +241,7 @@ FIELDS: dict[str, str] = {
     "val_dataset": "task.val_dataset",
     "val_fraction": "task.val_fraction",
     "reward": "task.reward",
+    "env": "task.env",
     "steps": "run.steps",
     "run_id": "run.run_id",
     "run_dir": "run.run_dir",

@@ -232,6 +232,10 @@ class Driver:
             "score_s": batch.info.get("score_s", 0.0),  # (a batch stored before this field: not timed)
             "rollout_tokens_per_s": batch.info["rollout_tokens_per_s"],
             "rollout_tokens": batch.info["rollout_tokens"],
+            "trained_tokens": m.num_tokens,  # the policy's tokens the step trained (and measured)
+            **{
+                key: batch.info[key] for key in ("episode_turns_mean", "episode_samples") if key in batch.info
+            },
             "train_s": train_s,
             **publish,
             "replayed": result.replayed,

@@ -416,5 +416,7 @@ class EmbeddedProcesses:
             dtype,
         ]
         args += ["--kv-cache-gib", str(config.embedded.kv_cache_gib)]
+        if config.task.env is not None:  # (episodes reach the policy over its OpenAI-compatible face)
+            args += ["--http-port", "0"]
         security = security_for(secrets_dir(self.run_dir), "replica", config.embedded.tls)
         return args + as_sets({"seed": config.run.seed, "security": security.model_dump(mode="json")})

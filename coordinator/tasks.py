@@ -10,6 +10,8 @@
   "content": ...}) that the replica renders with the model's chat template. Each epoch visits the
   training rows in a seeded order, without replacement.
 * ``--reward module:function``: ``function(prompt, completion, answer) -> float`` replaces the reward.
+* ``--env module:factory``: a multi-turn environment's problems, played as episodes
+  (coordinator/environments.py).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from fp8rl.config import ConfigError
 
 if TYPE_CHECKING:
     from coordinator.config import CoordinatorConfig
+    from coordinator.environments import Environment
     from coordinator.math_reward import MathVerifier
 
 RewardFn = Callable[[str, str, str], float]
@@ -211,11 +214,35 @@ def _field(name: str) -> Iterator[None]:
         raise ConfigError(f"invalid config: {name}: {exc}") from None
 
 
+class EnvironmentTask:
+    """A multi-turn environment's problems (coordinator/environments.py); its episodes score themselves."""
+
+    def __init__(self, env: Environment) -> None:
+        self.env = env
+
+    def train_problems(self, step: int, count: int) -> list[Problem]:
+        return self.env.train_problems(step, count)
+
+    def val_problems(self) -> list[Problem]:
+        return self.env.val_problems()
+
+    def reward(self, problem: Problem, completion: str) -> float:
+        raise TypeError("an environment's episodes are scored as they are played")
+
+    def close(self) -> None:
+        self.env.close()
+
+
 def build_task(config: CoordinatorConfig) -> Task:
     """The run's task. Raises :class:`ConfigError` (one line, naming the field) for a dataset that cannot
     be read or split, or a reward that cannot be loaded."""
     task: Task
     wanted, seed = config.task, config.run.seed
+    if wanted.env is not None:
+        from coordinator.environments import load_environment
+
+        with _field("env"):
+            return EnvironmentTask(load_environment(wanted.env, seed))
     if wanted.name in ("arith", "arith-chat"):
         task = (ArithChatTask if wanted.name == "arith-chat" else ArithTask)(seed, wanted.val_size)
     else:

@@ -104,6 +104,8 @@ def serve(config: RolloutConfig) -> None:
             from rollout_service.openai_api import build_app
 
             http.serve(build_app(service, config.model_name, config.security), config.security)
+            host = config.advertise.rsplit(":", 1)[0] if config.advertise else config.host
+            service.http_address = f"{host}:{http.port}"
             print(f"rollout-service OpenAI-compatible HTTP on {config.host}:{http.port}", flush=True)
 
         def close() -> None:

@@ -219,6 +219,7 @@ class UpdateResult:
 class RolloutService:
     def __init__(self, config: RolloutConfig, engine: VllmEngine, address: str | None = None) -> None:
         """``address``: where the run reaches this replica (its registration proof names it)."""
+        self.http_address = ""  # where its OpenAI-compatible face is served, once it is
         self.config = config
         self.engine = engine
         self.recipe = get_recipe(config.recipe)
@@ -419,6 +420,7 @@ class RolloutService:
             needs_keyframe=self.loop.needs_keyframe,
             registration_proof=self.registration_proof(),
             weight_epoch=self.held_epoch,
+            http_address=self.http_address,
         )
 
     def registration_proof(self) -> str:
