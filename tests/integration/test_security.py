@@ -710,6 +710,36 @@ def test_the_http_endpoint_takes_the_same_tokens_over_https(
             assert forged.status_code == 401 and forged.json()["error"]["type"] == "authentication_error"
             ok = client.get(url, headers={"Authorization": f"Bearer {reader}"}, extensions=as_replica)
             assert ok.status_code == 200 and ok.json()["data"][0]["id"] == "tiny"
+            episode = url.replace("/v1/models", "/episodes/e1")
+            for method in ("GET", "DELETE"):
+                assert client.request(method, episode, extensions=as_replica).status_code == 401
+            turn = client.post(f"{episode}/v1/completions", json={}, extensions=as_replica)
+            assert turn.status_code == 401
+            unknown = client.get(
+                episode, headers={"Authorization": f"Bearer {reader}"}, extensions=as_replica
+            )
+            assert unknown.status_code == 404
+        # The coordinator plays an environment's episodes there with its own token, over TLS to the name
+        # the replica's certificate shows.
+        from coordinator.environments import EpisodeRunner
+        from fp8rl.v1 import common_pb2
+        from tests.envs.arith_retry import ArithRetry
+
+        env = ArithRetry(seed=0)
+        runner = EpisodeRunner(env, security_for(run_secrets, "coordinator", tls=True))
+        failures: list[Exception] = []
+        try:
+            [played] = runner.play(
+                [(env.train_problems(0, 1)[0], 1)],
+                common_pb2.SamplingParams(temperature=1.0, max_tokens=4),
+                rollout_fp8.service.version,
+                {"replica-grpc": f"127.0.0.1:{server.port}"},
+                "tls-run",
+                lambda _, exc: failures.append(exc),
+            )
+        finally:
+            runner.close()
+        assert not failures and played.turns >= 1 and len(played.recorded["samples"]) == 1
         with (
             httpx.Client(verify=ssl.create_default_context()) as untrusting,
             pytest.raises(httpx.ConnectError),
