@@ -680,6 +680,20 @@ async def sse(
         yield f"data: {bytes(error_response(exc).body).decode()}\n\n"
 
 
+async def bounded_body(request: Request, limit: int) -> bytes:
+    """The request's body, refused (400, before it is parsed) once it passes ``limit`` bytes, as a
+    Generate request over gRPC is: a declared length past it is refused unread."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise InvalidRequest("body", f"{declared} bytes exceed the limit of {limit}")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise InvalidRequest("body", f"more than {limit} bytes exceed the limit of {limit}")
+    return bytes(body)
+
+
 def recording(chunk: Any, record: Callable[[rollout_pb2.Completion], None]) -> Any:
     """``chunk``, recording each whole completion as it finishes (an episode's streamed turn)."""
 
@@ -724,7 +738,7 @@ def build_app(service: RolloutService, model_name: str, security: SecurityConfig
     async def answer(
         request: Request, admit: Any, build: Any, chunks: Any, episode_id: str | None = None
     ) -> Response:
-        body = json_body(await request.body())
+        body = json_body(await bounded_body(request, service.limits.max_request_bytes))
         episode = face.episodes.begin(episode_id) if episode_id is not None else None
         try:
             # Validation, tokenization and admission run on a worker thread: tokenizing can take a while.

@@ -412,6 +412,26 @@ def test_badly_typed_bodies_are_400s_naming_the_field(http: str, body: dict[str,
     assert error["type"] == "invalid_request_error" and error["param"].startswith(param), error
 
 
+def test_a_body_past_the_request_limit_is_refused_before_it_is_parsed(
+    http: str, rollout_fp8: InProcessRollout
+) -> None:
+    import httpx
+
+    limit = rollout_fp8.service.limits.max_request_bytes
+    huge = b'{"model": "tiny", "prompt": "' + b"1" * limit + b'"}'
+    declared = httpx.post(f"{http}/completions", content=huge, timeout=30)
+    # Sent in chunks without a declared length, it is cut once past the limit.
+    chunked = httpx.post(
+        f"{http}/completions",
+        content=iter([huge[i : i + 65536] for i in range(0, len(huge), 65536)]),
+        timeout=30,
+    )
+    for reply in (declared, chunked):
+        assert reply.status_code == 400, reply.text
+        error = reply.json()["error"]
+        assert error["param"] == "body" and f"limit of {limit}" in error["message"], error
+
+
 def test_a_client_that_goes_away_cancels_its_generation(http: str, rollout_fp8: InProcessRollout) -> None:
     """Like gRPC: the generation of a client that disconnects (mid-stream, or while waiting for a plain
     answer) is cancelled instead of running to its end: the replica is idle again well before the same
