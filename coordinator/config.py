@@ -7,8 +7,10 @@ resumes, and named in its errors by those names too.
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from pydantic import (
     BaseModel,
@@ -370,3 +372,19 @@ class CoordinatorConfig(BaseModel):
     def identity(self) -> dict[str, Any]:
         """What defines the run: compared when a run is resumed."""
         return {k: v for k, v in self.model_dump(mode="json").items() if k not in RESUMABLE_FIELDS}
+
+
+def load_plugin(spec: str, what: str, form: str = "module:function") -> Callable[..., Any]:
+    """The callable a ``module:name`` setting names (``what``: the setting, for the message). Raises
+    ValueError saying what is wrong."""
+    module, sep, name = spec.partition(":")
+    if not sep:
+        raise ValueError(f"{what} {spec!r} is not of the form {form}")
+    try:
+        loaded = importlib.import_module(module)
+    except ImportError as exc:
+        raise ValueError(f"{what} {spec!r}: cannot import {module}: {exc}") from None
+    found = getattr(loaded, name, None)
+    if not callable(found):
+        raise ValueError(f"{what} {spec!r}: {module} has no callable {name}")
+    return cast(Callable[..., Any], found)

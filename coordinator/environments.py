@@ -15,7 +15,6 @@ The factory is called as ``factory(seed=...)``; ``--env arith-feedback`` names t
 from __future__ import annotations
 
 import contextlib
-import importlib
 import itertools
 import logging
 import math
@@ -29,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import httpx
 
+from coordinator.config import load_plugin
 from coordinator.problems import Problem
 from fp8rl.security import SERVER_NAMES, SecurityConfig
 from fp8rl.v1 import common_pb2
@@ -73,20 +73,13 @@ class Environment(Protocol):
 
 def load_environment(spec: str, seed: int) -> Environment:
     """``module:factory`` (or a built-in's name) called with the run's seed. Raises ValueError."""
-    module, sep, name = BUILT_IN.get(spec, spec).partition(":")
-    if not sep:
-        raise ValueError(f"{spec!r} is neither module:factory nor one of {', '.join(BUILT_IN)}")
-    try:
-        loaded = importlib.import_module(module)
-    except ImportError as exc:
-        raise ValueError(f"{spec!r}: cannot import {module}: {exc}") from None
-    factory = getattr(loaded, name, None)
-    if not callable(factory):
-        raise ValueError(f"{spec!r}: {module} has no callable {name}")
+    if spec not in BUILT_IN and ":" not in spec:
+        raise ValueError(f"env {spec!r} is neither module:factory nor one of {', '.join(BUILT_IN)}")
+    factory = load_plugin(BUILT_IN.get(spec, spec), "env", "module:factory")
     env = factory(seed=seed)
     for method in ("train_problems", "val_problems", "play", "close"):
         if not callable(getattr(env, method, None)):
-            raise ValueError(f"{spec!r}: what {name} made has no method {method}")
+            raise ValueError(f"env {spec!r}: what its factory made has no method {method}")
     return cast(Environment, env)
 
 

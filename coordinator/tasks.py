@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import random
 import re
@@ -25,6 +24,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol
 
+from coordinator.config import load_plugin
 from coordinator.problems import Problem
 from fp8rl import arith
 from fp8rl.config import ConfigError
@@ -192,17 +192,7 @@ class CustomReward:
 
 
 def load_reward(spec: str) -> RewardFn:
-    module, sep, name = spec.partition(":")
-    if not sep:
-        raise ValueError(f"reward {spec!r} is not of the form module:function")
-    try:
-        loaded = importlib.import_module(module)
-    except ImportError as exc:
-        raise ValueError(f"reward {spec!r}: cannot import {module}: {exc}") from None
-    fn = getattr(loaded, name, None)
-    if not callable(fn):
-        raise ValueError(f"reward {spec!r}: {module} has no function {name}")
-    return fn
+    return load_plugin(spec, "reward")
 
 
 @contextmanager
