@@ -151,8 +151,11 @@ def client(
         tally.record(kind, code, time.perf_counter() - started)
 
 
-def flood(address: str, secrets: Path, clients: int, tally: Tally, stop: threading.Event) -> list[Callable]:
-    """Start ``clients`` threads against the replica at ``address``; returns what closes their channels."""
+def flood(
+    address: str, secrets: Path, clients: int, tally: Tally, stop: threading.Event
+) -> Callable[[], None]:
+    """Start ``clients`` threads against the replica at ``address``; returns what waits for them to finish
+    their last call (after ``stop``) and closes their channels."""
     forged = secrets.parent / "forged.token"
     forged.write_text("not-the-reader-token\n")
     callers = {
@@ -162,9 +165,17 @@ def flood(address: str, secrets: Path, clients: int, tally: Tally, stop: threadi
     }
     channels = {name: channel(address, security, "rollout") for name, security in callers.items()}
     stubs = {name: rollout_pb2_grpc.RolloutStub(chan) for name, chan in channels.items()}
-    for i in range(clients):
-        threading.Thread(target=client, args=(stubs, i, tally, stop), daemon=True).start()
-    return [chan.close for chan in channels.values()]
+    threads = [threading.Thread(target=client, args=(stubs, i, tally, stop)) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+
+    def finish() -> None:
+        for thread in threads:
+            thread.join()
+        for chan in channels.values():
+            chan.close()
+
+    return finish
 
 
 # -- memory ----------------------------------------------------------------------------------------------
@@ -245,7 +256,11 @@ def wait_for(what: str, ready: Callable[[], bool], proc: subprocess.Popen[bytes]
 def committed(run_dir: Path) -> list[int]:
     path = run_dir / "metrics.jsonl"
     lines = path.read_text().splitlines() if path.exists() else []
-    return [json.loads(line)["step"] for line in lines if line.strip()]
+    steps = []
+    for line in lines:
+        with contextlib.suppress(json.JSONDecodeError):  # (a line being written)
+            steps.append(json.loads(line)["step"])
+    return steps
 
 
 def main() -> int:
@@ -271,7 +286,7 @@ def main() -> int:
     tally = Tally(Counter(), [], Counter(), threading.Lock())
     samples: list[tuple[float, dict[str, int]]] = []
     stop_clients, stop_memory = threading.Event(), threading.Event()
-    closers: list[Callable] = []
+    finish_clients: Callable[[], None] = lambda: None  # noqa: E731
     with log.open("wb") as sink:
         proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
     try:
@@ -279,13 +294,14 @@ def main() -> int:
         address = json.loads((run_dir / "run.json").read_text())["rollouts"][0]
         watcher = threading.Thread(target=watch_memory, args=(proc.pid, args.sample_s, samples, stop_memory))
         watcher.start()
-        closers = flood(address, run_dir / "secrets", args.clients, tally, stop_clients)
+        finish_clients = flood(address, run_dir / "secrets", args.clients, tally, stop_clients)
         started, first_step = time.monotonic(), committed(run_dir)[-1]
         while time.monotonic() - started < args.minutes * 60 and proc.poll() is None:
             time.sleep(1)
         stop_clients.set()
         stop_memory.set()
         load_s = time.monotonic() - started
+        finish_clients()
         if proc.poll() is None:
             subprocess.run([*coordinator, "stop", "--run-id", "load", "--run-dir", str(run_dir)], check=True)
         status = proc.wait(timeout=600)
@@ -293,8 +309,7 @@ def main() -> int:
     finally:
         stop_clients.set()
         stop_memory.set()
-        for close in closers:
-            close()
+        finish_clients()
         if proc.poll() is None:
             proc.terminate()
             proc.wait()
