@@ -1,5 +1,6 @@
 """Thin clients for the trainer and the rollout replicas: named deadlines, bounded retries on UNAVAILABLE
-only, and failover of prompts from a replica that fails to one that works."""
+(and on a replica's RESOURCE_EXHAUSTED that says it is only busy), and failover of prompts from a replica
+that fails to one that works."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any, TypeVar
 import grpc
 
 from fp8rl.security import SecurityConfig, channel
-from fp8rl.serving import FENCE_METADATA
+from fp8rl.serving import BUSY_METADATA, FENCE_METADATA
 from fp8rl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -23,6 +24,9 @@ GENERATE_DEADLINE_S = 900.0
 TRAIN_DEADLINE_S = 3600.0
 PUBLISH_DEADLINE_S = 1800.0
 RETRIES = 5
+# A replica at its capacity (other callers' Generate calls fill its slots or queue) is asked again, with a
+# growing pause, for this long before its prompts move elsewhere: busy is not failed.
+BUSY_WAIT_S = 300.0
 
 
 def with_retries(call: Callable[[], T], what: str, retries: int = RETRIES) -> T:
@@ -187,11 +191,31 @@ class RolloutPool:
                 return_routed_experts=routed_experts,
             )
             try:
-                reply = self.stub(address).Generate(request, timeout=GENERATE_DEADLINE_S)
+                reply = self._generate(address, request)
             except grpc.RpcError as exc:
                 return exc
             completions.extend(reply.completions)
         return completions
+
+    def _generate(self, address: str, request: rollout_pb2.GenerateRequest) -> rollout_pb2.GenerateResponse:
+        """One Generate call, asked again while the replica answers that it is busy (for at most
+        BUSY_WAIT_S seconds of pauses)."""
+        waited, pause = 0.0, 0.25
+        while True:
+            try:
+                return self.stub(address).Generate(request, timeout=GENERATE_DEADLINE_S)
+            except grpc.RpcError as exc:
+                if not is_busy(exc) or waited >= BUSY_WAIT_S:
+                    raise
+                if waited == 0:
+                    log.warning(
+                        "replica %s busy (%s); asking again for up to %g s",
+                        address,
+                        exc.details(),
+                        BUSY_WAIT_S,
+                    )
+            time.sleep(pause)
+            waited, pause = waited + pause, min(2 * pause, 4.0)
 
     def close(self) -> None:
         for chan in self._channels.values():
@@ -199,6 +223,12 @@ class RolloutPool:
 
 
 SAMPLES_PER_CALL = 1024
+
+
+def is_busy(exc: grpc.RpcError) -> bool:
+    """A server's RESOURCE_EXHAUSTED that the same call may be served later (fp8rl.serving.BUSY_METADATA)."""
+    trailing = getattr(exc, "trailing_metadata", lambda: None)() or ()
+    return exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and any(k == BUSY_METADATA for k, _ in trailing)
 
 
 def rpc_code(exc: Any) -> str:

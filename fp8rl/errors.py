@@ -22,7 +22,13 @@ class NotReady(RuntimeError):
 
 
 class Overloaded(RuntimeError):
-    """The server is at a configured capacity (queued samples, concurrent calls); retry later."""
+    """The server is at a configured capacity (queued samples, concurrent calls); retry later.
+    ``transient``: the same call may be served once others finish (false for a request that is over a
+    per-request cap, which asking again never changes)."""
+
+    def __init__(self, message: str, transient: bool = True) -> None:
+        super().__init__(message)
+        self.transient = transient
 
 
 class Cancelled(RuntimeError):

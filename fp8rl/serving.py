@@ -73,6 +73,8 @@ def _abort(context: grpc.ServicerContext, exc: BaseException) -> None:
     code = status_of(exc)
     if code == grpc.StatusCode.INTERNAL:
         log.exception("internal error")
+    if isinstance(exc, Overloaded) and exc.transient:
+        context.set_trailing_metadata(((BUSY_METADATA, "1"),))
     context.abort(code, str(exc) or type(exc).__name__)
 
 
@@ -250,6 +252,11 @@ def read_ahead(items: Iterable[T], depth: int = 1) -> Generator[T, None, None]:
     finally:
         stopped.set()
 
+
+BUSY_METADATA = "fp8rl-busy"
+"""Trailing metadata of a RESOURCE_EXHAUSTED answer that the same call may get served later (the server
+was at a capacity, :class:`Overloaded` with ``transient``), as opposed to a request over a fixed cap or a
+message over gRPC's size limit."""
 
 FENCE_METADATA = "fp8rl-fence"
 """Call metadata carrying the coordinator's fencing token: a trainer refuses calls with an older one."""

@@ -132,7 +132,8 @@ def parse_generate(
     if samples > limits.max_samples:
         raise Overloaded(
             f"prompts x n: {samples} samples pass the per-request limit of {limits.max_samples} "
-            "(max_samples_per_request); split the request"
+            "(max_samples_per_request); split the request",
+            transient=False,
         )
     sampling = parse_sampling(request.sampling, limits.max_model_len, limits.default_max_tokens)
     if not 0 <= request.top_logprobs <= limits.max_top_logprobs:

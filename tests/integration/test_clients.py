@@ -3,13 +3,15 @@ returns a canned reply): replies of real runs exceed gRPC's default 4 MiB receiv
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import grpc
 import pytest
 
 from coordinator.clients import ReplicaFailed, RolloutPool
-from fp8rl.serving import start_server
+from fp8rl.errors import Overloaded
+from fp8rl.serving import Capacity, map_errors, start_server
 from fp8rl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 
@@ -97,3 +99,63 @@ def test_a_failing_replica_s_prompts_move_to_a_healthy_one() -> None:
         pool.close()
         for server in servers:
             server.stop(0)
+
+
+class Busy(rollout_pb2_grpc.RolloutServicer):
+    """Stand-in replica with the real Generate slots (one) and error mapping: a caller the test lets hold
+    the slot makes every other Generate answer RESOURCE_EXHAUSTED, flagged busy; ``cap`` refuses every
+    request as over a per-request cap, which asking again never changes."""
+
+    def __init__(self, cap: bool = False) -> None:
+        self.generating, self.cap, self.refused = Capacity("Generate", 1), cap, 0
+
+    @map_errors
+    def Generate(self, request, context):  # type: ignore[no-untyped-def]
+        try:
+            with self.generating.slot():
+                if self.cap:
+                    raise Overloaded("prompts x n: over the per-request limit", transient=False)
+                return LargeReplies(3).Generate(request, context)
+        except Overloaded:
+            self.refused += 1
+            raise
+
+
+@pytest.mark.parametrize("cap", [False, True])
+def test_a_busy_replica_is_asked_again_and_a_capped_request_fails_at_once(cap: bool) -> None:
+    """Found by bench/sustained_load.py: readers flooding the replica's Generate slots got the coordinator's
+    own call RESOURCE_EXHAUSTED, which counted as a failed replica and ended the run (ReplicaFailed)."""
+    servicer = Busy(cap)
+    server = start_server(
+        lambda s: rollout_pb2_grpc.add_RolloutServicer_to_server(servicer, s), ["fp8rl.v1.Rollout"], port=0
+    )
+    pool = RolloutPool(lambda: [server.address])
+    failures: list[str] = []
+    prompts = [rollout_pb2.Prompt(id=str(i), text="1+1=") for i in range(3)]
+    sampling = common_pb2.SamplingParams(max_tokens=3)
+    held, release = threading.Event(), threading.Event()
+
+    def other_caller() -> None:  # holds the replica's one slot for a second
+        with servicer.generating.slot():
+            held.set()
+            release.wait(1.0)
+
+    holder = threading.Thread(target=other_caller)
+    holder.start()
+    held.wait()
+    try:
+        if cap:
+            with pytest.raises(ReplicaFailed, match="per-request limit"):
+                pool.generate(prompts, 1, sampling, 0, [server.address], lambda a, e: failures.append(a))
+            assert failures == [server.address]
+        else:
+            completions = pool.generate(
+                prompts, 1, sampling, 0, [server.address], lambda a, e: failures.append(a)
+            )
+            assert sorted(int(c.prompt_id) for c in completions) == [0, 1, 2] and failures == []
+            assert servicer.refused >= 2  # refused while the slot was held, served once it was free
+    finally:
+        release.set()
+        holder.join()
+        pool.close()
+        server.stop(0)

@@ -593,13 +593,14 @@ def test_capacity_limits_answer_resource_exhausted_and_health_keeps_serving(
     rollout_fp8: InProcessRollout, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Per-request samples, queue depth and concurrent Generate calls are capped (RESOURCE_EXHAUSTED, the
-    field or setting named); a text too long for the context is refused before tokenizing; a stalled
-    UpdateWeights stream is cancelled after stream_idle_s; health and status answer throughout."""
+    field or setting named; a full queue or full slots flagged busy, which asking again may get past, a
+    request over the per-request cap not); a text too long for the context is refused before tokenizing;
+    a stalled UpdateWeights stream is cancelled after stream_idle_s; health and status answer throughout."""
     import dataclasses
 
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from fp8rl.serving import Capacity
+    from fp8rl.serving import BUSY_METADATA, Capacity
 
     stub, service, servicer = rollout_fp8.stub, rollout_fp8.service, rollout_fp8.servicer
     push_keyframe(rollout_fp8, random_state(rollout_fp8.model_dir, 0), version=70)
@@ -617,6 +618,9 @@ def test_capacity_limits_answer_resource_exhausted_and_health_keeps_serving(
             stub.Generate(req, timeout=60)
         return err.value
 
+    def busy(err: grpc.RpcError) -> bool:
+        return any(key == BUSY_METADATA for key, _ in err.trailing_metadata() or ())
+
     monkeypatch.setattr(
         service, "limits", dataclasses.replace(service.limits, max_samples=4, max_prompt_bytes=100)
     )
@@ -624,11 +628,13 @@ def test_capacity_limits_answer_resource_exhausted_and_health_keeps_serving(
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and err.details().startswith(
         "prompts x n: 6 samples"
     )
+    assert not busy(err)
     err = refused(request(["1+1=" * 30]))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "120 bytes of text cannot fit" in err.details()
     monkeypatch.setattr(service.loop, "max_queued", 2)
     err = refused(request([[5, 6], [7, 8], [9, 10]]))
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_queued_samples" in err.details()
+    assert busy(err)
     still_serving()
 
     # One Generate slot: while one call holds it (waiting behind an exclusive engine job), a second call
@@ -645,6 +651,7 @@ def test_capacity_limits_answer_resource_exhausted_and_health_keeps_serving(
         time.sleep(0.05)
     err = refused(request([[5, 6]], max_tokens=2))
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "Generate: 1 calls in flight" in err.details()
+    assert busy(err)
     still_serving()
     release.set()
     job.join()

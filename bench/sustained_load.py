@@ -1,0 +1,382 @@
+"""Sustained load: an embedded training run while a bounded client pool floods the replica's Generate.
+
+Runs ``coordinator start`` (embedded: redis-server, trainer, one replica; the shipped tiny model unless
+--model is given) for --minutes, while --clients threads (by default more than the replica's 10 Generate
+slots, so its caps are met) call the replica's Generate over real gRPC with the run's reader token, as
+fast as it answers: half good requests, half bad ones (invalid fields, a weight version the replica does
+not hold, an oversized prompt, an oversized request, too many samples, no token, a wrong token). Then
+`coordinator stop` ends the run at a step boundary. Printed, from this one run:
+
+- p50 / p99 latency of the good requests served (queued behind the run's own generation);
+- answers by gRPC status code, per request kind. Each bad kind has the code it must get
+  (INVALID_ARGUMENT, FAILED_PRECONDITION, UNAUTHENTICATED, RESOURCE_EXHAUSTED), and any request may get
+  RESOURCE_EXHAUSTED while the replica is at capacity; any other answer (INTERNAL, UNAVAILABLE,
+  DEADLINE_EXCEEDED, OK to a bad request) is a failure;
+- the run's steps (each committed exactly once, in order; no supervisor restart; exit status 0);
+- the RSS of every process of the run (coordinator, redis-server, trainer, replica, any children such
+  as a vLLM engine core), sampled every --sample-s during the load: after a warm-up (its first fifth),
+  the median of the last third over the median of the first third, per process. Bound: each ratio
+  <= --max-growth (1.10), or growth <= --max-growth-mib (16 MiB; redis-server holds a few MiB).
+
+Exit status 1 on any failure.
+
+    python bench/sustained_load.py [--minutes 10] [--clients 12] [--model DIR] [--recipe fp8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from fp8rl.run_secrets import security_for
+from fp8rl.security import SecurityConfig, channel
+from fp8rl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+
+ROLES = {"redis-server": "redis-server", "trainer_service": "trainer", "rollout_service": "replica"}
+BUSY = frozenset({"RESOURCE_EXHAUSTED"})  # any request may be refused while the replica is at capacity
+DEADLINE_S = 120.0  # a good request that waits longer than this counts as a failure (DEADLINE_EXCEEDED)
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One kind of request the clients send, the identity it is sent with, and the codes it may get."""
+
+    name: str
+    request: rollout_pb2.GenerateRequest
+    allowed: frozenset[str]
+    caller: str = "reader"  # "reader": the run's reader token; "anonymous": none; "forged": a wrong one
+
+
+def prompt(text: str) -> rollout_pb2.Prompt:
+    return rollout_pb2.Prompt(text=text)
+
+
+def bad_kinds() -> list[Kind]:
+    invalid = frozenset({"INVALID_ARGUMENT"})
+    one, twice = [prompt("1+1=")], rollout_pb2.Prompt(id="a", text="1+1=")
+    return [
+        Kind("n=0", rollout_pb2.GenerateRequest(prompts=one, n=0), invalid),
+        Kind("no prompts", rollout_pb2.GenerateRequest(), invalid),
+        Kind(
+            "temperature inf",
+            rollout_pb2.GenerateRequest(prompts=one, sampling=common_pb2.SamplingParams(temperature=1e999)),
+            invalid,
+        ),
+        Kind(
+            "token id out of vocab",
+            rollout_pb2.GenerateRequest(
+                prompts=[rollout_pb2.Prompt(token_ids=rollout_pb2.TokenIds(ids=[1 << 30]))]
+            ),
+            invalid,
+        ),
+        Kind("duplicate ids", rollout_pb2.GenerateRequest(prompts=[twice, twice]), invalid),
+        Kind(
+            "max_tokens past context",
+            rollout_pb2.GenerateRequest(prompts=one, sampling=common_pb2.SamplingParams(max_tokens=1 << 20)),
+            invalid,
+        ),
+        Kind(
+            "a future weight version",
+            rollout_pb2.GenerateRequest(prompts=one, weight_version=1 << 40),
+            frozenset({"FAILED_PRECONDITION"}),
+        ),
+        Kind("100 kB prompt", rollout_pb2.GenerateRequest(prompts=[prompt("9" * 100_000)]), invalid),
+        # Past the 4 MiB request limit: the replica names the field, or gRPC refuses the message.
+        Kind(
+            "5 MiB request",
+            rollout_pb2.GenerateRequest(prompts=[prompt("7" * 1000 + str(i)) for i in range(5000)]),
+            invalid,
+        ),
+        Kind(
+            "6400 samples",
+            rollout_pb2.GenerateRequest(prompts=[prompt(f"{i}+1=") for i in range(100)], n=64),
+            BUSY,
+        ),
+        Kind("no token", good_request(random.Random(0)), frozenset({"UNAUTHENTICATED"}), "anonymous"),
+        Kind("wrong token", good_request(random.Random(0)), frozenset({"UNAUTHENTICATED"}), "forged"),
+    ]
+
+
+def good_request(rng: random.Random) -> rollout_pb2.GenerateRequest:
+    a, b = rng.randrange(100), rng.randrange(100)
+    return rollout_pb2.GenerateRequest(
+        prompts=[prompt(f"{a}+{b}=")], n=2, sampling=common_pb2.SamplingParams(max_tokens=8, temperature=1.0)
+    )
+
+
+@dataclass
+class Tally:
+    """What the clients saw: answers per (kind, code), good-request latencies (s), the unexpected."""
+
+    codes: Counter[tuple[str, str]]
+    latencies: list[float]
+    failures: Counter[tuple[str, str]]
+    lock: threading.Lock
+
+    def record(self, kind: Kind, code: str, seconds: float) -> None:
+        with self.lock:
+            self.codes[kind.name, code] += 1
+            if kind.name == "good" and code == "OK":
+                self.latencies.append(seconds)
+            if code not in kind.allowed | BUSY:
+                self.failures[kind.name, code] += 1
+
+
+def client(
+    stubs: dict[str, rollout_pb2_grpc.RolloutStub], seed: int, tally: Tally, stop: threading.Event
+) -> None:
+    rng, bad = random.Random(seed), bad_kinds()
+    while not stop.is_set():
+        kind = Kind("good", good_request(rng), frozenset({"OK"})) if rng.random() < 0.5 else rng.choice(bad)
+        started = time.perf_counter()
+        try:
+            stubs[kind.caller].Generate(kind.request, timeout=DEADLINE_S)
+            code = "OK"
+        except grpc.RpcError as exc:
+            code = exc.code().name
+        tally.record(kind, code, time.perf_counter() - started)
+
+
+def flood(
+    address: str, secrets: Path, clients: int, tally: Tally, stop: threading.Event
+) -> Callable[[], None]:
+    """Start ``clients`` threads against the replica at ``address``; returns what waits for them to finish
+    their last call (after ``stop``) and closes their channels."""
+    forged = secrets.parent / "forged.token"
+    forged.write_text("not-the-reader-token\n")
+    callers = {
+        "reader": security_for(secrets, "reader", tls=False),
+        "anonymous": SecurityConfig(),
+        "forged": SecurityConfig(token_file=forged),
+    }
+    channels = {name: channel(address, security, "rollout") for name, security in callers.items()}
+    stubs = {name: rollout_pb2_grpc.RolloutStub(chan) for name, chan in channels.items()}
+    threads = [threading.Thread(target=client, args=(stubs, i, tally, stop)) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+
+    def finish() -> None:
+        for thread in threads:
+            thread.join()
+        for chan in channels.values():
+            chan.close()
+
+    return finish
+
+
+# -- memory ----------------------------------------------------------------------------------------------
+
+
+def tree(pid: int) -> list[int]:
+    """``pid`` and its descendants, from /proc."""
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            with contextlib.suppress(OSError):  # (a process that has just exited)
+                todo += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+def rss_and_name(pid: int, root: int) -> tuple[int, str] | None:
+    """(resident bytes, a name for the process: its role in the run, else its executable)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return None
+    rss = next(
+        (int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmRSS:")), None
+    )
+    if rss is None:  # (a zombie: exited, not yet reaped)
+        return None
+    if pid == root:
+        return rss, "coordinator"
+    name = next((role for key, role in ROLES.items() if key in cmdline), "")
+    comm = next(line.split(None, 1)[1] for line in status.splitlines() if line.startswith("Name:"))
+    return rss, name or f"{comm.strip()} ({pid})"
+
+
+def watch_memory(
+    root: int, every_s: float, samples: list[tuple[float, dict[str, int]]], stop: threading.Event
+) -> None:
+    started = time.monotonic()
+    while not stop.wait(every_s):
+        now: dict[str, int] = defaultdict(int)
+        for pid in tree(root):
+            found = rss_and_name(pid, root)
+            if found:
+                now[found[1]] += found[0]
+        samples.append((time.monotonic() - started, dict(now)))
+
+
+def growth(samples: list[tuple[float, dict[str, int]]], warm_up_s: float) -> dict[str, tuple[float, float]]:
+    """Per process: (median RSS of the first third after warm-up, of the last third), bytes."""
+    kept = [s for t, s in samples if t >= warm_up_s]
+    third = max(1, len(kept) // 3)
+    first, last = kept[:third], kept[-third:]
+    names = set().union(*first, *last) if kept else set()
+    return {
+        name: (
+            statistics.median(s.get(name, 0) for s in first),
+            statistics.median(s.get(name, 0) for s in last),
+        )
+        for name in sorted(names)
+    }
+
+
+# -- the run ---------------------------------------------------------------------------------------------
+
+
+def wait_for(what: str, ready: Callable[[], bool], proc: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + 900
+    while not ready():
+        if proc.poll() is not None:
+            raise SystemExit(f"coordinator exited with {proc.returncode} before {what}; log: {log}")
+        if time.monotonic() > deadline:
+            raise SystemExit(f"no {what} after 900 s; log: {log}")
+        time.sleep(0.5)
+
+
+def committed(run_dir: Path) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    steps = []
+    for line in lines:
+        with contextlib.suppress(json.JSONDecodeError):  # (a line being written)
+            steps.append(json.loads(line)["step"])
+    return steps
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--minutes", type=float, default=10.0, help="load time, from the first committed step"
+    )
+    parser.add_argument(
+        "--clients", type=int, default=12, help="flooding threads (more than the replica's 10 Generate slots)"
+    )
+    parser.add_argument("--model", type=Path, help="HF checkpoint (default: the shipped tiny model)")
+    parser.add_argument("--recipe", default="fp8")
+    parser.add_argument("--sample-s", type=float, default=2.0, help="seconds between RSS samples")
+    parser.add_argument("--max-growth", type=float, default=1.10)
+    parser.add_argument("--max-growth-mib", type=float, default=16.0)
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="fp8rl-load-"))
+    run_dir, log = work / "run", work / "coordinator.log"
+    coordinator = [sys.executable, "-m", "coordinator.cli"]
+    command = [*coordinator, "start", "--recipe", args.recipe, "--steps", "1000000", "--run-id", "load"]
+    command += ["--run-dir", str(run_dir), "--val-every", "0", "--progress", "plain"]
+    command += ["--model", str(args.model)] if args.model else []
+    tally = Tally(Counter(), [], Counter(), threading.Lock())
+    samples: list[tuple[float, dict[str, int]]] = []
+    stop_clients, stop_memory = threading.Event(), threading.Event()
+    finish_clients: Callable[[], None] = lambda: None  # noqa: E731
+    with log.open("wb") as sink:
+        proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        wait_for("a first step", lambda: len(committed(run_dir)) >= 2, proc, log)
+        address = json.loads((run_dir / "run.json").read_text())["rollouts"][0]
+        watcher = threading.Thread(target=watch_memory, args=(proc.pid, args.sample_s, samples, stop_memory))
+        watcher.start()
+        finish_clients = flood(address, run_dir / "secrets", args.clients, tally, stop_clients)
+        started, first_step = time.monotonic(), committed(run_dir)[-1]
+        while time.monotonic() - started < args.minutes * 60 and proc.poll() is None:
+            time.sleep(1)
+        stop_clients.set()
+        stop_memory.set()
+        load_s = time.monotonic() - started
+        finish_clients()
+        if proc.poll() is None:
+            subprocess.run([*coordinator, "stop", "--run-id", "load", "--run-dir", str(run_dir)], check=True)
+        status = proc.wait(timeout=600)
+        watcher.join()
+    finally:
+        stop_clients.set()
+        stop_memory.set()
+        finish_clients()
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait()
+    return report(args, tally, samples, committed(run_dir), first_step, load_s, status, log)
+
+
+def report(
+    args: argparse.Namespace,
+    tally: Tally,
+    samples: list[tuple[float, dict[str, int]]],
+    steps: list[int],
+    first_step: int,
+    load_s: float,
+    status: int,
+    log: Path,
+) -> int:
+    failed = []
+    print(f"load: {load_s / 60:.1f} min, {args.clients} clients, recipe {args.recipe}; log {log}")
+    lat = sorted(tally.latencies)
+    if lat:
+        p50, p99 = lat[len(lat) // 2], lat[min(len(lat) - 1, int(0.99 * len(lat)))]
+        print(
+            f"good requests served: {len(lat)}, latency p50 {p50:.2f} s, p99 {p99:.2f} s, max {lat[-1]:.2f} s"
+        )
+    else:
+        failed.append("no good request was served")
+    print("answers by kind and code:")
+    for kind in sorted({k for k, _ in tally.codes}):
+        codes = ", ".join(f"{c} {n}" for (k, c), n in sorted(tally.codes.items()) if k == kind)
+        print(f"  {kind:24s} {codes}")
+    totals = Counter[str]()
+    for (_, code), n in tally.codes.items():
+        totals[code] += n
+    print("by code: " + ", ".join(f"{c} {n}" for c, n in totals.most_common()))
+    failed += [f"{kind} answered {code} ({n}x)" for (kind, code), n in sorted(tally.failures.items())]
+    restarts = log.read_text(errors="replace").count("restarting (")
+    in_order = steps == list(range(len(steps)))
+    print(
+        f"steps: {len(steps) - 1} committed ({len(steps) - 1 - first_step} under load), each once in order: "
+        f"{in_order}; supervisor restarts: {restarts}; coordinator exit status {status}"
+    )
+    failed += [] if in_order else ["steps missing, repeated or out of order"]
+    failed += [f"{restarts} supervisor restarts"] if restarts else []
+    failed += [f"coordinator exit status {status}"] if status else []
+    warm_up_s = load_s / 5
+    print(
+        f"RSS (MiB), {len(samples)} samples every {args.sample_s:g} s; after {warm_up_s:.0f} s of warm-up, "
+        f"first third -> last third (bound: ratio <= {args.max_growth:g} "
+        f"or growth <= {args.max_growth_mib:g} MiB):"
+    )
+    for name, (first, last) in growth(samples, warm_up_s).items():
+        ratio, mib = last / first if first else float("inf"), (last - first) / 2**20
+        ok = ratio <= args.max_growth or mib <= args.max_growth_mib
+        print(
+            f"  {name:16s} {first / 2**20:8.1f} -> {last / 2**20:8.1f}  ratio {ratio:.3f}  "
+            f"{mib:+7.1f} MiB  {'ok' if ok else 'GROWS'}"
+        )
+        failed += [] if ok else [f"{name} RSS grew {ratio:.3f}x ({mib:+.1f} MiB)"]
+    print("RSS over time (MiB):")
+    names = sorted(set().union(*(s for _, s in samples))) if samples else []
+    print("  " + " ".join(f"{n[:12]:>12s}" for n in ["t (s)", *names]))
+    for t, s in samples[:: max(1, len(samples) // 10)] + samples[-1:]:
+        print("  " + " ".join(f"{v:12.1f}" for v in [t, *(s.get(n, 0) / 2**20 for n in names)]))
+    for line in failed:
+        print(f"FAILED: {line}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
