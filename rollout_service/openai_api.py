@@ -37,7 +37,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import TypeAdapter, ValidationError
 
-from fp8rl.errors import Cancelled, InvalidRequest
+from fp8rl.errors import Cancelled, InvalidRequest, Overloaded
 from fp8rl.security import SecurityConfig, bearer_role, read_tokens
 from fp8rl.serving import STATUS_OF, status_of
 from fp8rl.v1 import common_pb2, rollout_pb2
@@ -810,6 +810,11 @@ def build_app(service: RolloutService, model_name: str, security: SecurityConfig
         response = error_response(exc)
         if response.status_code == 409:  # another weight version: retrying the same request cannot help
             response.headers["x-should-retry"] = "false"
+        if isinstance(exc, Overloaded):  # busy (ask again shortly: the openai client honours it) or capped
+            if exc.transient:
+                response.headers["retry-after"] = "1"
+            else:
+                response.headers["x-should-retry"] = "false"
         return response
 
     for kind, _ in STATUS_OF:  # domain errors; anything else is a 500 that uvicorn logs

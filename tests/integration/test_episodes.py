@@ -157,3 +157,28 @@ def test_episodes_refuse_what_a_turn_cannot_be(http: str) -> None:
         client(http, "bad id!").completions.create(model=MODEL, prompt="1+1=", max_tokens=2)
     assert "episode_id" in str(bad.value)
     assert call("GET", f"{http}/episodes/never")[0] == 404
+
+
+def test_a_full_store_is_a_429_to_retry_and_a_capped_request_one_not_to(
+    http: str, rollout_fp8: InProcessRollout
+) -> None:
+    import httpx
+
+    limits = rollout_fp8.service.config.episodes
+    held = limits.max_episodes
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "1+1="}], "max_tokens": 1}
+    try:
+        limits.max_episodes = 1
+        assert (
+            httpx.post(f"{http}/episodes/first/v1/chat/completions", json=body, timeout=60).status_code == 200
+        )
+        full = httpx.post(f"{http}/episodes/second/v1/chat/completions", json=body, timeout=60)
+        assert full.status_code == 429 and full.headers["retry-after"] == "1", full.text
+        assert "episodes are open" in full.json()["error"]["message"]
+    finally:
+        limits.max_episodes = held
+        httpx.delete(f"{http}/episodes/first", timeout=30)
+    # Over the per-request cap (prompts x n past max_samples_per_request): asking again cannot help.
+    many = {"model": MODEL, "prompt": ["1+1="] * 65, "n": 64, "max_tokens": 1}
+    capped = httpx.post(f"{http}/v1/completions", json=many, timeout=60)
+    assert capped.status_code == 429 and capped.headers["x-should-retry"] == "false", capped.text
