@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 BUILT_IN = {"arith-feedback": "coordinator.arith_feedback:ArithFeedback"}
 EPISODE_DEADLINE_S = 600.0  # one HTTP call of an episode
 CONCURRENT_EPISODES = 16
+ATTEMPTS = 3  # an episode is played at most this often (on each replica once, if there are more)
 
 
 @dataclass
@@ -115,7 +116,8 @@ def openai_sampling(sampling: common_pb2.SamplingParams) -> dict[str, Any]:
 class EpisodeRunner:
     """Plays an environment's episodes on the replicas' HTTP faces (their ``RolloutStatus.http_address``),
     a few at once; an episode whose replica fails (a connection error, an HTTP error: e.g. 409 once the
-    replica holds another version) is played again from the start on the next one."""
+    replica holds another version) is played again from the start on the next one (on the same one
+    when it is the only one), at most ATTEMPTS times or once per replica."""
 
     def __init__(self, env: Environment, security: SecurityConfig | None) -> None:
         self.env = env
@@ -173,7 +175,7 @@ class EpisodeRunner:
             problem, i = job
             first = next(start)
             last: Exception | None = None
-            for attempt in range(len(served)):
+            for attempt in range(max(len(served), ATTEMPTS)):
                 address, http = served[(first + attempt) % len(served)]
                 episode_id = _episode_id(f"{prefix}.{problem.id}.{i}.{uuid.uuid4().hex[:8]}")
                 try:
