@@ -16,7 +16,6 @@ def test_every_committed_input_replays_without_a_crash() -> None:
 
 
 @pytest.mark.slow
-@suite.OPT_IN
 def test_fuzzing_finds_no_crash(tmp_path: Path) -> None:
     pytest.importorskip("atheris", reason="atheris (coverage-guided fuzzing) has wheels for x86-64 Linux")
     suite.check(suite.fuzz("openai", suite.fuzz_seconds(), tmp_path))
