@@ -36,6 +36,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import TypeAdapter, ValidationError
+from pydantic.json_schema import JsonSchemaMode
 
 from fp8rl.errors import Cancelled, InvalidRequest
 from fp8rl.security import SecurityConfig, bearer_role, read_tokens
@@ -50,6 +51,8 @@ HTTP_OF = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
     grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
     grpc.StatusCode.FAILED_PRECONDITION: (409, "conflict_error"),
+    # A limit of the replica's (samples per request, queued samples): was a 500 (found by schemathesis).
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
     grpc.StatusCode.CANCELLED: (499, "cancelled"),
 }
@@ -594,9 +597,97 @@ async def sse(
         yield f"data: {bytes(error_response(exc).body).decode()}\n\n"
 
 
+ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"], "description": "the refused field, if one"},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
+}
+ERROR_STATUSES = {
+    "400": "a refused request (error.param names the field)",
+    "401": "no accepted bearer token (when the replica requires one)",
+    "404": "a model this replica does not serve",
+    "409": "the replica holds another weight version than the one required",
+    "429": "past a limit of the replica's (samples per request, queued samples)",
+    "503": "the replica is not ready, draining or overloaded",
+}
+SCHEMA_REF = "#/components/schemas/{model}"
+
+
+def openapi_components(model_name: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What the routes read and answer, for the OpenAPI document (the handlers read raw bodies, so
+    FastAPI cannot infer it): OpenAI's request types narrowed to this replica (its one model; our
+    ``weight_version`` and ``top_k``) and OpenAI's response models. The routes' ``openapi_extra`` by
+    path, and the component schemas they refer to."""
+    from openai.types import Completion, completion_create_params
+    from openai.types.chat import ChatCompletion
+    from openai.types.chat import completion_create_params as chat_create_params
+
+    requests: dict[str, Any] = {
+        "CompletionRequest": completion_create_params.CompletionCreateParamsBase,
+        "ChatCompletionRequest": chat_create_params.CompletionCreateParamsBase,
+    }
+    answers: dict[str, Any] = {"Completion": Completion, "ChatCompletion": ChatCompletion}
+    keyed: list[tuple[str, JsonSchemaMode, TypeAdapter[Any]]] = [
+        *((n, "validation", TypeAdapter(t)) for n, t in requests.items()),
+        *((n, "serialization", TypeAdapter(t)) for n, t in answers.items()),
+    ]
+    schemas, top = TypeAdapter.json_schemas(keyed, ref_template=SCHEMA_REF)
+    components = dict(top.get("$defs", {})) | {"Error": ERROR_SCHEMA}
+    extras = {
+        "model": {"type": "string", "enum": [model_name], "description": "the model this replica serves"},
+        "weight_version": {"type": "integer", "description": "the weight version required (409 if not held)"},
+        "top_k": {"type": "integer", "description": "sample among the k most likely tokens (0: all)"},
+    }
+    for name in requests:  # (both are OpenAI's CompletionCreateParamsBase: named ours)
+        request = components.pop(schemas[(name, "validation")]["$ref"].rsplit("/", 1)[1])
+        components[name] = request | {"properties": request["properties"] | extras}
+    routes = {
+        "/v1/completions": operation("CompletionRequest", schemas[("Completion", "serialization")]),
+        "/v1/chat/completions": operation(
+            "ChatCompletionRequest", schemas[("ChatCompletion", "serialization")]
+        ),
+    }
+    return routes, components
+
+
+def operation(request: str, answer: dict[str, Any]) -> dict[str, Any]:
+    """A generating route's OpenAPI operation: its body (the component ``request``), the version header,
+    the answer (JSON ``answer``, or an SSE stream) and the errors."""
+    version = {"type": "integer", "description": "the weight version required (409 if not held)"}
+    ok = {
+        "description": "the completions (an SSE stream of chunks with stream: true)",
+        "headers": {VERSION_HEADER: {"schema": {"type": "string", "pattern": "^-?[0-9]+$"}}},
+        "content": {"application/json": {"schema": answer}, "text/event-stream": {}},
+    }
+    error = {"application/json": {"schema": {"$ref": SCHEMA_REF.format(model="Error")}}}
+    return {
+        "parameters": [{"name": VERSION_HEADER, "in": "header", "required": False, "schema": version}],
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": SCHEMA_REF.format(model=request)}}},
+        },
+        "responses": {
+            "200": ok,
+            **{code: {"description": why, "content": error} for code, why in ERROR_STATUSES.items()},
+        },
+    }
+
+
 def build_app(service: RolloutService, model_name: str, security: SecurityConfig | None = None) -> FastAPI:
     face = OpenAIFace(service, model_name)
     app = FastAPI(title="fp8rl rollout (OpenAI-compatible)", docs_url=None, redoc_url=None)
+    declared, components = openapi_components(model_name)
     security = security or SecurityConfig()
     accepted = read_tokens(security.tokens_file) if security.tokens_file else {}
 
@@ -634,11 +725,11 @@ def build_app(service: RolloutService, model_name: str, security: SecurityConfig
             result.model_dump(mode="json", exclude_none=True, serialize_as_any=True), headers=headers
         )
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=declared["/v1/completions"])
     async def completions(request: Request) -> Response:
         return await answer(request, face.completions, face.completion, face.completion_chunks)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=declared["/v1/chat/completions"])
     async def chat_completions(request: Request) -> Response:
         return await answer(request, face.chat, face.chat_completion, face.chat_chunks)
 
@@ -658,6 +749,14 @@ def build_app(service: RolloutService, model_name: str, security: SecurityConfig
     for kind, _ in STATUS_OF:  # domain errors; anything else is a 500 that uvicorn logs
         app.add_exception_handler(cast(type[Exception], kind), on_error)
 
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        document = FastAPI.openapi(app)  # (kept as app.openapi_schema), plus the schemas routes refer to
+        document.setdefault("components", {}).setdefault("schemas", {}).update(components)
+        return document
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app
 
 

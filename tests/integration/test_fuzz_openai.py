@@ -70,3 +70,17 @@ def test_a_value_the_wire_cannot_hold_is_a_400_naming_its_field(
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and "does not fit the request" in error["message"], error
+
+
+def test_a_request_past_the_replicas_sample_limit_is_a_429() -> None:
+    # Found by schemathesis: prompts x n past max_samples_per_request (RESOURCE_EXHAUSTED over gRPC)
+    # was a 500, as a full queue was.
+    import json
+
+    from tests.fuzz.targets import openai_client
+
+    body = {"model": "tiny", "prompt": ["1+2="] * 5, "n": 4}  # 20 samples, the app's limit 16
+    response = openai_client().post("/v1/completions", content=json.dumps(body))
+    assert response.status_code == 429, response.text
+    error = response.json()["error"]
+    assert error["type"] == "rate_limit_error" and "max_samples_per_request" in error["message"], error
