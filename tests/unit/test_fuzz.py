@@ -38,7 +38,7 @@ from tests.fuzz import suite
 peak = bytearray(800 << 20)
 peak[::4096] = bytes(len(peak[::4096]))  # written, so resident
 del peak
-outcome = suite.fuzz("codec_decode", 3, Path(sys.argv[1]), rss_mb=600)
+outcome = suite.fuzz("codec_decode", 1, Path(sys.argv[1]), rss_mb=600)
 print(outcome.line(), outcome.status)
 sys.exit(outcome.status or len(outcome.crashes))
 """
