@@ -98,15 +98,38 @@ def json_body(raw: bytes) -> Any:
         raise InvalidRequest("body", f"is not JSON: {exc}") from None
 
 
-def validated(adapter: TypeAdapter[Any], body: Any) -> dict[str, Any]:
+def validated(adapter: TypeAdapter[Any], body: Any, lazy: tuple[str, ...] = ()) -> dict[str, Any]:
+    """``body`` if OpenAI's type ``adapter`` holds it, strictly; the ``lazy`` fields' items too."""
     if not isinstance(body, dict):
         raise InvalidRequest("body", "must be a JSON object")
     try:
-        adapter.validate_python(body, strict=True)  # no coercion: "0.5" is no temperature, true no n
+        checked = adapter.validate_python(body, strict=True)  # no coercion: "0.5" is no temperature
     except ValidationError as exc:
         first = exc.errors()[0]
         raise InvalidRequest(".".join(str(p) for p in first["loc"]) or "body", first["msg"]) from None
+    for name in lazy:
+        drain(checked.get(name), name)
     return body
+
+
+def drain(value: Any, path: str) -> None:
+    """Consume what pydantic validated lazily: OpenAI's types declare ``messages``, tool calls and
+    content parts as ``Iterable``, whose items are checked only when iterated (found by schemathesis: a
+    message breaking its type was accepted). An item's error names where it lies (``messages.2``). Not
+    for a union of iterables (``prompt``: pydantic picks its first, lazy, member for any list)."""
+    if isinstance(value, Iterator):
+        try:
+            value = list(value)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            index = [str(p) for p in first["loc"][:1] if isinstance(p, int)]
+            rest = ".".join(str(p) for p in first["loc"][len(index) :])
+            raise InvalidRequest(
+                ".".join([path, *index]), f"{rest}: {first['msg']}" if rest else first["msg"]
+            ) from None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        drain(item, f"{path}.{key}" if path else str(key))
 
 
 def refuse_unsupported(body: dict[str, Any], defaults: dict[str, Any]) -> None:
@@ -251,7 +274,13 @@ class OpenAIFace:
         request.prompt_logprobs = echo and top is not None
         if echo and body.get("stream"):
             raise InvalidRequest("echo", "not streamed by this server: ask without stream")
-        generation = self.service.generate(request, stream=bool(body.get("stream")))
+        try:
+            generation = self.service.generate(request, stream=bool(body.get("stream")))
+        except InvalidRequest as exc:
+            if exc.field != "top_logprobs":
+                raise
+            # (ours; these completions call it logprobs: found by schemathesis)
+            raise InvalidRequest("logprobs", str(exc).removeprefix("top_logprobs: ")) from None
         return generation, {**body, SCORE_ONLY: score_only}
 
     def completion_choice(self, c: rollout_pb2.Completion, n: int, body: dict[str, Any]) -> Any:
@@ -317,7 +346,7 @@ class OpenAIFace:
 
     # -- /v1/chat/completions -----------------------------------------------------------------------
     def chat(self, body: Any, headers: Any) -> tuple[Generation, dict[str, Any]]:
-        body = validated(self.chat_params, body)
+        body = validated(self.chat_params, body, lazy=("messages",))
         self.check_model(body)
         refuse_unsupported(body, {"presence_penalty": 0, "frequency_penalty": 0})
         top = body.get("top_logprobs")
@@ -646,8 +675,14 @@ def openapi_components(model_name: str) -> tuple[dict[str, Any], dict[str, Any]]
     components = dict(top.get("$defs", {})) | {"Error": ERROR_SCHEMA}
     extras = {
         "model": {"type": "string", "enum": [model_name], "description": "the model this replica serves"},
-        "weight_version": {"type": "integer", "description": "the weight version required (409 if not held)"},
-        "top_k": {"type": "integer", "description": "sample among the k most likely tokens (0: all)"},
+        "weight_version": {
+            "type": ["integer", "null"],
+            "description": "the version required (409 if not held)",
+        },
+        "top_k": {
+            "type": ["integer", "null"],
+            "description": "sample among the k most likely tokens (0: all)",
+        },
     }
     for name in requests:  # (both are OpenAI's CompletionCreateParamsBase: named ours)
         request = components.pop(schemas[(name, "validation")]["$ref"].rsplit("/", 1)[1])
