@@ -108,7 +108,8 @@ def validated(adapter: TypeAdapter[Any], body: Any, lazy: tuple[str, ...] = ()) 
         first = exc.errors()[0]
         raise InvalidRequest(".".join(str(p) for p in first["loc"]) or "body", first["msg"]) from None
     for name in lazy:
-        drain(checked.get(name), name)
+        if isinstance(body.get(name), list):  # (a string is an Iterable too: left to the caller's check)
+            drain(checked[name], name)
     return body
 
 
