@@ -36,6 +36,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import TypeAdapter, ValidationError
+from pydantic.json_schema import JsonSchemaMode
 
 from fp8rl.errors import Cancelled, InvalidRequest, Overloaded
 from fp8rl.security import SecurityConfig, bearer_role, read_tokens
@@ -59,9 +60,10 @@ HTTP_OF = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
     grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
     grpc.StatusCode.FAILED_PRECONDITION: (409, "conflict_error"),
+    # A limit of the replica's (samples per request, queued samples): was a 500 (found by schemathesis).
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
     grpc.StatusCode.CANCELLED: (499, "cancelled"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
     grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
     grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
 }
@@ -108,15 +110,39 @@ def json_body(raw: bytes) -> Any:
         raise InvalidRequest("body", f"is not JSON: {exc}") from None
 
 
-def validated(adapter: TypeAdapter[Any], body: Any) -> dict[str, Any]:
+def validated(adapter: TypeAdapter[Any], body: Any, lazy: tuple[str, ...] = ()) -> dict[str, Any]:
+    """``body`` if OpenAI's type ``adapter`` holds it, strictly; the ``lazy`` fields' items too."""
     if not isinstance(body, dict):
         raise InvalidRequest("body", "must be a JSON object")
     try:
-        adapter.validate_python(body, strict=True)  # no coercion: "0.5" is no temperature, true no n
+        checked = adapter.validate_python(body, strict=True)  # no coercion: "0.5" is no temperature
     except ValidationError as exc:
         first = exc.errors()[0]
         raise InvalidRequest(".".join(str(p) for p in first["loc"]) or "body", first["msg"]) from None
+    for name in lazy:
+        if isinstance(body.get(name), list):  # (a string is an Iterable too: left to the caller's check)
+            drain(checked[name], name)
     return body
+
+
+def drain(value: Any, path: str) -> None:
+    """Consume what pydantic validated lazily: OpenAI's types declare ``messages``, tool calls and
+    content parts as ``Iterable``, whose items are checked only when iterated (found by schemathesis: a
+    message breaking its type was accepted). An item's error names where it lies (``messages.2``). Not
+    for a union of iterables (``prompt``: pydantic picks its first, lazy, member for any list)."""
+    if isinstance(value, Iterator):
+        try:
+            value = list(value)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            index = [str(p) for p in first["loc"][:1] if isinstance(p, int)]
+            rest = ".".join(str(p) for p in first["loc"][len(index) :])
+            raise InvalidRequest(
+                ".".join([path, *index]), f"{rest}: {first['msg']}" if rest else first["msg"]
+            ) from None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        drain(item, f"{path}.{key}" if path else str(key))
 
 
 def refuse_unsupported(body: dict[str, Any], defaults: dict[str, Any]) -> None:
@@ -270,7 +296,13 @@ class OpenAIFace:
             raise InvalidRequest("echo", "not streamed by this server: ask without stream")
         if episode is not None:
             self.check_room(episode, request)
-        generation = self.service.generate(request, stream=bool(body.get("stream")))
+        try:
+            generation = self.service.generate(request, stream=bool(body.get("stream")))
+        except InvalidRequest as exc:
+            if exc.field != "top_logprobs":
+                raise
+            # (ours; these completions call it logprobs: found by schemathesis)
+            raise InvalidRequest("logprobs", str(exc).removeprefix("top_logprobs: ")) from None
         return generation, {**body, SCORE_ONLY: score_only}
 
     # -- episodes -----------------------------------------------------------------------------------
@@ -395,7 +427,7 @@ class OpenAIFace:
     def chat(
         self, body: Any, headers: Any, episode: Episode | None = None
     ) -> tuple[Generation, dict[str, Any]]:
-        body = validated(self.chat_params, body)
+        body = validated(self.chat_params, body, lazy=("messages",))
         self.check_model(body)
         refuse_unsupported(body, {"presence_penalty": 0, "frequency_penalty": 0})
         top = body.get("top_logprobs")
@@ -713,9 +745,103 @@ async def finishing(events: AsyncIterator[str], finish: Callable[[], None]) -> A
         finish()
 
 
+ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"], "description": "the refused field, if one"},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
+}
+ERROR_STATUSES = {
+    "400": "a refused request (error.param names the field)",
+    "401": "no accepted bearer token (when the replica requires one)",
+    "404": "a model this replica does not serve, or an episode it does not hold",
+    "409": "the replica holds another weight version than the one required, or the episode has a turn in flight",
+    "429": "past a limit of the replica's (samples per request, queued samples, episodes held)",
+    "503": "the replica is not ready, draining or overloaded",
+}
+SCHEMA_REF = "#/components/schemas/{model}"
+
+
+def openapi_components(model_name: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What the routes read and answer, for the OpenAPI document (the handlers read raw bodies, so
+    FastAPI cannot infer it): OpenAI's request types narrowed to this replica (its one model; our
+    ``weight_version`` and ``top_k``) and OpenAI's response models. The routes' ``openapi_extra`` by
+    path, and the component schemas they refer to."""
+    from openai.types import Completion, completion_create_params
+    from openai.types.chat import ChatCompletion
+    from openai.types.chat import completion_create_params as chat_create_params
+
+    requests: dict[str, Any] = {
+        "CompletionRequest": completion_create_params.CompletionCreateParamsBase,
+        "ChatCompletionRequest": chat_create_params.CompletionCreateParamsBase,
+    }
+    answers: dict[str, Any] = {"Completion": Completion, "ChatCompletion": ChatCompletion}
+    keyed: list[tuple[str, JsonSchemaMode, TypeAdapter[Any]]] = [
+        *((n, "validation", TypeAdapter(t)) for n, t in requests.items()),
+        *((n, "serialization", TypeAdapter(t)) for n, t in answers.items()),
+    ]
+    schemas, top = TypeAdapter.json_schemas(keyed, ref_template=SCHEMA_REF)
+    components = dict(top.get("$defs", {})) | {"Error": ERROR_SCHEMA}
+    extras = {
+        "model": {"type": "string", "enum": [model_name], "description": "the model this replica serves"},
+        "weight_version": {
+            "type": ["integer", "null"],
+            "description": "the version required (409 if not held)",
+        },
+        "top_k": {
+            "type": ["integer", "null"],
+            "description": "sample among the k most likely tokens (0: all)",
+        },
+    }
+    for name in requests:  # (both are OpenAI's CompletionCreateParamsBase: named ours)
+        request = components.pop(schemas[(name, "validation")]["$ref"].rsplit("/", 1)[1])
+        components[name] = request | {"properties": request["properties"] | extras}
+    routes = {
+        "/v1/completions": operation("CompletionRequest", schemas[("Completion", "serialization")]),
+        "/v1/chat/completions": operation(
+            "ChatCompletionRequest", schemas[("ChatCompletion", "serialization")]
+        ),
+    }
+    return routes, components
+
+
+def operation(request: str, answer: dict[str, Any]) -> dict[str, Any]:
+    """A generating route's OpenAPI operation: its body (the component ``request``), the version header,
+    the answer (JSON ``answer``, or an SSE stream) and the errors."""
+    version = {"type": "integer", "description": "the weight version required (409 if not held)"}
+    ok = {
+        "description": "the completions (an SSE stream of chunks with stream: true)",
+        "headers": {VERSION_HEADER: {"schema": {"type": "string", "pattern": "^-?[0-9]+$"}}},
+        "content": {"application/json": {"schema": answer}, "text/event-stream": {}},
+    }
+    error = {"application/json": {"schema": {"$ref": SCHEMA_REF.format(model="Error")}}}
+    return {
+        "parameters": [{"name": VERSION_HEADER, "in": "header", "required": False, "schema": version}],
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": SCHEMA_REF.format(model=request)}}},
+        },
+        "responses": {
+            "200": ok,
+            **{code: {"description": why, "content": error} for code, why in ERROR_STATUSES.items()},
+        },
+    }
+
+
 def build_app(service: RolloutService, model_name: str, security: SecurityConfig | None = None) -> FastAPI:
     face = OpenAIFace(service, model_name)
     app = FastAPI(title="fp8rl rollout (OpenAI-compatible)", docs_url=None, redoc_url=None)
+    declared, components = openapi_components(model_name)
     security = security or SecurityConfig()
     accepted = read_tokens(security.tokens_file) if security.tokens_file else {}
 
@@ -772,19 +898,19 @@ def build_app(service: RolloutService, model_name: str, security: SecurityConfig
             result.model_dump(mode="json", exclude_none=True, serialize_as_any=True), headers=headers
         )
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=declared["/v1/completions"])
     async def completions(request: Request) -> Response:
         return await answer(request, face.completions, face.completion, face.completion_chunks)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=declared["/v1/chat/completions"])
     async def chat_completions(request: Request) -> Response:
         return await answer(request, face.chat, face.chat_completion, face.chat_chunks)
 
-    @app.post("/episodes/{episode_id}/v1/completions")
+    @app.post("/episodes/{episode_id}/v1/completions", openapi_extra=declared["/v1/completions"])
     async def episode_completions(request: Request, episode_id: str) -> Response:
         return await answer(request, face.completions, face.completion, face.completion_chunks, episode_id)
 
-    @app.post("/episodes/{episode_id}/v1/chat/completions")
+    @app.post("/episodes/{episode_id}/v1/chat/completions", openapi_extra=declared["/v1/chat/completions"])
     async def episode_chat_completions(request: Request, episode_id: str) -> Response:
         return await answer(request, face.chat, face.chat_completion, face.chat_chunks, episode_id)
 
@@ -820,6 +946,14 @@ def build_app(service: RolloutService, model_name: str, security: SecurityConfig
     for kind, _ in STATUS_OF:  # domain errors; anything else is a 500 that uvicorn logs
         app.add_exception_handler(cast(type[Exception], kind), on_error)
 
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        document = FastAPI.openapi(app)  # (kept as app.openapi_schema), plus the schemas routes refer to
+        document.setdefault("components", {}).setdefault("schemas", {}).update(components)
+        return document
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app
 
 
