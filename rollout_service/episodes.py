@@ -232,8 +232,11 @@ class Episodes:
         return episode
 
     def finish(self, episode: Episode) -> None:
+        """Ends the turn :meth:`begin` held; an episode whose first turn failed is not kept."""
         with self._lock:
             episode.busy, episode.last_used = False, self.clock()
+            if not episode.turns and self._episodes.get(episode.id) is episode:
+                del self._episodes[episode.id]
 
     def record(self, episode: Episode, turn: Turn) -> None:
         tokens = len(turn.prompt_token_ids) + len(turn.token_ids)

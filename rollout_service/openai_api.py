@@ -765,7 +765,7 @@ ERROR_STATUSES = {
     "400": "a refused request (error.param names the field)",
     "401": "no accepted bearer token (when the replica requires one)",
     "404": "a model this replica does not serve, or an episode it does not hold",
-    "409": "the replica holds another weight version than the one required, or the episode has a turn in flight",
+    "409": "the replica holds another weight version than the one required (or the episode a turn in flight)",
     "429": "past a limit of the replica's (samples per request, queued samples, episodes held)",
     "503": "the replica is not ready, draining or overloaded",
 }

@@ -167,17 +167,20 @@ def test_a_full_store_is_a_429_to_retry_and_a_capped_request_one_not_to(
     limits = rollout_fp8.service.config.episodes
     held = limits.max_episodes
     body = {"model": MODEL, "messages": [{"role": "user", "content": "1+1="}], "max_tokens": 1}
+    server = HttpServer("127.0.0.1", 0).serve(build_app(rollout_fp8.service, MODEL))  # (a store of its own)
+    own = f"http://127.0.0.1:{server.port}"
     try:
         limits.max_episodes = 1
-        assert (
-            httpx.post(f"{http}/episodes/first/v1/chat/completions", json=body, timeout=60).status_code == 200
-        )
-        full = httpx.post(f"{http}/episodes/second/v1/chat/completions", json=body, timeout=60)
+        refused = httpx.post(f"{own}/episodes/first/v1/chat/completions", json={**body, "n": 2}, timeout=60)
+        assert refused.status_code == 400  # (a refused first turn holds no episode)
+        first = httpx.post(f"{own}/episodes/first/v1/chat/completions", json=body, timeout=60)
+        assert first.status_code == 200, first.text
+        full = httpx.post(f"{own}/episodes/second/v1/chat/completions", json=body, timeout=60)
         assert full.status_code == 429 and full.headers["retry-after"] == "1", full.text
         assert "episodes are open" in full.json()["error"]["message"]
     finally:
         limits.max_episodes = held
-        httpx.delete(f"{http}/episodes/first", timeout=30)
+        server.stop()
     # Over the per-request cap (prompts x n past max_samples_per_request): asking again cannot help.
     many = {"model": MODEL, "prompt": ["1+1="] * 65, "n": 64, "max_tokens": 1}
     capped = httpx.post(f"{http}/v1/completions", json=many, timeout=60)

@@ -119,5 +119,9 @@ def test_the_store_is_bounded_sequential_and_forgets_idle_episodes() -> None:
         store.get("a")
     with pytest.raises(PreconditionFailed):
         store.end("c")  # (its turn is in flight)
+    store.record(c, turn([1], [2], None))
     store.finish(c)
     assert store.end("c") is c and len(store) == 0
+    failed = store.begin("d")
+    store.finish(failed)  # (its first turn failed: nothing is kept)
+    assert len(store) == 0
