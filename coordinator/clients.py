@@ -42,6 +42,20 @@ def with_retries(call: Callable[[], T], what: str, retries: int = RETRIES) -> T:
     raise AssertionError("unreachable")
 
 
+class FencedOut(RuntimeError):
+    """The trainer refused our fencing token: another coordinator took the run's lease since."""
+
+
+def fenced(call: Callable[[], T]) -> T:
+    """``call``, with the trainer's refusal of a stale fencing token raised as :class:`FencedOut`."""
+    try:
+        return call()
+    except grpc.RpcError as exc:
+        if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and "is stale" in (exc.details() or ""):
+            raise FencedOut(f"the trainer refused this coordinator: {exc.details()}") from None
+        raise
+
+
 # Batches and replies of real runs (hundreds of samples x thousands of tokens) outgrow gRPC's default
 # 4 MiB receive limit; both directions of every channel take up to this.
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
@@ -69,9 +83,11 @@ class TrainerClient:
         )
 
     def train(self, request: trainer_pb2.TrainStepRequest) -> trainer_pb2.TrainStepResponse:
-        return with_retries(
-            lambda: self.stub.TrainStep(request, timeout=TRAIN_DEADLINE_S, metadata=self._metadata),
-            f"TrainStep({request.step})",
+        return fenced(
+            lambda: with_retries(
+                lambda: self.stub.TrainStep(request, timeout=TRAIN_DEADLINE_S, metadata=self._metadata),
+                f"TrainStep({request.step})",
+            )
         )
 
     def publish(
@@ -84,9 +100,13 @@ class TrainerClient:
             for a, v in held.items()
         ]
         request = trainer_pb2.PublishWeightsRequest(version=version, targets=targets)
-        return with_retries(
-            lambda: self.stub.PublishWeights(request, timeout=PUBLISH_DEADLINE_S, metadata=self._metadata),
-            f"PublishWeights({version})",
+        return fenced(
+            lambda: with_retries(
+                lambda: self.stub.PublishWeights(
+                    request, timeout=PUBLISH_DEADLINE_S, metadata=self._metadata
+                ),
+                f"PublishWeights({version})",
+            )
         )
 
     def close(self) -> None:

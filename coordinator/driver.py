@@ -23,7 +23,7 @@ from coordinator.clients import RolloutPool, TrainerClient
 from coordinator.config import CoordinatorConfig
 from coordinator.metrics import MetricsSink, committed
 from coordinator.publishing import Publishing
-from coordinator.state import RunState, RunStore
+from coordinator.state import LeaseLost, RunState, RunStore
 from coordinator.tasks import Task
 from fp8rl.serving import pid_alive
 from fp8rl.v1 import trainer_pb2
@@ -63,6 +63,7 @@ class Driver:
         self.batches = BatchMaker(config, run_id, store, pool, task, self.weights.ensure_version)
         self._ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generate-ahead")
         self._stop_renewing = threading.Event()
+        self._lease_lost: LeaseLost | None = None  # the renewer's finding: another coordinator took over
         self._redone: dict[int, int] = {}  # step -> batches regenerated after a non-finite gradient
 
     # -- the run ------------------------------------------------------------------------------------
@@ -85,7 +86,7 @@ class Driver:
                     self.store.event("stop", "stopped on request at a step boundary", state.step)
                     self.sink.say(f"stopped on request after step {state.step}/{self.config.run.steps}")
                     break
-                ahead = self._step(state, ahead)
+                ahead = self._guarded_step(state, ahead)
             return committed(self.store.metrics())
         finally:
             self._stop_renewing.set()
@@ -97,8 +98,27 @@ class Driver:
         while not self._stop_renewing.wait(LEASE_TTL_S / 3):
             try:
                 self.store.renew(LEASE_TTL_S)
+            except LeaseLost as exc:  # the step under way stops with it (_guarded_step)
+                log.error("lease renewal failed: %s", exc)
+                self._lease_lost = exc
+                return
             except Exception as exc:  # the next transition fails with LeaseLost and stops the run
                 log.error("lease renewal failed: %s", exc)
+
+    def _guarded_step(
+        self, state: RunState, ahead: Future[Batch | None] | None
+    ) -> Future[Batch | None] | None:
+        """:meth:`_step`, unless the lease is known lost: then the step stops with LeaseLost (exit 3),
+        whatever failed first (a coordinator cut off from Redis and back finds the replicas and the trainer
+        moved on under another coordinator: what fails there is a consequence)."""
+        if self._lease_lost is not None:
+            raise self._lease_lost
+        try:
+            return self._step(state, ahead)
+        except Exception as exc:
+            if self._lease_lost is not None and not isinstance(exc, LeaseLost):
+                raise self._lease_lost from exc
+            raise
 
     def _recover(self) -> None:
         """Reconcile the run's state with the trainer's step (it may have restarted from a checkpoint)."""

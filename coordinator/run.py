@@ -185,10 +185,10 @@ class Supervisor:
         """One attempt at the run: start (embedded) or reach the services, then drive the steps."""
         import redis
 
-        from coordinator.clients import RolloutPool, TrainerClient
+        from coordinator.clients import FencedOut, RolloutPool, TrainerClient
         from coordinator.driver import Driver, TrainingRefused
         from coordinator.metrics import MetricsSink, summarize
-        from coordinator.state import ConfigMismatch, LeaseLost, RunStore
+        from coordinator.state import ConfigMismatch, LeaseLost, RunStore, connect
         from fp8rl.registry import live_replicas
 
         config, run_id, run_dir = self.config, self.run_id, self.run_dir
@@ -207,7 +207,9 @@ class Supervisor:
         precision = linear_precision(config)
         info["linears"] = precision
         write_private(run_dir / "run.json", json.dumps(info))
-        client = redis.Redis.from_url(redis_url)
+        # Embedded, a Redis that stops answering has died, and the supervisor restarts it: fail at once.
+        # Distributed, ride out an outage (a restart, a partition: coordinator/state.py, connect).
+        client = redis.Redis.from_url(redis_url) if embedded else connect(redis_url)
         store = RunStore(client, run_id)
         try:
             store.init_config(config.identity(), config_hash(config))
@@ -236,7 +238,7 @@ class Supervisor:
         sink.say(f"linears: {precision['summary']}")
         try:
             records = Driver(config, run_id, store, trainer, pool, self.task, sink).run()
-        except LeaseLost as exc:
+        except (LeaseLost, FencedOut) as exc:
             raise RunExit(3, str(exc)) from None
         except TrainingRefused as exc:
             raise RunExit(1, str(exc)) from None

@@ -39,6 +39,8 @@ _TRANSITION = (
     + """
 local step = redis.call('HGET', KEYS[3], 'step')
 local phase = redis.call('HGET', KEYS[3], 'phase')
+-- Already there, under this lease: this very call, sent again after its reply was lost (connect()).
+if step == ARGV[5] and phase == ARGV[6] then return 1 end
 if step ~= ARGV[3] or phase ~= ARGV[4] then return 0 end
 redis.call('HSET', KEYS[3], 'step', ARGV[5], 'phase', ARGV[6], 'updated', ARGV[8])
 redis.call('XADD', KEYS[4], '*', 'kind', 'phase', 'step', ARGV[5], 'phase', ARGV[6], 'detail', ARGV[7])
@@ -59,6 +61,13 @@ end
 # KEYS: lease, fence, state, events, metrics, batch | ARGV: owner, fence, step, record, next_phase, now
 _COMMIT = (
     _GUARD
+    + """
+-- Committed already, under this lease: this very call, sent again after its reply was lost (connect()).
+if redis.call('HGET', KEYS[3], 'step') == tostring(tonumber(ARGV[3]) + 1)
+    and redis.call('HGET', KEYS[3], 'phase') == ARGV[5] and redis.call('EXISTS', KEYS[6]) == 0 then
+  return 1
+end
+"""
     + _at("commit")
     + """
 local next_step = tostring(tonumber(ARGV[3]) + 1)
@@ -166,6 +175,28 @@ _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
+
+
+REDIS_TIMEOUT_S = 5.0
+"""A Redis call (or connection) that has not answered in this long failed; it is tried again."""
+REDIS_RETRIES = 12
+"""Tries after the first (waits of 0.25 s doubling up to 4 s, each try up to REDIS_TIMEOUT_S): a Redis
+outage of a minute or so (a restart, a partition) is ridden out. A write sent again after a lost reply
+applies once (the scripts see it done); after an outage longer than the lease, the fence refuses it."""
+
+
+def connect(url: str) -> redis.Redis:
+    """The coordinator's client of ``url`` (password included), with the deadlines and retries above."""
+    from redis.backoff import ExponentialBackoff
+    from redis.retry import Retry
+
+    return redis.Redis.from_url(
+        url,
+        socket_timeout=REDIS_TIMEOUT_S,
+        socket_connect_timeout=REDIS_TIMEOUT_S,
+        retry=Retry(ExponentialBackoff(cap=4.0, base=0.25), REDIS_RETRIES),
+        retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+    )
 
 
 class ConfigMismatch(ValueError):

@@ -463,6 +463,34 @@ class _Details(grpc.ClientCallDetails):
         self.metadata = metadata
 
 
+KEEPALIVE_S = 10
+"""A connection silent this long is pinged; one that does not answer within as long again is dropped.
+Without it, a call on a connection the network stopped carrying (a partition, a peer's host gone) waits
+for its whole deadline (minutes: a Generate, an update) and the next calls queue behind it; with it, they
+fail UNAVAILABLE within 2 x KEEPALIVE_S and are retried on a new connection or move elsewhere."""
+
+CLIENT_KEEPALIVE = [
+    ("grpc.keepalive_time_ms", KEEPALIVE_S * 1000),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_S * 1000),
+    ("grpc.http2.ping_timeout_ms", KEEPALIVE_S * 1000),  # (this gRPC's keepalive ping waits this long)
+    ("grpc.keepalive_permit_without_calls", 1),
+    # A long call (a Generate) sends nothing for a while: ping through it, as often as the keepalive says.
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.http2.min_sent_ping_interval_without_data_ms", KEEPALIVE_S * 1000),
+    ("grpc.http2.min_time_between_pings_ms", KEEPALIVE_S * 1000),
+]
+SERVER_KEEPALIVE = [
+    # Accept the clients' pings (by default a server answers pings this frequent with GOAWAY), and ping
+    # them in turn: an update stream whose sender vanished is dropped (and rolled back), not kept open.
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_S * 1000 // 2),
+    ("grpc.http2.max_ping_strikes", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.keepalive_time_ms", KEEPALIVE_S * 1000),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_S * 1000),
+    ("grpc.http2.ping_timeout_ms", KEEPALIVE_S * 1000),
+]
+
+
 def channel(
     address: str,
     security: SecurityConfig | None,
@@ -473,7 +501,7 @@ def channel(
     TLS when a CA is configured (the server's certificate must name its role), its own certificate under
     mutual TLS, its bearer token on every call. A token never crosses a network in plaintext."""
     security = security or SecurityConfig()
-    opts = list(options)
+    opts = [*CLIENT_KEEPALIVE, *options]
     if security.tls_ca is not None:
         cert = security.tls_cert.read_bytes() if security.tls_cert else None
         key = security.tls_key.read_bytes() if security.tls_key else None

@@ -282,13 +282,19 @@ def start_server(
     answer oversized messages itself (INVALID_ARGUMENT naming the field, instead of gRPC's
     RESOURCE_EXHAUSTED) raises ``max_receive_bytes`` and checks sizes in its handlers.
     """
-    from fp8rl.security import AccessControl, SecurityConfig, exposure_problem, server_credentials
+    from fp8rl.security import (
+        SERVER_KEEPALIVE,
+        AccessControl,
+        SecurityConfig,
+        exposure_problem,
+        server_credentials,
+    )
 
     security = security or SecurityConfig()
     problem = exposure_problem(security, host)
     if problem:
         raise InsecureBinding(problem)
-    options = [("grpc.max_receive_message_length", max_receive_bytes)]
+    options = [("grpc.max_receive_message_length", max_receive_bytes), *SERVER_KEEPALIVE]
     # Calls beyond the threads wait in gRPC's queue, up to a bound; past it gRPC answers RESOURCE_EXHAUSTED.
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),

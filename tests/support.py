@@ -1,5 +1,6 @@
 """Helpers for tests: real child processes (tracked by PID and always reaped), a real redis-server on
-loopback, and an independent reference for the logprobs an FP8 engine should produce."""
+loopback, an independent reference for the logprobs an FP8 engine should produce, and the compose file's
+services as local processes."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import errno
 import os
 import pickle
 import re
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,6 +19,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import torch
+import yaml
 
 from coordinator.processes import free_port as free_port  # the one free_port, re-exported for tests
 from coordinator.processes import start_redis
@@ -187,3 +191,102 @@ def fill_disk(path: Path, leave: int, ballast: str = ".ballast") -> int:
             if exc.errno != errno.ENOSPC:
                 raise
     return written
+
+
+# -- the compose file's services as local processes ------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+def interpolate(text: str, env: dict[str, str]) -> str:
+    """Compose's variable syntax: ${VAR}, ${VAR:-default}, ${VAR:?error}; $$ is a literal $."""
+
+    def value(match: re.Match[str]) -> str:
+        name, op, arg = match.group(1), match.group(2), match.group(3)
+        if name in env and env[name] != "":
+            return env[name]
+        if op == ":?":
+            raise ValueError(f"compose: {arg}")
+        return arg or ""
+
+    text = re.sub(r"(?<!\$)\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:-|:\?)([^}]*))?\}", value, text)
+    return text.replace("$$", "$")
+
+
+class LocalCompose:
+    """Maps the compose world onto this machine: volumes to directories under ``tmp``; with ``loopback``
+    (one network: this host's) service hostnames to 127.0.0.1 and ports to free ones, else hostnames and
+    ports as the compose file has them (each service in a network namespace of its own: tests/netns.py)."""
+
+    def __init__(self, tmp: Path, env: dict[str, str], loopback: bool = True) -> None:
+        self.loopback = loopback
+        ports = ("6379", "50051", "50052")
+        self.ports = {p: str(free_port()) for p in ports} if loopback else {p: p for p in ports}
+        self.volumes = {name: tmp / name for name in COMPOSE["volumes"]}
+        for path in self.volumes.values():
+            path.mkdir()
+        self.config = tmp / "config"
+        shutil.copytree(ROOT / "deploy" / "config", self.config)
+        self.env = env
+        for service in ("trainer", "rollout", "coordinator"):  # each reads its own secrets at /secrets
+            path = self.config / f"{service}.yaml"
+            path.write_text(self.localize(path.read_text(), service))
+
+    def mounts(self, service: str) -> dict[str, Path]:
+        """Container path -> local path, from the service's own volume list (longest paths first)."""
+        entries = COMPOSE["services"][service].get("volumes") or COMPOSE["x-app"]["volumes"]
+        found = {}
+        for entry in entries:
+            source, target = entry.split(":")[:2]
+            found[target] = self.config if source.startswith("./") else self.volumes[source]
+        return dict(sorted(found.items(), key=lambda item: -len(item[0])))
+
+    def localize(self, text: str, service: str = "coordinator") -> str:
+        text = interpolate(text, self.env)
+        if self.loopback:
+            for port, local in self.ports.items():
+                text = re.sub(rf"\b{port}\b", local, text)
+            text = (
+                text.replace("redis://redis:", "redis://127.0.0.1:")
+                .replace("rediss://redis:", "rediss://127.0.0.1:")
+                .replace("trainer:", "127.0.0.1:")
+                .replace("0.0.0.0", "127.0.0.1")
+            )
+        for target, path in self.mounts(service).items():
+            text = re.sub(rf"(?<![\w/.]){target}\b", str(path), text)
+        return text
+
+    def environment(self, service: str) -> dict[str, str]:
+        merged = {**COMPOSE["x-app"]["environment"], **COMPOSE["services"][service].get("environment", {})}
+        env = {k: self.localize(str(v), service) for k, v in merged.items()}
+        bin_dir = Path(sys.executable).parent  # the services' console scripts live beside the interpreter
+        path = f"{bin_dir}:{os.environ['PATH']}"
+        advertise = {"ADVERTISE_HOST": "127.0.0.1"} if self.loopback else {}
+        return {**os.environ, **env, **advertise, "PYTHONUNBUFFERED": "1", "PATH": path}
+
+    def command(self, service: str, *extra: str) -> list[str]:
+        """The service's command line; ``extra`` arguments go to the end of its shell script's command."""
+        command = [self.localize(part, service) for part in COMPOSE["services"][service]["command"]]
+        if extra:
+            assert command[:2] == ["sh", "-c"], command
+            command[2] += " " + " ".join(shlex.quote(arg) for arg in extra)
+        return [sys.executable, *command[1:]] if command[0] == "python" else command  # the image's python
+
+    def health_check(self, service: str) -> list[str]:
+        test = [
+            self.localize(part, service) for part in COMPOSE["services"][service]["healthcheck"]["test"][1:]
+        ]
+        if test[0] == "python":
+            test[0] = sys.executable  # the image's python is this venv's
+        return test
+
+    def healthy(self, service: str, timeout: float = 300, prefix: tuple[str, ...] = ()) -> None:
+        """Wait for the service's compose health check (run under ``prefix``, e.g. ``ip netns exec NS``)."""
+        test = [*prefix, *self.health_check(service)]
+        deadline = time.monotonic() + timeout
+        while subprocess.run(test, capture_output=True, env=self.environment(service)).returncode != 0:
+            assert time.monotonic() < deadline, f"{service} not healthy after {timeout}s"
+            time.sleep(1)

@@ -4,12 +4,8 @@ temporary directories) and drive a short run; the Dockerfiles install what `make
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -20,25 +16,7 @@ import yaml
 
 from coordinator.metrics import read_metrics
 from fp8rl.credentials import redis_url_with_password
-from tests.support import child_process, free_port, wait_for_line
-
-ROOT = Path(__file__).resolve().parents[2]
-COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-
-
-def interpolate(text: str, env: dict[str, str]) -> str:
-    """Compose's variable syntax: ${VAR}, ${VAR:-default}, ${VAR:?error}; $$ is a literal $."""
-
-    def value(match: re.Match[str]) -> str:
-        name, op, arg = match.group(1), match.group(2), match.group(3)
-        if name in env and env[name] != "":
-            return env[name]
-        if op == ":?":
-            raise ValueError(f"compose: {arg}")
-        return arg or ""
-
-    text = re.sub(r"(?<!\$)\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:-|:\?)([^}]*))?\}", value, text)
-    return text.replace("$$", "$")
+from tests.support import COMPOSE, ROOT, LocalCompose, child_process, interpolate, wait_for_line
 
 
 def test_redis_password_is_required_and_never_in_a_command_line() -> None:
@@ -132,65 +110,6 @@ def test_gpu_compose_gives_each_service_its_own_image_and_device() -> None:
     assert interpolate(devices["trainer"]["device_ids"][0], {"FP8RL_TRAINER_GPU": "0"}) == "0"
 
 
-class LocalCompose:
-    """Maps the compose world onto this machine."""
-
-    def __init__(self, tmp: Path, env: dict[str, str]) -> None:
-        self.ports = {"6379": str(free_port()), "50051": str(free_port()), "50052": str(free_port())}
-        self.volumes = {name: tmp / name for name in COMPOSE["volumes"]}
-        for path in self.volumes.values():
-            path.mkdir()
-        self.config = tmp / "config"
-        shutil.copytree(ROOT / "deploy" / "config", self.config)
-        self.env = env
-        for service in ("trainer", "rollout", "coordinator"):  # each reads its own secrets at /secrets
-            path = self.config / f"{service}.yaml"
-            path.write_text(self.localize(path.read_text(), service))
-
-    def mounts(self, service: str) -> dict[str, Path]:
-        """Container path -> local path, from the service's own volume list (longest paths first)."""
-        entries = COMPOSE["services"][service].get("volumes") or COMPOSE["x-app"]["volumes"]
-        found = {}
-        for entry in entries:
-            source, target = entry.split(":")[:2]
-            found[target] = self.config if source.startswith("./") else self.volumes[source]
-        return dict(sorted(found.items(), key=lambda item: -len(item[0])))
-
-    def localize(self, text: str, service: str = "coordinator") -> str:
-        text = interpolate(text, self.env)
-        for port, local in self.ports.items():
-            text = re.sub(rf"\b{port}\b", local, text)
-        text = (
-            text.replace("redis://redis:", "redis://127.0.0.1:")
-            .replace("rediss://redis:", "rediss://127.0.0.1:")
-            .replace("trainer:", "127.0.0.1:")
-            .replace("0.0.0.0", "127.0.0.1")
-        )
-        for target, path in self.mounts(service).items():
-            text = re.sub(rf"(?<![\w/.]){target}\b", str(path), text)
-        return text
-
-    def environment(self, service: str) -> dict[str, str]:
-        merged = {**COMPOSE["x-app"]["environment"], **COMPOSE["services"][service].get("environment", {})}
-        env = {k: self.localize(str(v), service) for k, v in merged.items()}
-        return {**os.environ, **env, "ADVERTISE_HOST": "127.0.0.1", "PYTHONUNBUFFERED": "1"}
-
-    def command(self, service: str) -> list[str]:
-        command = [self.localize(part, service) for part in COMPOSE["services"][service]["command"]]
-        return [sys.executable, *command[1:]] if command[0] == "python" else command  # the image's python
-
-    def healthy(self, service: str, timeout: float = 300) -> None:
-        test = [
-            self.localize(part, service) for part in COMPOSE["services"][service]["healthcheck"]["test"][1:]
-        ]
-        if test[0] == "python":
-            test[0] = sys.executable  # the image's python is this venv's
-        deadline = time.monotonic() + timeout
-        while subprocess.run(test, capture_output=True, env=self.environment(service)).returncode != 0:
-            assert time.monotonic() < deadline, f"{service} not healthy after {timeout}s"
-            time.sleep(1)
-
-
 @pytest.fixture
 def local(tmp_path: Path) -> Iterator[LocalCompose]:
     env = {"REDIS_PASSWORD": "compose-secret", "FP8RL_STEPS": "2", "FP8RL_RUN_ID": "compose-test"}
@@ -210,8 +129,6 @@ def test_services_use_the_shipped_model_unless_told_otherwise(local: LocalCompos
 
 @pytest.mark.slow
 def test_compose_wiring_runs_a_short_run(local: LocalCompose, tmp_path: Path) -> None:
-    bin_dir = Path(sys.executable).parent  # the services' console scripts live beside the interpreter
-    path_env = f"{bin_dir}:{os.environ['PATH']}"
     with ExitStack() as stack:
         # The one-shot secrets service first (docker compose waits for it to complete): Redis needs its
         # certificate too.
@@ -238,10 +155,8 @@ def test_compose_wiring_runs_a_short_run(local: LocalCompose, tmp_path: Path) ->
 
         services = [proc]
         for service in ("trainer", "rollout"):
-            env = {**local.environment(service), "PATH": path_env}
-            services.append(
-                stack.enter_context(child_process(local.command(service), tmp_path / f"{service}.log", env))
-            )
+            log, env = tmp_path / f"{service}.log", local.environment(service)
+            services.append(stack.enter_context(child_process(local.command(service), log, env)))
         for service in ("trainer", "rollout"):
             local.healthy(service)
         tokens = [p.read_bytes().strip() for p in local.volumes["secrets"].glob("*.token")]
@@ -257,7 +172,7 @@ def test_compose_wiring_runs_a_short_run(local: LocalCompose, tmp_path: Path) ->
         assert not serving(trainer, "fp8rl.v1.Trainer", server="trainer")
         ca_only = SecurityConfig(tls_ca=local.volumes["secrets"] / "ca.pem")
         assert not serving(trainer, "fp8rl.v1.Trainer", security=ca_only, server="trainer")
-        env = {**local.environment("coordinator"), "PATH": path_env}
+        env = local.environment("coordinator")
         run = subprocess.run(
             local.command("coordinator"), env=env, capture_output=True, text=True, timeout=600
         )

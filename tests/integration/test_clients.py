@@ -159,3 +159,31 @@ def test_a_busy_replica_is_asked_again_and_a_capped_request_fails_at_once(cap: b
         holder.join()
         pool.close()
         server.stop(0)
+
+
+class _Refused(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+def test_a_stale_fencing_token_ends_the_run_as_a_lost_lease() -> None:
+    """The trainer's refusal of an older coordinator's token is FencedOut (exit 3, like LeaseLost); any
+    other refusal stays what it was."""
+    from coordinator.clients import FencedOut, fenced
+
+    def stale() -> None:
+        raise _Refused(grpc.StatusCode.FAILED_PRECONDITION, "fencing token 1 is stale: a coordinator ...")
+
+    def other() -> None:
+        raise _Refused(grpc.StatusCode.FAILED_PRECONDITION, "step 3 was trained from another batch")
+
+    with pytest.raises(FencedOut, match="fencing token 1 is stale"):
+        fenced(stale)
+    with pytest.raises(grpc.RpcError):
+        fenced(other)

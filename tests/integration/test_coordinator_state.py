@@ -8,10 +8,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import redis
 
+from coordinator import state
 from coordinator.driver import coordinator_is_dead
 from coordinator.state import ConfigMismatch, LeaseLost, RunState, RunStore
 from tests.support import redis_server
@@ -101,12 +103,43 @@ def test_transitions_are_compare_and_set(client: redis.Redis) -> None:
     assert s.get_batch(0) == (b"request", 0, {"reward_mean": 0.5})
     s.transition(RunState(0, "generate"), RunState(0, "commit"))
     s.commit(0, {"step": 1})
-    with pytest.raises(RuntimeError):
-        s.commit(0, {"step": 1})  # a second commit of the same step is refused: metrics are written once
+    with pytest.raises(RuntimeError, match="state changed"):
+        s.transition(RunState(0, "generate"), RunState(0, "train"))  # step 0 is done
     assert s.metrics() == [{"step": 1}] and s.get_batch(0) is None
     assert s.record_base({"step": 0}) and not s.record_base({"step": 0})
     kinds = [e["kind"] for e in s.events()]
     assert kinds == ["phase", "commit"]
+
+
+def test_a_write_sent_again_after_a_lost_reply_applies_once(client: redis.Redis) -> None:
+    """The coordinator's client (state.connect) sends a call again when its reply did not come (a
+    partition, a timeout): the call may have run. Transitions and commits see themselves done."""
+    s = store(client, "resent")
+    s.init_config({}, "h")
+    s.acquire("me", ttl_s=30)
+    for _ in range(2):
+        s.transition(RunState(0, "generate"), RunState(0, "commit"))
+    for _ in range(2):
+        s.commit(0, {"step": 1})
+    assert s.metrics() == [{"step": 1}] and s.read() == RunState(1, "generate")
+    assert [e["kind"] for e in s.events()] == ["phase", "commit"]
+
+
+def test_the_coordinators_client_rides_out_a_redis_that_stops_answering(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by the network-fault tests: a coordinator cut off from Redis for a few seconds crashed with
+    redis' TimeoutError (a traceback, exit 1). Its client now tries again (connect)."""
+    monkeypatch.setattr(state, "REDIS_TIMEOUT_S", 0.3)
+    with redis_server(tmp_path) as url:
+        s = RunStore(state.connect(url), "paused")
+        s.init_config({}, "h")
+        s.acquire("me", ttl_s=30)
+        redis.Redis.from_url(url).client_pause(2000)  # nothing is answered for 2 s
+        start = time.monotonic()
+        s.transition(RunState(0, "generate"), RunState(0, "train"))
+        assert time.monotonic() - start > 1.5 and s.read() == RunState(0, "train")
+        assert [e["kind"] for e in s.events()] == ["phase"]
 
 
 def test_release_never_deletes_another_coordinators_lease(client: redis.Redis) -> None:

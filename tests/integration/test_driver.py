@@ -431,3 +431,25 @@ def test_the_driver_reads_a_skipped_step_from_its_typed_outcome_not_its_message(
     with pytest.raises(TrainingRefused, match="reason 7, unknown here"):
         run.drive()
     assert run.trainer.trained == [] and run.store.read() == RunState(0, "train")
+
+
+def test_a_step_failing_after_the_lease_was_lost_reports_the_lost_lease() -> None:
+    """Found by the network-fault tests: a coordinator cut off from Redis past its lease, back on the
+    network, found the replicas moved on under its successor and ended with ReplicaFailed (exit 1); the
+    renewer knew the lease was lost, and that is what the run ends with now (LeaseLost: exit 3)."""
+    from coordinator.clients import ReplicaFailed
+    from coordinator.driver import Driver
+    from coordinator.state import LeaseLost, RunState
+
+    driver = Driver.__new__(Driver)  # (only the step's guard is under test)
+    driver._lease_lost = None
+
+    def step(state: RunState, ahead: object) -> None:
+        driver._lease_lost = LeaseLost("lost the lease on run r")  # the renewer found out meanwhile
+        raise ReplicaFailed("no replica could be brought to version 2")
+
+    driver._step = step  # type: ignore[method-assign,assignment]
+    with pytest.raises(LeaseLost, match="lost the lease"):
+        driver._guarded_step(RunState(2, "generate"), None)
+    with pytest.raises(LeaseLost):  # and no further step starts
+        driver._guarded_step(RunState(2, "generate"), None)
