@@ -91,7 +91,7 @@ def test_jsonl_task_and_custom_reward(tmp_path: Path) -> None:
     (tmp_path / "bad.jsonl").write_text('{"prompt": "no answer"}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl: row 1: no 'answer' key"):
         dataset_task(tmp_path / "bad.jsonl")
-    with pytest.raises(ValueError, match="no function"):
+    with pytest.raises(ValueError, match="has no callable nope"):
         build_task(CoordinatorConfig(reward="json:nope"))
 
 
