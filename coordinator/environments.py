@@ -127,7 +127,6 @@ class EpisodeRunner:
         self.token = token.read_text().strip() if token is not None else "none"
         self._pool = ThreadPoolExecutor(max_workers=CONCURRENT_EPISODES, thread_name_prefix="episode")
         self._http = self._http_client()
-        self.failures = 0
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
@@ -182,7 +181,6 @@ class EpisodeRunner:
                     return self._one(problem, sampling, version, http, episode_id)
                 except _ReplicaError as exc:
                     last = exc.cause
-                    self.failures += 1
                     on_failure(address, exc.cause)
             raise EpisodeFailed(f"episode of {problem.id} failed on every replica; last: {last}")
 

@@ -52,6 +52,7 @@ from rollout_service.episodes import (
     spliced_text,
 )
 from rollout_service.service import Generation, RolloutService
+from rollout_service.validation import parse_sampling
 
 VERSION_HEADER = "X-Weight-Version"
 
@@ -335,12 +336,10 @@ class OpenAIFace:
         return [rollout_pb2.Prompt(token_ids={"ids": ids})], {**body, EPISODE: (episode, extends, context)}
 
     def check_room(self, episode: Episode, request: rollout_pb2.GenerateRequest) -> None:
+        """Refuses a turn whose prompt and most completion tokens (as validation reads them) could pass
+        the episode's token bound."""
         limits = self.service.limits
-        most = (
-            request.sampling.max_tokens
-            if request.sampling.HasField("max_tokens")
-            else limits.default_max_tokens
-        )
+        most = parse_sampling(request.sampling, limits.max_model_len, limits.default_max_tokens).max_tokens
         self.episodes.check_room(episode, len(request.prompts[0].token_ids.ids), most)
 
     def record(self, body: dict[str, Any], c: rollout_pb2.Completion) -> None:
