@@ -11,11 +11,14 @@ process lives in a namespace this module made: deleting the namespaces undoes ev
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
@@ -267,6 +270,7 @@ class ComposeNetwork:
 
     def __init__(self, net: Network, compose: LocalCompose, stack: ExitStack, log_dir: Path) -> None:
         self.net, self.compose, self.stack, self.log_dir = net, compose, stack, log_dir
+        self.started: list[subprocess.Popen] = []  # the trainer, the replicas, the coordinators
         # gRPC's default resolver (c-ares) reads no /etc/hosts, which names the services here (compose has
         # a DNS server); the native one (getaddrinfo) reads both.
         self.env = {"GRPC_DNS_RESOLVER": "native"}
@@ -285,11 +289,15 @@ class ComposeNetwork:
         proc = self.stack.enter_context(self.net.process("redis", redis_cmd, log, self.environment("redis")))
         wait_for_line(proc, log, "Ready to accept connections", timeout=60)
         services = [("trainer", "trainer"), *((r, "rollout") for r in REPLICAS)]
+        started = []
         for node, service in services:
             env = self.environment(service, ADVERTISE_HOST=node)
             log = self.log_dir / f"{node}.log"
-            self.stack.enter_context(self.net.process(node, local.command(service), log, env))
-        for node, service in services:
+            started.append((self._service(node, local.command(service), log, env), log))
+        # The compose health check, once the service says it serves: polled from the start, each check (a
+        # Python process: ~0.6 s of CPU) took the CPU the loading services need.
+        for (node, service), (proc, log) in zip(services, started, strict=True):
+            wait_for_line(proc, log, r"-service serving on ", timeout=300)
             local.healthy(service, prefix=tuple(self.net.exec_prefix(node)))
 
     def coordinator(
@@ -304,8 +312,26 @@ class ComposeNetwork:
             "coordinator", "--run-dir", str(run_dir), "--steps", str(steps), *FAST, *extra
         )
         log = self.log_dir / f"{name or node}.log"
-        proc = self.stack.enter_context(self.net.process(node, command, log, env))
-        return proc, log
+        return self._service(node, command, log, env), log
+
+    def _service(self, node: str, args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
+        proc = self.stack.enter_context(self.net.process(node, args, log, env))
+        self.started.append(proc)
+        return proc
+
+    def stop_services(self, timeout: float = 20) -> None:
+        """SIGTERM the trainer, the replicas and the coordinators all at once and wait for them (the
+        stack's exits then find them gone, and stop Redis and the proxy): one after another, as the stack
+        stops them, a scenario's teardown took ~10 s. One still running past ``timeout`` is left to the
+        stack (which SIGKILLs it)."""
+        running = [proc for proc in self.started if proc.poll() is None]
+        for proc in running:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for proc in running:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
 
     def _store_code(self, code: str) -> str:
         local = self.compose

@@ -33,7 +33,11 @@ def services(tmp_path: Path) -> Iterator[ComposeNetwork]:
     logs.mkdir()
     with network(NODES, logs) as net, ExitStack() as stack:
         env = {"REDIS_PASSWORD": "net-secret", "FP8RL_RUN_ID": RUN_ID}
-        yield ComposeNetwork(net, LocalCompose(tmp_path, env, loopback=False), stack, logs)
+        services = ComposeNetwork(net, LocalCompose(tmp_path, env, loopback=False), stack, logs)
+        try:
+            yield services
+        finally:
+            services.stop_services()
 
 
 def committed(run_dir: Path) -> int:
