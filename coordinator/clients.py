@@ -4,6 +4,7 @@ that fails to one that works."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -23,22 +24,38 @@ STATUS_DEADLINE_S = 10.0
 GENERATE_DEADLINE_S = 900.0
 TRAIN_DEADLINE_S = 3600.0
 PUBLISH_DEADLINE_S = 1800.0
-RETRIES = 5
+# A trainer restarting (killed, rescheduled, its container recreated) is waited for this long: it loads
+# its model and checkpoint before it serves, minutes for a real checkpoint. An embedded run's own trainer
+# that stops answering has died, and the supervisor restarts the run's processes: it waits less.
+UNAVAILABLE_WAIT_S = 300.0
+EMBEDDED_UNAVAILABLE_WAIT_S = 15.0
 # A replica at its capacity (other callers' Generate calls fill its slots or queue) is asked again, with a
 # growing pause, for this long before its prompts move elsewhere: busy is not failed.
 BUSY_WAIT_S = 300.0
 
 
-def with_retries(call: Callable[[], T], what: str, retries: int = RETRIES) -> T:
-    """Retry only while the peer is UNAVAILABLE (restarting, not yet up), with a growing pause."""
-    for attempt in range(retries + 1):
+def with_retries(call: Callable[[], T], what: str, wait_s: float = UNAVAILABLE_WAIT_S) -> T:
+    """Retry only while the peer is UNAVAILABLE (restarting, not yet up), with a growing pause, until
+    ``wait_s`` has passed since the first failure."""
+    first_failure: float | None = None
+    for attempt in itertools.count():
         try:
             return call()
         except grpc.RpcError as exc:
-            if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt == retries:
+            now = time.monotonic()
+            first_failure = now if first_failure is None else first_failure
+            waited = now - first_failure
+            if exc.code() != grpc.StatusCode.UNAVAILABLE or waited >= wait_s:
                 raise
-            log.warning("%s: unavailable (%s); retry %d/%d", what, exc.details(), attempt + 1, retries)
-            time.sleep(min(0.5 * 2**attempt, 8.0))
+            log.warning(
+                "%s: unavailable (%s); retry %d, %.0f s of %.0f",
+                what,
+                exc.details(),
+                attempt + 1,
+                waited,
+                wait_s,
+            )
+            time.sleep(min(0.5 * 2**attempt, 8.0, max(0.0, wait_s - waited)))
     raise AssertionError("unreachable")
 
 
@@ -62,12 +79,18 @@ MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # A peer that comes back at another address (a recreated container) is found at the next failure:
+    # gRPC's default waits 30 s between DNS lookups, while each connect to the old address times out.
+    ("grpc.dns_min_time_between_resolutions_ms", 1000),
 ]
 
 
 class TrainerClient:
-    def __init__(self, address: str, security: SecurityConfig | None = None) -> None:
-        self.address = address
+    def __init__(
+        self, address: str, security: SecurityConfig | None = None, wait_s: float = UNAVAILABLE_WAIT_S
+    ) -> None:
+        """``wait_s``: how long an UNAVAILABLE trainer is asked again before a call fails."""
+        self.address, self.wait_s = address, wait_s
         self.channel = channel(address, security, "trainer", CHANNEL_OPTIONS)
         self.stub = trainer_pb2_grpc.TrainerStub(self.channel)
         self.fence = ""  # set once the coordinator holds the run's lease
@@ -80,6 +103,7 @@ class TrainerClient:
         return with_retries(
             lambda: self.stub.GetStatus(common_pb2.GetStatusRequest(), timeout=STATUS_DEADLINE_S),
             "trainer status",
+            self.wait_s,
         )
 
     def train(self, request: trainer_pb2.TrainStepRequest) -> trainer_pb2.TrainStepResponse:
@@ -87,6 +111,7 @@ class TrainerClient:
             lambda: with_retries(
                 lambda: self.stub.TrainStep(request, timeout=TRAIN_DEADLINE_S, metadata=self._metadata),
                 f"TrainStep({request.step})",
+                self.wait_s,
             )
         )
 
@@ -106,6 +131,7 @@ class TrainerClient:
                     request, timeout=PUBLISH_DEADLINE_S, metadata=self._metadata
                 ),
                 f"PublishWeights({version})",
+                self.wait_s,
             )
         )
 

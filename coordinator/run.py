@@ -185,7 +185,13 @@ class Supervisor:
         """One attempt at the run: start (embedded) or reach the services, then drive the steps."""
         import redis
 
-        from coordinator.clients import FencedOut, RolloutPool, TrainerClient
+        from coordinator.clients import (
+            EMBEDDED_UNAVAILABLE_WAIT_S,
+            UNAVAILABLE_WAIT_S,
+            FencedOut,
+            RolloutPool,
+            TrainerClient,
+        )
         from coordinator.driver import Driver, TrainingRefused
         from coordinator.metrics import MetricsSink, summarize
         from coordinator.state import ConfigMismatch, LeaseLost, RunStore, connect
@@ -219,7 +225,8 @@ class Supervisor:
             store.event("restart", self.unrecorded.pop(0), store.read().step)
         rollouts = services.rollouts
         addresses = (lambda: rollouts) if rollouts else (lambda: sorted(live_replicas(client)))
-        trainer = TrainerClient(services.trainer, services.security)
+        wait_s = EMBEDDED_UNAVAILABLE_WAIT_S if embedded else UNAVAILABLE_WAIT_S
+        trainer = TrainerClient(services.trainer, services.security, wait_s)
         pool = RolloutPool(addresses, services.security)
         stack.callback(trainer.close)
         stack.callback(pool.close)
@@ -243,7 +250,8 @@ class Supervisor:
         except TrainingRefused as exc:
             raise RunExit(1, str(exc)) from None
         summary = summarize(records) | {"linears": precision["summary"]}
-        sink.say("summary: " + ", ".join(f"{k}={_short(v)}" for k, v in summary.items()))
+        # (A figure the run has none of, such as routing mismatch on a dense model, stays in summary.json.)
+        sink.say("summary: " + ", ".join(f"{k}={_short(v)}" for k, v in summary.items() if v is not None))
         try:  # every step is committed by now: a full disk costs the files, not the run
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             from coordinator.report import write_plots
