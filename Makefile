@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.setup-done
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup redis-server network-tools demo test test-unit check protos bench clean smollm2
+.PHONY: setup redis-server network-tools container-tools demo test test-unit check protos bench clean smollm2
 
 setup: $(STAMP) redis-server network-tools
 
@@ -31,6 +31,13 @@ network-tools:
 		[ "$$(id -u)" != 0 ] || { apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 iptables >/dev/null; }
 
+# The compose test's container engine (tests/e2e/test_compose_up.py): a Docker that answers is used as it
+# is; else podman (its Docker-compatible API service), runc and debootstrap (the base images), as root only.
+container-tools:
+	@docker info >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
+		{ command -v podman && command -v runc && command -v debootstrap; } >/dev/null || \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq podman runc debootstrap >/dev/null; }
+
 demo: setup
 	$(BIN)/coordinator start --recipe fp8
 
@@ -39,7 +46,7 @@ check: setup
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-test: check
+test: check container-tools
 	$(BIN)/pytest
 
 # The unit tier alone: pure code, no servers, under a minute (`make test` runs every tier).

@@ -1,22 +1,20 @@
-"""docker compose without Docker: the compose file's own command lines, environment and health checks run
-as local processes (service hostnames mapped to 127.0.0.1, ports remapped to free ones, volumes to
-temporary directories) and drive a short run; the Dockerfiles install what `make setup` installs."""
+"""The compose files and Dockerfiles, read and validated without an engine: what they require, what they
+install, how the GPU override merges. `docker compose up` itself runs in tests/e2e/test_compose_up.py."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import subprocess
 from collections.abc import Iterator
-from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
-import redis
 import yaml
 
-from coordinator.metrics import read_metrics
-from fp8rl.credentials import redis_url_with_password
-from tests.support import COMPOSE, ROOT, LocalCompose, child_process, interpolate, wait_for_line
+from tests.containers import COMPOSE_BINARY
+from tests.support import COMPOSE, ROOT, LocalCompose, interpolate
 
 
 def test_redis_password_is_required_and_never_in_a_command_line() -> None:
@@ -26,7 +24,7 @@ def test_redis_password_is_required_and_never_in_a_command_line() -> None:
     assert "@" not in COMPOSE["x-app"]["environment"]["REDIS_URL"]  # the URL carries no password
     command = " ".join(COMPOSE["services"]["redis"]["command"])
     assert "requirepass" in command and "--appendonly" in command
-    # Only the shell's variable is in the command line, expanded by the shell inside printf (a builtin).
+    # Only the shell's variable is in the command line, expanded by the shell in a here-document.
     assert "${REDIS_PASSWORD" not in command and interpolate(command, {}).count("$REDIS_PASSWORD") == 1
 
 
@@ -110,6 +108,34 @@ def test_gpu_compose_gives_each_service_its_own_image_and_device() -> None:
     assert interpolate(devices["trainer"]["device_ids"][0], {"FP8RL_TRAINER_GPU": "0"}) == "0"
 
 
+def compose_config(*files: str) -> dict:
+    """The compose files merged and validated by Docker Compose itself (`docker compose config`)."""
+    args = [str(COMPOSE_BINARY), "--project-directory", str(ROOT)]
+    args += [a for f in files for a in ("--file", str(ROOT / f))]
+    env = {"PATH": os.environ["PATH"], "HOME": "/nonexistent", "REDIS_PASSWORD": "x"}
+    done = subprocess.run([*args, "config", "--format", "json"], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_the_gpu_file_validates_over_the_compose_file() -> None:
+    cpu = compose_config("docker-compose.yml")
+    gpu = compose_config("docker-compose.yml", "docker-compose.gpu.yml")
+    assert gpu["services"].keys() == cpu["services"].keys()
+    images = {name: s["image"] for name, s in gpu["services"].items()}
+    assert images["rollout"] == "fp8rl:rollout-gpu" and images["trainer"] == images["coordinator"]
+    for name in ("trainer", "rollout", "coordinator"):  # /config swapped for the GPU one, nothing else
+        mounts = {v["target"]: v["source"] for v in gpu["services"][name]["volumes"]}
+        before = {v["target"]: v["source"] for v in cpu["services"][name]["volumes"]}
+        assert mounts.pop("/config").endswith("deploy/config-gpu") and before.pop("/config").endswith(
+            "deploy/config"
+        )
+        assert mounts == before, name
+    devices = gpu["services"]["trainer"]["deploy"]["resources"]["reservations"]["devices"]
+    assert devices == [{"driver": "nvidia", "device_ids": ["1"], "capabilities": ["gpu"]}]
+    assert "deploy" not in cpu["services"]["trainer"]
+
+
 @pytest.fixture
 def local(tmp_path: Path) -> Iterator[LocalCompose]:
     env = {"REDIS_PASSWORD": "compose-secret", "FP8RL_STEPS": "2", "FP8RL_RUN_ID": "compose-test"}
@@ -125,66 +151,3 @@ def test_services_use_the_shipped_model_unless_told_otherwise(local: LocalCompos
         argv = subprocess.run([shell, flag, argv_of], env=env, capture_output=True, text=True).stdout
         expected = ["--model", model] if model else []
         assert [a for a in argv.splitlines() if a in ("--model", model)] == expected, argv
-
-
-@pytest.mark.slow
-def test_compose_wiring_runs_a_short_run(local: LocalCompose, tmp_path: Path) -> None:
-    with ExitStack() as stack:
-        # The one-shot secrets service first (docker compose waits for it to complete): Redis needs its
-        # certificate too.
-        secrets = subprocess.run(local.command("secrets"), env=local.environment("secrets"), timeout=120)
-        assert secrets.returncode == 0 and (local.volumes["secrets"] / "ca.pem").exists()
-        redis_cmd = [
-            *local.command("redis"),
-            "--bind",
-            "127.0.0.1",
-            "--dir",
-            str(local.volumes["redis-data"]),
-        ]
-        proc = stack.enter_context(
-            child_process(redis_cmd, tmp_path / "redis.log", local.environment("redis"))
-        )
-        wait_for_line(proc, tmp_path / "redis.log", "Ready to accept connections", timeout=30)
-        url = local.localize(COMPOSE["x-app"]["environment"]["REDIS_URL"])
-        assert redis.Redis.from_url(redis_url_with_password(url, local.environment("redis"))).ping()
-        tls = {"ssl": True, "ssl_ca_certs": str(local.volumes["secrets"] / "ca.pem")}
-        with pytest.raises(redis.AuthenticationError):  # nothing works without the password
-            redis.Redis(port=int(local.ports["6379"]), **tls).set("x", 1)  # type: ignore[arg-type]
-        with pytest.raises(redis.ConnectionError):  # nor in plaintext
-            redis.Redis(port=int(local.ports["6379"])).ping()
-
-        services = [proc]
-        for service in ("trainer", "rollout"):
-            log, env = tmp_path / f"{service}.log", local.environment(service)
-            services.append(stack.enter_context(child_process(local.command(service), log, env)))
-        for service in ("trainer", "rollout"):
-            local.healthy(service)
-        tokens = [p.read_bytes().strip() for p in local.volumes["secrets"].glob("*.token")]
-        for service_proc in services:  # no process shows a password or token in its command line (`ps`)
-            for pid in [service_proc.pid, *_descendants(service_proc.pid)]:
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-                assert all(secret not in cmdline for secret in (b"compose-secret", *tokens))
-        # The services speak mutual TLS only: a plaintext client, or one without a certificate, gets nothing.
-        from fp8rl.healthcheck import serving
-        from fp8rl.security import SecurityConfig
-
-        trainer = f"127.0.0.1:{local.ports['50052']}"
-        assert not serving(trainer, "fp8rl.v1.Trainer", server="trainer")
-        ca_only = SecurityConfig(tls_ca=local.volumes["secrets"] / "ca.pem")
-        assert not serving(trainer, "fp8rl.v1.Trainer", security=ca_only, server="trainer")
-        env = local.environment("coordinator")
-        run = subprocess.run(
-            local.command("coordinator"), env=env, capture_output=True, text=True, timeout=600
-        )
-        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-        steps = [r["step"] for r in read_metrics(local.volumes["runs"] / "compose-test")]
-        assert steps == [0, 1, 2]
-        # The replica found the run through its Redis registration (no --rollout in the compose file).
-        assert "--rollout" not in " ".join(COMPOSE["services"]["coordinator"]["command"])
-
-
-def _descendants(pid: int) -> list[int]:
-    """PIDs of ``pid``'s children, recursively (from /proc)."""
-    children = Path(f"/proc/{pid}/task/{pid}/children")
-    found = [int(c) for c in children.read_text().split()] if children.exists() else []
-    return found + [d for c in found for d in _descendants(c)]
