@@ -22,16 +22,17 @@ RUN apt-get update && apt-get install -y --no-install-recommends gcc g++ libnuma
 RUN python3 -m venv /opt/fp8rl
 ENV PATH=/opt/fp8rl/bin:$PATH VIRTUAL_ENV=/opt/fp8rl PYTHONUNBUFFERED=1
 WORKDIR /app
-# The dependencies first, from pyproject.toml alone (empty packages stand in for the source), so that an
-# edit of the source rebuilds only the last layer.
-COPY pyproject.toml README.md ./
-RUN mkdir fp8rl && touch fp8rl/__init__.py \
+# The dependencies first, from pyproject.toml alone (an empty package and README stand in for the
+# source), so that an edit of the source or the docs rebuilds only the last layer.
+COPY pyproject.toml ./
+RUN mkdir fp8rl && touch fp8rl/__init__.py README.md \
     && pip install --no-cache-dir ${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"} ".[cpu]" \
     && pip uninstall -y torchvision torchaudio torchcodec \
-    && pip uninstall -y fp8rl && rm -r fp8rl build *.egg-info
+    && pip uninstall -y fp8rl && rm -rf fp8rl README.md build *.egg-info
+COPY README.md ./
 COPY fp8rl fp8rl
 COPY rollout_service rollout_service
 COPY trainer_service trainer_service
 COPY coordinator coordinator
 COPY deploy deploy
-RUN pip install --no-cache-dir --no-deps . && rm -r build *.egg-info
+RUN pip install --no-cache-dir --no-deps . && rm -rf build *.egg-info
