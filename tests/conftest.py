@@ -58,8 +58,9 @@ def transformer_engine() -> Any:
 
 @pytest.fixture
 def gen() -> torch.Generator:
-    """A generator with a fresh seed each run; the seed is printed so a failure can be replayed."""
-    seed = int.from_bytes(os.urandom(4), "little")
+    """A generator with a fresh seed each run; the seed is printed so a failure can be replayed
+    (FP8RL_TEST_SEED=<seed> pytest ...)."""
+    seed = int(os.environ.get("FP8RL_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
     print(f"random seed: {seed}")
     return torch.Generator().manual_seed(seed)
 

@@ -112,17 +112,24 @@ def test_a_grpo_step_runs_every_expert_gemm_in_fp8(
 
 
 def own_routing_of(learner: Learner, batch: list[SampleData]) -> list[torch.Tensor]:
-    """What the learner's routers choose for every position each sample computes."""
+    """What the learner's routers choose for every position each sample computes, in the forward the step
+    scores routing with: the batch collated as the learner collates it, in one micro-batch, under its FP8
+    context. (Each sample alone is another GEMM shape: float32 rounding then flips a near-tie now and
+    then, 1 position in 124 once.)"""
+    from trainer_service.fp8_linear import fp8_context
     from trainer_service.routing import own_routing, routed
 
-    out = []
-    with torch.no_grad():
-        for s in batch:
-            ids = s.prompt + s.completion
-            with routed(learner.routers) as chosen:
-                learner.model(input_ids=torch.tensor([ids]))
-            out.append(own_routing(chosen, 1, len(ids))[0, : len(ids) - 1])
-    return out
+    assert len(batch) <= learner.config.micro_batch_size
+    collated = learner.collate(batch)
+    with (
+        torch.no_grad(),
+        learner.autocast(),
+        fp8_context(learner.backend, learner.recipe.scale_format),
+        routed(learner.routers) as chosen,
+    ):
+        learner.model(input_ids=collated.input_ids, attention_mask=collated.attention_mask)
+    own = own_routing(chosen, *collated.input_ids.shape)
+    return [own[i, : len(s.prompt) + len(s.completion) - 1] for i, s in enumerate(batch)]
 
 
 def test_a_step_measures_routing_mismatch_under_replay(qwen3_moe_dir: Path, gen: torch.Generator) -> None:
