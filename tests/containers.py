@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -48,12 +49,20 @@ class Engine:
     def is_podman(self) -> bool:
         return self.cli == "podman"
 
-    def run(self, *args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
+    def run(
+        self, *args: str, timeout: float = 120, check: bool = True, text: bool = True, stdin: Any = None
+    ) -> subprocess.CompletedProcess:
+        """``cli args`` with its output captured (``text=False``: as bytes); ``check``: it must succeed."""
         done = subprocess.run(
-            [self.cli, *args], env={**os.environ, **self.env}, capture_output=True, text=True, timeout=timeout
+            [self.cli, *args],
+            env={**os.environ, **self.env},
+            stdin=stdin,
+            capture_output=True,
+            text=text,
+            timeout=timeout,
         )
         if check and done.returncode != 0:
-            raise AssertionError(f"{self.cli} {' '.join(args[:3])} failed: {done.stderr[-3000:]}")
+            raise AssertionError(f"{self.cli} {' '.join(args[:3])} failed: {done.stderr[-3000:]!r}")
         return done
 
 
@@ -162,21 +171,16 @@ def bootstrap_base(engine: Engine) -> None:
         for deb in (rootfs / "var/cache/apt/archives").glob("*.deb"):
             deb.unlink()
         tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
-        imported = subprocess.run(
-            [engine.cli, "import", "--change", 'CMD ["bash"]', "-", LOCAL_BASE],
-            stdin=tar.stdout,
-            env={**os.environ, **engine.env},
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert tar.wait() == 0 and imported.returncode == 0, imported.stderr[-2000:]
+        engine.run("import", "--change", 'CMD ["bash"]', "-", LOCAL_BASE, stdin=tar.stdout, timeout=600)
+        assert tar.wait() == 0
 
 
 def build_image(engine: Engine, bases: dict[str, str], workdir: Path) -> None:
     """``IMAGE`` from the project's Dockerfile. Under podman, pip gets the host's package sources: its
     configuration file and the files it names (a CA bundle, wheel directories), mounted read-only."""
-    args = ["build", "-t", IMAGE, *(f"--build-arg={k}={v}" for k, v in bases.items() if k == "PYTHON_IMAGE")]
+    args = ["build", "-t", IMAGE]
+    if "PYTHON_IMAGE" in bases:
+        args.append(f"--build-arg=PYTHON_IMAGE={bases['PYTHON_IMAGE']}")
     if engine.is_podman:
         args += ["--layers", "--build-arg=TORCH_INDEX=", *host_pip_mounts(workdir)]
     before = image_id(engine)
@@ -256,14 +260,10 @@ class Compose:
     def volume(self, name: str, into: Path) -> Path:
         """A copy of volume ``name``'s files (read by a throwaway container of the image)."""
         into.mkdir(parents=True, exist_ok=True)
-        volume = f"{self.name}_{name}"
-        tar = subprocess.run(
-            [self.engine.cli, "run", "--rm", "-v", f"{volume}:/v:ro", IMAGE, "tar", "-C", "/v", "-c", "."],
-            env={**os.environ, **self.engine.env},
-            capture_output=True,
-            timeout=300,
+        mount = f"{self.name}_{name}:/v:ro"
+        tar = self.engine.run(
+            "run", "--rm", "-v", mount, IMAGE, "tar", "-C", "/v", "-c", ".", timeout=300, text=False
         )
-        assert tar.returncode == 0, tar.stderr[-2000:]
         subprocess.run(["tar", "-C", str(into), "-x"], input=tar.stdout, check=True)
         return into
 
