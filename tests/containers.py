@@ -84,13 +84,14 @@ def container_engine(workdir: Path) -> Iterator[Engine]:
     if os.geteuid() != 0 or shutil.which("podman") is None or shutil.which("runc") is None:
         pytest.skip("no Docker engine answers, and podman with runc needs root (`make test` installs them)")
     # runc: crun fails on these VMs' cgroups. Containers get explicit limits: no higher than this
-    # process's own hard limit on open files (the engine may not raise it).
+    # process's own hard limit on open files (the engine may not raise it). An exec session's monitor
+    # (conmon) waits exit_command_delay for its caller, 5 minutes by default: it would outlive the test.
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     nofile = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
     conf = workdir / "containers.conf"
     conf.write_text(
         f'[containers]\ndefault_ulimits = ["nofile={nofile}:{nofile}", "nproc=4096:4096"]\n'
-        '[engine]\nruntime = "runc"\n'
+        '[engine]\nruntime = "runc"\nexit_command_delay = 10\n'
     )
     sock = workdir / "podman.sock"
     env = {"CONTAINERS_CONF": str(conf), "DOCKER_HOST": f"unix://{sock}"}
