@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -100,14 +101,34 @@ class FP8Plan:
 
     def summary(self) -> dict[str, Any]:
         """What a run records: the modules kept in high precision (per layer, as patterns, experts as
-        ``mlp.experts.*.gate_proj``) and why."""
-        per_layer = sorted(
-            {
-                re.sub(r"^mlp\.experts\.\d+\.", "mlp.experts.*.", m.split(".", 3)[3])
-                for m in self.high_precision
-            }
-        )
-        return {"high_precision_per_layer": per_layer, "reasons": list(self.reasons), "layers": self.layers}
+        ``mlp.experts.*.gate_proj``), the layers each is kept in, and why; ``summary`` in one line."""
+        layers_of: dict[str, set[int]] = {}
+        for m in self.high_precision:
+            _, _, index, rest = m.split(".", 3)
+            layers_of.setdefault(re.sub(r"^mlp\.experts\.\d+\.", "mlp.experts.*.", rest), set()).add(
+                int(index)
+            )
+        where = {
+            module: "every layer" if len(found) == self.layers else _layer_list(sorted(found))
+            for module, found in sorted(layers_of.items())
+        }
+        by_place: dict[str, list[str]] = {}
+        for module, place in where.items():
+            by_place.setdefault(place, []).append(module)
+        line = "all block linears in FP8"
+        if by_place:
+            line += " but " + "; ".join(f"{', '.join(m)} ({place})" for place, m in by_place.items())
+        return {
+            "summary": line,
+            "high_precision_per_layer": sorted(layers_of),
+            "high_precision_layers": where,
+            "reasons": list(self.reasons),
+            "layers": self.layers,
+        }
+
+
+def _layer_list(layers: list[int]) -> str:
+    return ("layer " if len(layers) == 1 else "layers ") + ", ".join(map(str, layers))
 
 
 def _shapes(config: dict[str, Any]) -> dict[str, tuple[int, int]]:
@@ -172,9 +193,18 @@ def _moe_high_precision(config: dict[str, Any], tp: int) -> tuple[set[str], list
     return kept, reasons
 
 
-def fp8_plan(config: dict[str, Any], tensor_parallel_size: int = 1) -> FP8Plan:
+def fp8_plan(
+    config: dict[str, Any],
+    tensor_parallel_size: int = 1,
+    first_layers: int = 0,
+    last_layers: int = 0,
+    patterns: Sequence[str] = (),
+) -> FP8Plan:
     """The FP8 layers of a supported checkpoint's config under vLLM's block-FP8 rule (module docstring),
-    for replicas with ``tensor_parallel_size`` ranks."""
+    for replicas with ``tensor_parallel_size`` ranks; besides, every linear of the ``first_layers``
+    first and ``last_layers`` last decoder layers, and those whose module name fully matches one of
+    ``patterns`` (regular expressions; with the rest of their fused group, or of their layer's experts),
+    stay in the compute dtype. A pattern that matches no linear is a ValueError."""
     check_supported(config)
     tp = tensor_parallel_size
     shapes = _shapes(config)
@@ -205,7 +235,53 @@ def fp8_plan(config: dict[str, Any], tensor_parallel_size: int = 1) -> FP8Plan:
     if sparse and len(sparse) == layers:  # no dense MLP anywhere: its rule says nothing
         reasons = [r for r in reasons if not r.startswith("mlp.")]
     moe_kept, moe_reasons = _moe_high_precision(config, tp)
-    return FP8Plan(frozenset(names | moe_kept), tuple(reasons + moe_reasons), layers)
+    chosen, chosen_reasons = _chosen_high_precision(config, first_layers, last_layers, patterns)
+    return FP8Plan(
+        frozenset(names | moe_kept | chosen), tuple(reasons + moe_reasons + chosen_reasons), layers
+    )
+
+
+def layer_linears(config: dict[str, Any], layer: int) -> list[list[str]]:
+    """The linears of decoder layer ``layer`` (HF module names), in the groups vLLM computes as one GEMM
+    each: q/k/v, o_proj, gate/up, down_proj; in an MoE layer all its experts' linears are one group
+    (vLLM quantizes a fused MoE layer whole) and the router is none (never FP8)."""
+    prefix = f"model.layers.{layer}"
+    groups = [[f"{prefix}.{p}" for p in FUSED_GEMMS["self_attn.qkv_proj"]], [f"{prefix}.self_attn.o_proj"]]
+    if layer in moe_layers(config):
+        return [*groups, expert_modules(layer, num_experts(config))]
+    mlp = [[f"{prefix}.{p}" for p in FUSED_GEMMS["mlp.gate_up_proj"]], [f"{prefix}.mlp.down_proj"]]
+    return groups + mlp
+
+
+def _chosen_high_precision(
+    config: dict[str, Any], first: int, last: int, patterns: Sequence[str]
+) -> tuple[set[str], list[str]]:
+    """The linears a run chose to keep in high precision (:func:`fp8_plan`'s knobs), with reasons."""
+    layers = int(config["num_hidden_layers"])
+    whole = set(range(min(first, layers))) | set(range(max(layers - last, 0), layers))
+    kept = {name for i in whole for group in layer_linears(config, i) for name in group}
+    reasons = []
+    if first:
+        reasons.append(
+            f"layers 0..{min(first, layers) - 1} stay high precision (high_precision_first_layers {first})"
+        )
+    if last:
+        start = max(layers - last, 0)
+        reasons.append(
+            f"layers {start}..{layers - 1} stay high precision (high_precision_last_layers {last})"
+        )
+    for pattern in patterns:
+        matched = [
+            group
+            for i in range(layers)
+            for group in layer_linears(config, i)
+            if any(re.fullmatch(pattern, name) for name in group)
+        ]
+        if not matched:
+            raise ValueError(f"high_precision_modules: {pattern!r} matches no linear of this model")
+        kept.update(name for group in matched for name in group)
+        reasons.append(f"{pattern!r} stays high precision: {len(matched)} GEMM(s), their fused groups whole")
+    return kept, reasons
 
 
 def vllm_ignored_layers(plan: FP8Plan) -> list[str]:

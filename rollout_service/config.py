@@ -6,9 +6,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from fp8rl.architectures import FP8Plan, fp8_plan, read_config
+from fp8rl.architectures import FP8Plan
 from fp8rl.devices import Device
 from fp8rl.models import TINY_ARITH, ModelDir
+from fp8rl.precision import PrecisionConfig
 from fp8rl.recipes import RecipeName
 from fp8rl.security import SecurityConfig, is_loopback
 from rollout_service.episodes import EpisodeLimits
@@ -21,6 +22,8 @@ class RolloutConfig(BaseModel):
     """HF checkpoint directory (config.json, safetensors, tokenizer); default: the shipped tiny arith."""
     recipe: RecipeName = "fp8"
     """Precision recipe: decides the weight format and the KV-cache dtype."""
+    precision: PrecisionConfig = PrecisionConfig()
+    """Exact consistency and the high-precision layers (fp8rl/precision.py): the same as the trainer's."""
     host: str = "127.0.0.1"
     """Interface to bind; loopback unless the replica must be reachable from other machines."""
     port: int = Field(50051, ge=0, le=65535)
@@ -91,12 +94,15 @@ class RolloutConfig(BaseModel):
                 f"advertise (host:port) is required with security.registration_key_file on {self.host}: "
                 "the replica's registration proof names the address the trainer reaches it at"
             )
+        if self.precision.high_precision_modules:  # (a pattern that matches no linear fails here)
+            self.fp8_plan  # noqa: B018
         return self
 
     @property
     def fp8_plan(self) -> FP8Plan:
-        """Which of the model's linears run in FP8 on these replicas (fp8rl.architectures' rule)."""
-        return fp8_plan(read_config(self.model), self.tensor_parallel_size)
+        """Which of the model's linears run in FP8 on these replicas (fp8rl.architectures' rule, then the
+        precision knobs)."""
+        return self.precision.plan(self.model, self.tensor_parallel_size)
 
     @property
     def model_name(self) -> str:

@@ -127,6 +127,14 @@ class Platform:
 def unsupported_reason(config: RolloutConfig, platform: Platform) -> str | None:
     """Why ``platform`` cannot serve ``config`` as its recipe says (checked before vLLM loads), or None."""
     recipe = get_recipe(config.recipe)
+    if config.precision.consistency == "exact":
+        if platform.cuda_capability is not None:
+            return (
+                "precision.consistency exact runs on CPU (fp8rl/exact.py on both engines); vLLM's CUDA "
+                "wiring is not written yet (docs/gpu.md)"
+            )
+        if config.tensor_parallel_size != 1:
+            return "precision.consistency exact needs tensor_parallel_size 1 (the engine in this process)"
     if platform.cuda_capability is None:  # (CPU: FP8 GEMMs and FP8 KV cache are emulated)
         return None
     if config.activation_arithmetic != "vllm":
@@ -250,7 +258,20 @@ class VllmEngine:
 
         model_dir, quantization, overrides = str(config.model), cast(Any, None), None
         kv_cache_dtype = recipe.kv_cache_dtype
-        if recipe.fp8_rollout:
+        self.exact = config.precision.consistency == "exact"
+        self._building: Any = contextlib.nullcontext
+        if self.exact:  # every op through fp8rl/exact.py (rollout_service/vllm_exact.py), every recipe
+            from rollout_service import vllm_exact
+
+            ignored = vllm_ignored_layers(config.fp8_plan) if recipe.fp8_rollout else []
+            quantization, self._building = vllm_exact.NAME, vllm_exact.exact_engine
+            overrides = {
+                "quantization_config": vllm_exact.quantization_config(
+                    recipe.fp8_rollout, recipe.scale_format, kv_cache_dtype, ignored
+                )
+            }
+            kv_cache_dtype = "auto"  # (an FP8 cache is emulated, as below)
+        elif recipe.fp8_rollout:
             ignored = vllm_ignored_layers(config.fp8_plan)
             if self.device == "cuda":
                 model_dir = str(fp8_checkpoint(config.model, recipe.scale_format, ignored))
@@ -292,7 +313,8 @@ class VllmEngine:
         )
         if not self.in_process:
             remove_stale_refits()
-        self.llm = vllm.LLM(**self._llm_args)
+        with self._building():
+            self.llm = vllm.LLM(**self._llm_args)
         self._engine_started()
         self.version = vllm.__version__
         self._engine = self.llm.llm_engine
@@ -322,7 +344,8 @@ class VllmEngine:
         cleanup_dist_env_and_memory()  # vLLM's own teardown: process groups, then the CUDA cache
         if self.device == "cuda":
             check_free_gpu_memory(self._llm_args["gpu_memory_utilization"])
-        self.llm = vllm.LLM(**self._llm_args)
+        with self._building():
+            self.llm = vllm.LLM(**self._llm_args)
         self._engine = self.llm.llm_engine
         self._engine_started()
 
@@ -334,6 +357,8 @@ class VllmEngine:
         self._prompt_lengths: dict[str, int] = {}
         if self.moe_layers and self.device == "cpu":
             self.llm.collective_rpc("fp8rl_record_routing")
+        if self.moe_layers and self.exact:
+            self.llm.collective_rpc("fp8rl_exact_routing")
 
     @property
     def is_moe(self) -> bool:

@@ -34,6 +34,12 @@ class WorkerExtension:
         if method is not None:
             method.process_weights_after_loading(head)
 
+    def fp8rl_exact_routing(self) -> int:
+        """Route every MoE layer with fp8rl.exact.route (exact consistency); returns how many."""
+        from rollout_service.vllm_exact import exact_routing
+
+        return exact_routing(self.model_runner.model)
+
     def fp8rl_record_routing(self) -> tuple[int, int]:
         """Record, from now on, the experts every request's positions are routed to (see
         :class:`RoutingRecorder`); returns (MoE layers, top_k)."""

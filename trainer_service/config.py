@@ -5,12 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from fp8rl.architectures import FP8Plan, fp8_plan, read_config
+from fp8rl.architectures import FP8Plan
 from fp8rl.devices import Device
 from fp8rl.models import TINY_ARITH, ModelDir
-from fp8rl.recipes import AdvantageNorm, ISMode, RecipeName
+from fp8rl.precision import PrecisionConfig
+from fp8rl.recipes import AdvantageNorm, ISMode, RecipeName, get_recipe
 from fp8rl.security import SecurityConfig
 
 
@@ -89,6 +90,8 @@ class TrainerConfig(LearnerConfig):
     """HF checkpoint directory of a supported family (docs/architectures.md); default: the shipped tiny
     arith model."""
     recipe: RecipeName = "fp8"
+    precision: PrecisionConfig = PrecisionConfig()
+    """Exact consistency and the high-precision layers (fp8rl/precision.py): the same as the replicas'."""
     rollout_tensor_parallel_size: int = Field(1, ge=1)
     """The replicas' tensor parallel size, which decides the linears vLLM can serve in FP8 (the trainer
     keeps the same ones in high precision: fp8rl.architectures)."""
@@ -110,7 +113,29 @@ class TrainerConfig(LearnerConfig):
     """host:port of replicas the trainer may publish to besides those that prove they hold the run's
     registration key (their registration_proof); without a key and this list, only loopback replicas."""
 
+    @model_validator(mode="after")
+    def _precision(self) -> TrainerConfig:
+        if self.precision.high_precision_modules:  # (a pattern that matches no linear fails here)
+            self.fp8_plan  # noqa: B018
+        if self.precision.consistency == "exact":
+            recipe = get_recipe(self.recipe)
+            refused = [
+                (
+                    recipe.fp8_rollout and recipe.train_linears != "fp8",
+                    f"recipe {self.recipe} trains in high precision what the replicas compute in FP8",
+                ),
+                (
+                    self.fp8_backend == "te",
+                    "fp8_backend te computes FP8 GEMMs with Transformer Engine's kernels, not the rollout's",
+                ),
+                (self.routing_replay, "routing_replay has nothing to replay (the routers agree exactly)"),
+            ]
+            for applies, reason in refused:
+                if applies:
+                    raise ValueError(f"precision.consistency exact: {reason}")
+        return self
+
     @property
     def fp8_plan(self) -> FP8Plan:
         """Which of the model's linears run in FP8, in this trainer and on its replicas."""
-        return fp8_plan(read_config(self.model), self.rollout_tensor_parallel_size)
+        return self.precision.plan(self.model, self.rollout_tensor_parallel_size)

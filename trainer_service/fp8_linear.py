@@ -273,13 +273,13 @@ def _te_experts_refused(name: str, reason: str) -> ValueError:
     )
 
 
-_EXPERTS_CLASSES: dict[tuple[type, type], type] = {}
+_MIXED_CLASSES: dict[tuple[type, type], type] = {}
 
 
-def _experts_class(mixin: type, cls: type) -> type:
-    """transformers' experts class with ``mixin`` mixed in (one per pair)."""
+def mixed_class(mixin: type, cls: type) -> type:
+    """A transformers class (experts, router) with ``mixin``'s forward mixed in (one per pair)."""
     name = f"{mixin.__name__.removesuffix('Experts')}{cls.__name__}"
-    return _EXPERTS_CLASSES.setdefault((mixin, cls), type(name, (mixin, cls), {}))
+    return _MIXED_CLASSES.setdefault((mixin, cls), type(name, (mixin, cls), {}))
 
 
 def block_experts(model: torch.nn.Module) -> Iterator[tuple[str, Any]]:
@@ -345,10 +345,10 @@ def convert_linears(
             _to_te_linear(model, linear)
     for i, (_, module) in enumerate(experts):
         if backend == "te":
-            module.__class__ = _experts_class(TEFP8Experts, type(module))
+            module.__class__ = mixed_class(TEFP8Experts, type(module))
             module.te_gemms = te_gemms[i]
         else:
-            module.__class__ = _experts_class(EmulatedFP8Experts, type(module))
+            module.__class__ = mixed_class(EmulatedFP8Experts, type(module))
             module.scale_format = scale_format
     return len(converted) + sum(len(EXPERT_GEMMS) * m.gate_up_proj.shape[0] for _, m in experts)
 

@@ -73,9 +73,13 @@ class KVCache:
         calibrate: bool = True,
         emulate: bool = True,
         device: torch.device | None = None,
+        attention: Callable[..., tuple[torch.Tensor, torch.Tensor | None]] | None = None,
     ) -> None:
-        """For ``model``'s attention layers (:func:`attention_modules`); :meth:`install` routes them here."""
+        """For ``model``'s attention layers (:func:`attention_modules`); :meth:`install` routes them here.
+        ``attention``: the transformers attention function that attends once Q, K and V are rounded
+        (default: sdpa; exact mode's under ``consistency: exact``)."""
         self.modules = [name for name, _ in attention_modules(model)]
+        self.attention = attention
         self.scale_format, self.calibrated, self.emulated = scale_format, calibrate, emulate
         shape = (len(self.modules), len(ATTENTION_SCALES))
         self.scales = torch.ones(shape, dtype=torch.float32, device=device)  # [layer, q k v] of this version
@@ -146,7 +150,8 @@ class KVCache:
             query, key, value = (
                 _Rounded.apply(x, self.scales[layer, i], i == 0) for i, x in enumerate((query, key, value))
             )
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        attention = self.attention or sdpa_attention_forward
+        return attention(module, query, key, value, attention_mask, **kwargs)
 
 
 def _attend(module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:

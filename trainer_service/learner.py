@@ -24,11 +24,15 @@ from fp8rl.recipes import ImportanceSampling, Recipe
 from fp8rl.sampling import SamplingSettings
 from trainer_service.config import TrainerConfig
 from trainer_service.distributed import ONE_PROCESS, Ranks
+from trainer_service.exact import attend as exact_attend
+from trainer_service.exact import convert_exact
 from trainer_service.fp8_linear import Backend, convert_linears, fp8_context, resolve_backend
 from trainer_service.kv_cache import KVCache
 from trainer_service.routing import moe_routers, own_routing, routed
 
 T = TypeVar("T")
+
+COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class NonFiniteGradient(Exception):
@@ -156,7 +160,17 @@ class Learner:
         self.model = model.to(self.device)
         self.model.train()
         self.backend: Backend | None = None
-        if recipe.train_linears == "fp8":
+        self.exact = config.precision.consistency == "exact"
+        fp8 = recipe.train_linears == "fp8"
+        if self.exact:  # (the rollout's arithmetic: fp8rl/exact.py; FP8 GEMMs too)
+            self.backend = "emulated" if fp8 else None
+            convert_exact(
+                self.model,
+                recipe.scale_format if fp8 else None,
+                config.fp8_plan.high_precision,
+                COMPUTE_DTYPES[config.compute_dtype],
+            )
+        elif fp8:
             self.backend = resolve_backend(config.fp8_backend, cuda=self.device.type == "cuda")
             convert_linears(self.model, self.backend, recipe.scale_format, config.fp8_plan.high_precision)
         # Transformer Engine's FP8 GEMMs need the flattened token count to be a multiple of 8 (16 to be
@@ -172,6 +186,7 @@ class Learner:
                 calibrate=config.kv_scales == "calibrated",
                 emulate=config.emulate_kv_cache,
                 device=self.device,
+                attention=exact_attend if self.exact else None,
             )
             self.kv_cache.install(self.model)
         self.routers = moe_routers(self.model)
@@ -204,7 +219,7 @@ class Learner:
         return self.backend or "bf16"
 
     def autocast(self) -> contextlib.AbstractContextManager[object]:
-        if self.config.compute_dtype == "float32":
+        if self.config.compute_dtype == "float32" or self.exact:  # (exact modules cast themselves)
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=torch.bfloat16)
 

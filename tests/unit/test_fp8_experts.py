@@ -316,7 +316,7 @@ def test_te_experts_route_pad_and_combine_as_the_emulated_experts(
     names = [n for n, _ in model.named_parameters()]
     convert_linears(emulated, "emulated", scale_format)  # type: ignore[arg-type]
     experts = model.model.layers[0].mlp.experts
-    experts.__class__ = fp8_module._experts_class(TEFP8Experts, type(experts))
+    experts.__class__ = fp8_module.mixed_class(TEFP8Experts, type(experts))
     experts.te_gemms = (
         EmulatedGroupedLinear(EXPERTS, HIDDEN, 2 * INTER, scale_format),
         EmulatedGroupedLinear(EXPERTS, INTER, HIDDEN, scale_format),
