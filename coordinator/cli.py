@@ -17,7 +17,12 @@ from fp8rl.config import ConfigError, add_config_flags, config_from_cli, load_co
 from fp8rl.recipes import RECIPE_NAMES
 
 # Flags beyond the fields users write (FIELDS, one flag each): shortcuts to a field of a section.
-SHORTCUTS = {"lr": "embedded.learner.optimizer.lr"}
+SHORTCUTS = {
+    "lr": "embedded.learner.optimizer.lr",
+    "consistency": "run.precision.consistency",
+    "high_precision_first_layers": "run.precision.high_precision_first_layers",
+    "high_precision_last_layers": "run.precision.high_precision_last_layers",
+}
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, str]]:

@@ -27,7 +27,8 @@ from pydantic_core import InitErrorDetails
 
 from fp8rl.credentials import check_run_id
 from fp8rl.models import ModelDir
-from fp8rl.recipes import RecipeName
+from fp8rl.precision import PrecisionConfig
+from fp8rl.recipes import RecipeName, get_recipe
 from fp8rl.security import SecurityConfig
 from trainer_service.config import LearnerConfig
 
@@ -77,6 +78,9 @@ class RunConfig(_Slice):
 
     recipe: RecipeName = "fp8"
     """Precision recipe for rollout and trainer."""
+    precision: PrecisionConfig = PrecisionConfig()
+    """Exact consistency and the layers kept in high precision, for trainer and replicas alike
+    (fp8rl/precision.py; `--consistency exact`, `--high-precision-first-layers N`, ...)."""
     model: ModelDir | None = None
     """HF checkpoint directory; default: the tiny arith model shipped with fp8rl (fp8rl/models/tiny-arith)."""
     steps: int = Field(60, ge=1)
@@ -102,6 +106,12 @@ class RunConfig(_Slice):
     def check(self) -> None:
         if self.model is not None and not (self.model / "config.json").is_file():
             raise ValueError(f"model {self.model} is not an HF checkpoint directory (no config.json)")
+        recipe = get_recipe(self.recipe)
+        if self.precision.consistency == "exact" and recipe.fp8_rollout and recipe.train_linears != "fp8":
+            raise ValueError(
+                f"precision.consistency exact: recipe {self.recipe} trains in high precision what the "
+                "replicas compute in FP8"
+            )
 
 
 class TaskConfig(_Slice):
@@ -235,6 +245,7 @@ class DistributedConfig(_Slice):
 # sets, in the order of `coordinator start --help`; a dumped config has these keys, in this order.
 FIELDS: dict[str, str] = {
     "recipe": "run.recipe",
+    "precision": "run.precision",
     "model": "run.model",
     "task": "task.name",
     "dataset": "task.dataset",

@@ -212,6 +212,7 @@ class Supervisor:
             info["redis_password_file"] = str(redis_password_file(run_dir))
         precision = linear_precision(config)
         info["linears"] = precision
+        info["consistency"] = config.run.precision.consistency
         write_private(run_dir / "run.json", json.dumps(info))
         # Embedded, a Redis that stops answering has died, and the supervisor restarts it: fail at once.
         # Distributed, ride out an outage (a restart, a partition: coordinator/state.py, connect).
@@ -242,14 +243,17 @@ class Supervisor:
         )
         stack.callback(sink.close)
         sink.say(f"run {run_id}: recipe {config.run.recipe}, {config.run.steps} steps, run dir {run_dir}")
-        sink.say(f"linears: {precision['summary']}")
+        sink.say(f"linears: {precision['summary']}; consistency {config.run.precision.consistency}")
         try:
             records = Driver(config, run_id, store, trainer, pool, self.task, sink).run()
         except (LeaseLost, FencedOut) as exc:
             raise RunExit(3, str(exc)) from None
         except TrainingRefused as exc:
             raise RunExit(1, str(exc)) from None
-        summary = summarize(records) | {"linears": precision["summary"]}
+        summary = summarize(records) | {
+            "linears": precision["summary"],
+            "consistency": config.run.precision.consistency,
+        }
         # (A figure the run has none of, such as routing mismatch on a dense model, stays in summary.json.)
         sink.say("summary: " + ", ".join(f"{k}={_short(v)}" for k, v in summary.items() if v is not None))
         try:  # every step is committed by now: a full disk costs the files, not the run
@@ -273,19 +277,16 @@ def distributed_services(config: CoordinatorConfig) -> Services:
 
 
 def linear_precision(config: CoordinatorConfig) -> dict[str, Any]:
-    """Which linears of the model run in FP8 under the run's recipe (fp8rl.architectures), for the run's
-    metadata and summary: ``summary`` in a line, the modules kept in high precision per layer and why."""
-    from fp8rl.architectures import fp8_plan, read_config
+    """Which linears of the model run in FP8 under the run's recipe and precision knobs
+    (fp8rl.architectures), for the run's metadata and summary: ``summary`` in a line, the modules kept in
+    high precision per layer, the layers each is kept in, and why."""
     from fp8rl.recipes import get_recipe
 
     if not get_recipe(config.run.recipe).fp8_rollout:
         return {"summary": "none in FP8 (bf16 recipe)", "high_precision_per_layer": [], "reasons": []}
     if config.run.model is None and not config.is_embedded:  # (the trainer's own --model decides)
         return {"summary": "as the trainer's model decides (give --model to record it)"}
-    plan = fp8_plan(read_config(config.run.model or models.TINY_ARITH)).summary()
-    kept = plan["high_precision_per_layer"]
-    line = "all block linears in FP8" + (f" but {', '.join(kept)} (every layer)" if kept else "")
-    return {"summary": line, **plan}
+    return config.run.precision.plan(config.run.model or models.TINY_ARITH).summary()
 
 
 def _short(value: Any) -> str:
@@ -313,6 +314,7 @@ def embedded_trainer(config: CoordinatorConfig, model: Path, dtype: str, run_dir
         **config.embedded.learner.model_dump(),
         model=model,
         recipe=config.run.recipe,
+        precision=config.run.precision,
         host="127.0.0.1",
         port=0,
         compute_dtype=dtype,
@@ -355,7 +357,8 @@ class EmbeddedProcesses:
         from rollout_service.engine import Platform, unsupported_reason
 
         reason = unsupported_reason(
-            RolloutConfig(model=model, recipe=config.run.recipe, dtype=dtype), Platform.here()
+            RolloutConfig(model=model, recipe=config.run.recipe, dtype=dtype, precision=config.run.precision),
+            Platform.here(),
         )
         if reason:  # refused before anything starts
             raise RunExit(2, reason)
@@ -429,4 +432,10 @@ class EmbeddedProcesses:
         if config.task.env is not None:  # (episodes reach the policy over its OpenAI-compatible face)
             args += ["--http-port", "0"]
         security = security_for(secrets_dir(self.run_dir), "replica", config.embedded.tls)
-        return args + as_sets({"seed": config.run.seed, "security": security.model_dump(mode="json")})
+        return args + as_sets(
+            {
+                "seed": config.run.seed,
+                "precision": config.run.precision.model_dump(mode="json"),
+                "security": security.model_dump(mode="json"),
+            }
+        )

@@ -143,14 +143,19 @@ class ExactLMHeadMethod(UnquantizedEmbeddingMethod):
 
 
 def _experts_apply(
-    operands: tuple[list[exact.GroupedOperand], list[exact.GroupedOperand]],
+    layer: Any,
     fp8: Any,
     x: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    shared_experts: Any,
 ) -> torch.Tensor:
+    """The routed experts of ``layer`` (its exact operands: gate/up, then down, per expert) on ``x``."""
+    if shared_experts is not None or layer.expert_map is not None:
+        raise NotImplementedError(f"{NAME}: shared experts and expert parallelism are not exact")
+
     def gemm(expert: int, which: int, rows: torch.Tensor) -> torch.Tensor:
-        return exact.linear(rows, operands[which][expert], None, fp8=fp8)
+        return exact.linear(rows, layer.fp8rl_exact[which][expert], None, fp8=fp8)
 
     return exact.moe(x, gemm, topk_weights, topk_ids.long())
 
@@ -173,9 +178,15 @@ class ExactBlockFP8MoEMethod(EmulatedBlockFP8MoEMethod):
         super().process_weights_after_loading(layer)
 
     def apply(
-        self, layer: Any, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *_: Any
+        self,
+        layer: Any,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        shared_experts: Any = None,
+        shared_experts_input: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return _experts_apply(layer.fp8rl_exact, self.scale_format, x, topk_weights, topk_ids)
+        return _experts_apply(layer, self.scale_format, x, topk_weights, topk_ids, shared_experts)
 
 
 class ExactUnquantizedMoEMethod(FusedMoEMethodBase):
@@ -196,9 +207,15 @@ class ExactUnquantizedMoEMethod(FusedMoEMethodBase):
         return FusedMoEQuantConfig.make()
 
     def apply(
-        self, layer: Any, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *_: Any
+        self,
+        layer: Any,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        shared_experts: Any = None,
+        shared_experts_input: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return _experts_apply(layer.fp8rl_exact, None, x, topk_weights, topk_ids)
+        return _experts_apply(layer, None, x, topk_weights, topk_ids, shared_experts)
 
 
 def route(

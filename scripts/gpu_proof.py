@@ -16,7 +16,11 @@ d  blockwise FP8 GEMM (torch's scaled_mm, 1x128 activations x 128x128 weights) a
 e  per-slice FP8 GEMM (torch._scaled_mm per 128-wide K slice, unit scales; what tests/unit/test_quant_gpu.py
    does) within the same bound;
 f  the emulated FP8 trainer step (two FP8 linears, loss, backward, AdamW) on CUDA against the CPU;
-g  FP8 against BF16 GEMM time at Llama-3.1-8B's linear shapes (the "FP8 GEMMs ~2x BF16" claim).
+g  FP8 against BF16 GEMM time at Llama-3.1-8B's linear shapes (the "FP8 GEMMs ~2x BF16" claim);
+h  exact consistency's arithmetic (fp8rl/exact.py) on CUDA = on CPU, bit for bit (FP8 and high-precision
+   linears, attention, RMSNorm, SiLU, rotary angles, routing), a row the same bits alone and inside a
+   batch on CUDA, and what an exact linear costs against a bf16 GEMM at Llama-3.1-8B's shapes: the
+   arithmetic an exact CUDA engine pair would run (docs/gpu.md).
 
 ``--dry-run-on-cpu`` runs the CUDA checks with the CPU in the GPU's place (small GEMM shapes, no
 blockwise kernel): a test of this script's code (tests/integration/test_gpu_proof.py), not a proof of
@@ -38,7 +42,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from fp8rl import quant  # noqa: E402
+from fp8rl import exact, quant  # noqa: E402
 from fp8rl.accumulation import BITS, FP32_UNIT, abs_product_sum, gemm_error_bound  # noqa: E402
 from tests import vllm_reference  # noqa: E402
 from trainer_service.fp8_linear import fp8_linear  # noqa: E402
@@ -383,6 +387,48 @@ def gemm_times() -> str:
     return f"{'; '.join(figures)}. A layer's four linears: {overall} over bf16 (the ~2x claim: {verdict})"
 
 
+def exact_cuda_equals_cpu() -> str:
+    device = gpu_device()
+    g = fresh(8)
+    x = torch.randn(257, 576, generator=g) * torch.exp(torch.randn(257, 1, generator=g))
+    w = torch.randn(320, 576, generator=g) * 0.05
+    q, k, v = (torch.randn(3, 8 if i == 0 else 2, 45, 64, generator=g) for i in range(3))
+    allowed = torch.ones(45, 45, dtype=torch.bool).tril()[None, None]
+    logits = torch.randn(57, 8, generator=g)
+    positions = torch.arange(0, 8192, 37)
+    inv_freq = exact.rope_inv_freq(64, {"rope_type": "default", "rope_theta": 1e5})
+
+    def ops(on: str) -> list[torch.Tensor]:
+        xd, wd = x.to(on), w.to(on)
+        out = [
+            exact.linear(xd, exact.prepared_weight(wd, fp8=fmt, dtype=torch.float32), None, fp8=fmt)
+            for fmt in (None, "fp32", "pow2")
+        ]
+        out.append(exact.attention(q.to(on), k.to(on), v.to(on), allowed.to(on), 0.125))
+        out += [exact.rms_norm(xd, wd[0, :576].abs() + 0.5, 1e-5), exact.silu(xd)]
+        out += [*exact.rope_cos_sin(positions.to(on), inv_freq.to(on), torch.float32)]
+        out += list(exact.route(logits.to(on), 2, True))
+        return [t.cpu() for t in out]
+
+    cpu, gpu = ops("cpu"), ops(device)
+    same = [torch.equal(a, b) for a, b in zip(cpu, gpu, strict=True)]
+    assert all(same), f"differ: {[i for i, s in enumerate(same) if not s]}"
+    weight = exact.prepared_weight(w.to(device), fp8="fp32", dtype=torch.float32)
+    whole = exact.linear(x.to(device), weight, None, fp8="fp32")
+    assert torch.equal(exact.linear(x[100:101].to(device), weight, None, fp8="fp32"), whole[100:101])
+    scale = 1 if device == "cuda" else 32
+    m, n, kk = 1024 // scale, LLAMA_8B["down"][0] // scale, LLAMA_8B["down"][1] // scale
+    a = torch.randn(m, kk, device=device)
+    b = exact.prepared_weight(torch.randn(n, kk, device=device), fp8="fp32", dtype=torch.float32)
+    b16 = torch.randn(n, kk, device=device, dtype=torch.bfloat16)
+    exact_ms = elapsed_ms(lambda: exact.linear(a, b, None, fp8="fp32"), repeat=3)
+    bf16_ms = elapsed_ms(lambda: a.bfloat16() @ b16.t())
+    return (
+        f"{sum(t.numel() for t in cpu):,} values bit-identical on {device} and the CPU; a row alone = in "
+        f"a batch; an exact FP8 linear {m}x{n}x{kk}: {exact_ms:.1f} ms, {exact_ms / bf16_ms:.0f}x bf16"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     global GPU
     parser = argparse.ArgumentParser(
@@ -410,6 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     check("e per-slice FP8 GEMM (_scaled_mm)", sliced_gemm)
     check("f emulated FP8 trainer step CUDA = CPU", emulated_step)
     check("g FP8 vs BF16 GEMM time, Llama-3.1-8B shapes", gemm_times)
+    check("h exact consistency's arithmetic CUDA = CPU", exact_cuda_equals_cpu)
     counts = {word: sum(line.startswith(word) for line in results) for word in ("PASS", "FAIL", "SKIP")}
     summary = ", ".join(f"{count} {word}" for word, count in counts.items())
     print(f"gpu_proof: {summary} in {time.perf_counter() - start:.0f} s{dry}", flush=True)

@@ -146,3 +146,12 @@ def qwen3_moe_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
     from tests.families import QWEN3_MOE, write_checkpoint
 
     return write_checkpoint(QWEN3_MOE, smollm2_dir, tmp_path_factory.mktemp("qwen3-moe") / "model", layers=2)
+
+
+@pytest.fixture(scope="session")
+def family_checkpoints(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Every family's random float32 test model (tests/families.py), written once per session, by name."""
+    from tests.families import FAMILIES, QWEN3_MOE_OFF_GRID, write_checkpoint
+
+    root = tmp_path_factory.mktemp("families")
+    return {f.name: write_checkpoint(f, smollm2_dir, root / f.name) for f in (*FAMILIES, QWEN3_MOE_OFF_GRID)}

@@ -69,6 +69,38 @@ def exactly(
     return _Exactly.apply(value, surrogate, *inputs)
 
 
+class WeightCache:
+    """A module's weights as exact GEMM operands, made once per version of each weight (a forward under
+    no_grad and the one under grad read the same weights; an optimizer step or a load changes the
+    tensor's version). Off (``enabled=False``) where weights change behind autograd's back: FSDP
+    gathers shards into the same buffer."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self._held: dict[int, tuple[Any, exact.GroupedOperand, torch.Tensor]] = {}
+
+    def operands(
+        self, weight: torch.Tensor, fp8: ScaleFormat | None, dtype: torch.dtype
+    ) -> tuple[exact.GroupedOperand, torch.Tensor]:
+        """(the forward's operand, the weight the backward multiplies by: the dequantized FP8 codes,
+        or ``weight`` itself in high precision)."""
+        key = (weight._version, tuple(weight.shape), weight.stride(), fp8, dtype)
+        held = self._held.get(weight.data_ptr()) if self.enabled else None
+        if held is not None and held[0] == key:
+            return held[1], held[2]
+        if fp8 is None:
+            made = exact.prepared_weight(weight, fp8=None, dtype=dtype), weight
+        else:
+            codes, scale_inv = quant.quantize_blockwise(weight.detach().float(), scale_format=fp8)
+            made = (
+                exact.GroupedOperand.fp8_weight(codes, scale_inv),
+                quant.dequantize_blockwise(codes, scale_inv),
+            )
+        if self.enabled:
+            self._held[weight.data_ptr()] = (key, *made)
+        return made
+
+
 class _ExactLinearFunction(torch.autograd.Function):
     """``exact.linear`` forward; backward: the FP8 emulation's GEMMs (:class:`_FP8LinearFunction`) for
     an FP8 linear, the plain ones in the compute dtype for a high-precision one."""
@@ -81,22 +113,21 @@ class _ExactLinearFunction(torch.autograd.Function):
         bias: torch.Tensor | None,
         fp8: ScaleFormat | None,
         dtype: torch.dtype,
+        cache: WeightCache,
     ) -> torch.Tensor:
         x = x.to(dtype)
         ctx.fp8, ctx.compute, ctx.has_bias = fp8, dtype, bias is not None
         ctx.nonfinite_passes = quant.nonfinite_passing()
+        prepared, backward_weight = cache.operands(weight, fp8, dtype)
         if fp8 is None:
-            prepared = exact.prepared_weight(weight, fp8=None, dtype=dtype)
             ctx.save_for_backward(x, weight)
         else:
-            codes, scale_inv = quant.quantize_blockwise(weight.detach().float(), scale_format=fp8)
-            prepared = exact.GroupedOperand.fp8_weight(codes, scale_inv)
             x_columnwise = x.new_empty(0, dtype=torch.float32)
             if ctx.needs_input_grad[1]:
                 x_columnwise = quant.fake_quantize_columnwise(
                     x.float().reshape(-1, x.shape[-1]), scale_format=fp8
                 )
-            ctx.save_for_backward(x_columnwise, quant.dequantize_blockwise(codes, scale_inv))
+            ctx.save_for_backward(x_columnwise, backward_weight)
         return exact.linear(x, prepared, bias, fp8=fp8)
 
     @staticmethod
@@ -105,7 +136,7 @@ class _ExactLinearFunction(torch.autograd.Function):
             x_columnwise, wq = ctx.saved_tensors
             with quant.nonfinite_passes() if ctx.nonfinite_passes else contextlib.nullcontext():
                 dx, dw, db, _ = _FP8LinearFunction._backward(ctx, dy, x_columnwise, wq, ctx.fp8)
-            return dx, dw, db, None, None
+            return dx, dw, db, None, None, None
         x, weight = ctx.saved_tensors
         dy = dy.to(ctx.compute)
         dx = dy @ weight.to(ctx.compute)
@@ -113,7 +144,7 @@ class _ExactLinearFunction(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             dw = (dy.reshape(-1, dy.shape[-1]).t() @ x.reshape(-1, x.shape[-1])).to(weight.dtype)
         db = dy.reshape(-1, dy.shape[-1]).sum(0).float() if ctx.has_bias else None
-        return dx, dw, db, None, None
+        return dx, dw, db, None, None, None
 
 
 def exact_linear(
@@ -122,10 +153,12 @@ def exact_linear(
     bias: torch.Tensor | None,
     fp8: ScaleFormat | None,
     dtype: torch.dtype,
+    cache: WeightCache | None = None,
 ) -> torch.Tensor:
     """``x @ weightᵀ + bias`` through :func:`fp8rl.exact.linear` (FP8 in scale format ``fp8``, or high
-    precision when None), in ``dtype``; differentiable in ``x``, ``weight`` and ``bias``."""
-    return _ExactLinearFunction.apply(x, weight, bias, fp8, dtype)
+    precision when None), in ``dtype``; differentiable in ``x``, ``weight`` and ``bias``. ``cache``:
+    where the weight's operands are kept between calls."""
+    return _ExactLinearFunction.apply(x, weight, bias, fp8, dtype, cache or WeightCache(enabled=False))
 
 
 class ExactLinear(torch.nn.Linear):
@@ -133,9 +166,10 @@ class ExactLinear(torch.nn.Linear):
 
     exact_fp8: ScaleFormat | None = None
     exact_dtype: torch.dtype = torch.float32
+    exact_cache: WeightCache
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return exact_linear(x, self.weight, self.bias, self.exact_fp8, self.exact_dtype)
+        return exact_linear(x, self.weight, self.bias, self.exact_fp8, self.exact_dtype, self.exact_cache)
 
 
 class ExactRMSNorm(torch.nn.Module):
@@ -248,10 +282,11 @@ class ExactRouter(torch.nn.Module):
     top_k: int
     norm_topk_prob: bool
     exact_dtype: torch.dtype = torch.float32
+    exact_cache: WeightCache
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         hidden = hidden.reshape(-1, hidden.shape[-1])
-        logits = exact_linear(hidden, self.weight, None, None, self.exact_dtype)
+        logits = exact_linear(hidden, self.weight, None, None, self.exact_dtype, self.exact_cache)
         renormalize = bool(self.norm_topk_prob)
         ids = exact.route(logits.detach(), self.top_k, renormalize)[1]
 
@@ -271,13 +306,14 @@ class ExactExperts(torch.nn.Module):
     down_proj: torch.nn.Parameter
     exact_fp8: ScaleFormat | None = None
     exact_dtype: torch.dtype = torch.float32
+    exact_cache: WeightCache
 
     def forward(
         self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         def gemm(expert: int, which: int, x: torch.Tensor) -> torch.Tensor:
             weight = (self.gate_up_proj if which == 0 else self.down_proj)[expert]
-            return exact_linear(x, weight, None, self.exact_fp8, self.exact_dtype)
+            return exact_linear(x, weight, None, self.exact_fp8, self.exact_dtype, self.exact_cache)
 
         return exact.moe(hidden.to(self.exact_dtype), gemm, top_k_weights, top_k_index)
 
@@ -293,10 +329,12 @@ def convert_exact(
     fp8: ScaleFormat | None,
     high_precision: Collection[str],
     dtype: torch.dtype,
+    cache_weights: bool = True,
 ) -> None:
     """Make ``model`` compute exact mode's forward in ``dtype`` (module docstring): FP8 linears in scale
     format ``fp8`` (None: no FP8 anywhere), but the block linears and experts named in
-    ``high_precision``."""
+    ``high_precision``. ``cache_weights``: keep each weight's operands until it changes (not for a
+    model FSDP will shard)."""
     fp8_linears = {name for name, _ in block_linears(model) if fp8 is not None and name not in high_precision}
     experts = dict(block_experts(model))
     for name, module in list(model.named_modules()):
@@ -321,5 +359,7 @@ def convert_exact(
             module.act_fn = ExactSiLU()
         if isinstance(module, (ExactLinear, ExactEmbedding, ExactRMSNorm, ExactExperts, ExactRouter)):
             module.exact_dtype = dtype
+        if isinstance(module, (ExactLinear, ExactExperts, ExactRouter)):
+            module.exact_cache = WeightCache(enabled=cache_weights)
     register_attention()
     model.set_attn_implementation(ATTENTION)  # type: ignore[operator]

@@ -169,6 +169,7 @@ class Learner:
                 recipe.scale_format if fp8 else None,
                 config.fp8_plan.high_precision,
                 COMPUTE_DTYPES[config.compute_dtype],
+                cache_weights=not ranks.sharded,
             )
         elif fp8:
             self.backend = resolve_backend(config.fp8_backend, cuda=self.device.type == "cuda")

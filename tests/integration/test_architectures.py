@@ -12,7 +12,7 @@ import pytest
 
 from fp8rl.architectures import UnsupportedArchitecture, check_supported, fp8_plan
 from fp8rl.v1 import rollout_pb2_grpc
-from tests.families import FAMILIES, QWEN3_MOE_OFF_GRID, SMOLLM2_SHAPE, Family, write_checkpoint
+from tests.families import FAMILIES, QWEN3_MOE_OFF_GRID, SMOLLM2_SHAPE, Family
 from tests.integration.test_consistency import mult_prob_errors
 from tests.support import service_process
 
@@ -42,18 +42,12 @@ def prompts(model: Path) -> list[list[int]]:
     return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in TEXTS]
 
 
-@pytest.fixture(scope="module")
-def checkpoints(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("families")
-    return {f.name: write_checkpoint(f, smollm2_dir, root / f.name) for f in (*FAMILIES, QWEN3_MOE_OFF_GRID)}
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(("family", "recipe"), CASES, ids=lambda x: getattr(x, "name", x))
 def test_family_is_consistent_in_both_engines(
-    family: Family, recipe: str, checkpoints: dict[str, Path], tmp_path: Path
+    family: Family, recipe: str, family_checkpoints: dict[str, Path], tmp_path: Path
 ) -> None:
-    model = checkpoints[family.name]
+    model = family_checkpoints[family.name]
     args = ("--recipe", recipe, "--dtype", "float32", "--max-model-len", "256")
     with (
         service_process("rollout_service.cli", model, tmp_path / "rollout.log", *args) as (_, address),
