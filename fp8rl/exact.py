@@ -126,10 +126,11 @@ def matmul(x: GroupedOperand, w: GroupedOperand) -> torch.Tensor:
     for start in range(0, m, chunk):
         part = x.rows(slice(start, start + chunk))
         dots = torch.bmm(part.values.transpose(0, 1), weight)  # [G, rows, N]: exact
-        acc = torch.zeros_like(dots[0])
-        for g in range(groups):
-            acc = acc + (part.scales[:, g, None] * w.scales[None, :, g]) * dots[g]
-        out[start : start + chunk] = acc
+        dots.mul_(part.scales.t()[:, :, None] * w.scales.t()[:, None, :])  # (the scales' product: exact)
+        acc = out[start : start + chunk]
+        acc.copy_(dots[0])
+        for g in range(1, groups):  # (in order: the same additions for every row, whatever the batch)
+            acc.add_(dots[g])
     return out
 
 

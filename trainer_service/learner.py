@@ -210,6 +210,8 @@ class Learner:
         self.pad_id = self.model.config.pad_token_id or 0
         self.step = 0  # = the weight version
         self.is_config = importance_sampling_config(recipe.importance_sampling, config)
+        # Exact mode's forward under grad is bit for bit the scoring pass: one forward serves both.
+        self.one_pass = self.exact and config.mini_batches == 1
 
     def collate(self, samples: Sequence[SampleData]) -> Batch:
         """``samples`` as a batch on the device, padded to ``token_multiple`` positions."""
@@ -294,14 +296,17 @@ class Learner:
         """One GRPO step on ``samples``; afterwards the weights are version ``step + 1``. Raises
         :class:`NonFiniteGradient` when it skipped the step instead (weights and AdamW state unchanged)."""
         start = time.perf_counter()
-        inputs, metrics = self._inputs(samples, sampling)
         lr = self.learning_rate()
-        updates = self._updates(inputs, lr)
+        if self.one_pass:
+            batch, metrics, updates = self._one_pass(samples, sampling, lr)
+        else:
+            inputs, metrics = self._inputs(samples, sampling)
+            batch, updates = inputs.batch, self._updates(inputs, lr)
         if self.kv_cache is not None:
             self.kv_cache.calibrate(self.ranks.all_max)
         self.step += 1
         seconds = time.perf_counter() - start
-        tokens = int(inputs.batch.mask.sum().item())
+        tokens = int(batch.mask.sum().item())
         micro_batches = sum(u.micro_batches for u in updates)
         return metrics | {
             "loss": _mean([u.loss for u in updates]),
@@ -327,7 +332,17 @@ class Learner:
             self.kv_cache.amax.zero_()
         self.routing_seen = routing.Mismatch()
         prev = self.score(batch, sampling, calibrate=True)  # (the step's sequences set the next KV scales)
-        support = grpo.sampling_support(prev, batch.mask)  # the tokens the loss and metrics cover
+        support, weights, metrics = self._divergence(batch, prev)
+        advantages = self._advantages(samples).to(self.device)
+        ref = self._reference_logprobs(batch, sampling)
+        return StepInputs(batch, sampling, prev, support, weights.weights, advantages, ref), metrics
+
+    def _divergence(
+        self, batch: Batch, prev: torch.Tensor
+    ) -> tuple[torch.Tensor, grpo.ISWeights, dict[str, Any]]:
+        """The tokens the loss and metrics cover, their importance weights, and the metrics of the
+        rollout's divergence from ``prev`` (the trainer's logprobs of the batch before the update)."""
+        support = grpo.sampling_support(prev, batch.mask)
         weights = grpo.importance_weights(prev, batch.gen, support, self.is_config)
         metrics: dict[str, Any] = grpo.divergence_metrics(prev, batch.gen, support, weights)
         metrics |= grpo.token_histograms(prev, batch.gen, support)
@@ -336,9 +351,82 @@ class Learner:
             metrics |= routing.Mismatch(
                 *(int(self.ranks.all_sum(n)) for n in astuple(self.routing_seen))
             ).metrics()
+        return support, weights, metrics
+
+    def _one_pass(
+        self, samples: Sequence[SampleData], sampling: SamplingSettings, lr: float
+    ) -> tuple[Batch, dict[str, Any], list[Update]]:
+        """The step in one forward per micro-batch (exact mode, one mini-batch): the forward the update
+        differentiates is bit for bit the scoring pass, so its detached logprobs are ``prev``; each
+        micro-batch's loss is a sum over its tokens, and the mini-batch's token count divides the
+        gradient once every micro-batch has run (:meth:`_mini_batch` divides each loss by it)."""
+        batch = self.collate(samples)
+        if self.kv_cache is not None:
+            self.kv_cache.amax.zero_()
+        self.routing_seen = routing.Mismatch()
         advantages = self._advantages(samples).to(self.device)
         ref = self._reference_logprobs(batch, sampling)
-        return StepInputs(batch, sampling, prev, support, weights.weights, advantages, ref), metrics
+        self.optimizer.zero_grad(set_to_none=True)
+        micros = list(torch.arange(len(batch.input_ids)).split(self.config.micro_batch_size))
+        try:
+            scored, figures = [], []
+            for micro, real in self._share(micros):
+                prev, loss, clipped = self._summed_loss(
+                    batch.rows(micro), sampling, advantages[micro], real, ref, micro
+                )
+                if real:
+                    scored.append(prev)
+                    figures.append((loss, clipped))
+            owners = [
+                torch.cat(micros[r :: self.ranks.world] or [micros[0][:0]]) for r in range(self.ranks.world)
+            ]
+            prev = self.ranks.gather_rows(torch.cat(scored or [batch.gen[:0]]), owners)
+            support, _, metrics = self._divergence(batch, prev)
+            normalizer = support.sum().item()
+            if normalizer == 0:  # (no token to learn from: Adam would still move on its moments)
+                self.optimizer.zero_grad(set_to_none=True)
+                return batch, metrics, []
+            for parameter in self.model.parameters():
+                if parameter.grad is not None:
+                    parameter.grad.div_(normalizer)
+            loss, clipped, counted = self._reduced(
+                sum(f[0] for f in figures) / normalizer, sum(f[1] for f in figures), len(figures)
+            )
+            return batch, metrics, [Update(loss, self._optimizer_step(0, lr), clipped, counted)]
+        except NonFiniteGradient as exc:
+            self.optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteGradient(
+                f"step {self.step}: non-finite gradient: {exc} (rewards or advantages too large?); "
+                f"the update was skipped, the weights stay at version {self.step}"
+            ) from None
+
+    def _summed_loss(
+        self,
+        rows: Batch,
+        sampling: SamplingSettings,
+        advantages: torch.Tensor,
+        real: bool,
+        ref: torch.Tensor | None,
+        micro: torch.Tensor,
+    ) -> tuple[torch.Tensor, float, float]:
+        """One micro-batch of :meth:`_one_pass`: the loss summed over its tokens, its gradient added;
+        returns its logprobs (detached: ``prev``), the loss and the PPO clipped fraction."""
+        cur = self._checked(functools.partial(self.logprobs, rows, sampling, calibrate=real), 0)
+        prev = cur.detach()
+        support = grpo.sampling_support(prev, rows.mask)
+        terms = grpo.ppo_loss(
+            cur,
+            prev,
+            advantages,
+            support if real else torch.zeros_like(support),
+            grpo.importance_weights(prev, rows.gen, support, self.is_config).weights,
+            self.config.loss.clip_eps,
+            1.0,
+            None if ref is None else ref[micro],
+            self.config.loss.kl_coef,
+        )
+        self._checked(terms.loss.backward, 0)
+        return prev, terms.loss.item(), terms.clipped_fraction.item()
 
     def _updates(self, inputs: StepInputs, lr: float) -> list[Update]:
         """An optimizer step per mini-batch that covers a token. With several, a non-finite gradient in
@@ -372,14 +460,18 @@ class Learner:
         loss, clipped, counted = self._reduced(
             sum(f[0] for f in figures), sum(f[1] for f in figures), len(figures)
         )
-        clip = self.config.optimizer.grad_clip
-        norm = _item(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
+        return Update(loss, self._optimizer_step(index, lr), clipped, counted)
+
+    def _optimizer_step(self, index: int, lr: float) -> float:
+        """Clip the accumulated gradient and step AdamW at ``lr``; returns the gradient norm. Raises
+        :class:`NonFiniteGradient` for a non-finite norm (mini-batch ``index``), stepping nothing."""
+        norm = _item(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.optimizer.grad_clip))
         if not math.isfinite(norm):
             raise NonFiniteGradient(f"the gradient norm of mini-batch {index} is {norm}")
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
-        return Update(loss, norm, clipped, counted)
+        return norm
 
     def _micro_batch(
         self, inputs: StepInputs, micro: torch.Tensor, real: bool, normalizer: float, index: int

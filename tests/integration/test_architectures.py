@@ -12,7 +12,7 @@ import pytest
 
 from fp8rl.architectures import UnsupportedArchitecture, check_supported, fp8_plan
 from fp8rl.v1 import rollout_pb2_grpc
-from tests.families import FAMILIES, QWEN3_MOE_OFF_GRID, SMOLLM2_SHAPE, Family
+from tests.families import FAMILIES, QWEN3_MOE, QWEN3_MOE_OFF_GRID, SMOLLM2_SHAPE, Family
 from tests.integration.test_consistency import mult_prob_errors
 from tests.support import service_process
 
@@ -27,11 +27,10 @@ TEXTS = ("What is 12 + 34?", "Write a haiku about the sea.", "The capital of Fra
 # layer's FP8 rounding turns into code flips that grow with depth: an inherent residue of the FP32-scale
 # recipe, measured in docs/fp8-contract.md.
 BOUNDS = {"bf16": 1.0001, "fp8-pow2": 1.005, "fp8": 1.01}
-CASES = [(f, r) for f in FAMILIES for r in ("bf16", "fp8")] + [
-    (f, "fp8-pow2")
-    for f in FAMILIES
-    if f.tied  # (engines are slow to start: the tied ones)
-]
+# (Engines are slow to start. bf16 only where its default path was once broken: vLLM's unquantized CPU
+# experts after a refit; exact mode checks every family's bf16 path bit for bit: test_exact.py.)
+CASES = [(f, "fp8") for f in FAMILIES] + [(QWEN3_MOE, "bf16")]
+CASES += [(f, "fp8-pow2") for f in FAMILIES if f.tied]
 CASES.append((QWEN3_MOE_OFF_GRID, "fp8"))  # (experts off the 128-grid: high precision in both engines)
 
 
