@@ -137,6 +137,9 @@ class TaskConfig(_Slice):
     """A multi-turn environment instead of a task: `module:factory` (called with seed=...) or
     `arith-feedback` (shipped); its episodes talk to the policy over the replicas' OpenAI-compatible HTTP
     and are trained as recorded (coordinator/environments.py)."""
+    max_operand: int | None = Field(None, ge=1, le=999)
+    """Tasks arith and arith-chat: the largest operand (default 99 for arith, 19 for arith-chat; a tenth
+    of all pairs is held out for validation)."""
     val_size: int = Field(128, ge=1)
     """Validation problems (the most kept from a held-out split or val_dataset). Held out by count, the
     first val_size rows of a dataset, but never more than half of its rows."""
@@ -155,6 +158,8 @@ class TaskConfig(_Slice):
             )
         if self.name not in ("dataset", "jsonl") and (self.dataset or self.val_dataset or self.val_fraction):
             raise ValueError("dataset, val_dataset and val_fraction are for task dataset (--task dataset)")
+        if self.max_operand is not None and self.name not in ("arith", "arith-chat"):
+            raise ValueError("max_operand is for the tasks arith and arith-chat")
         for path in (self.dataset, self.val_dataset):
             if path is not None and not path.exists():
                 raise ValueError(f"dataset {path} does not exist")
@@ -268,6 +273,7 @@ FIELDS: dict[str, str] = {
     "stop": "sampling.stop",
     "max_staleness": "run.max_staleness",
     "val_every": "run.val_every",
+    "max_operand": "task.max_operand",
     "val_size": "task.val_size",
     "mult_prob_warn": "metrics.mult_prob_warn",
     "max_restarts": "embedded.max_restarts",

@@ -49,21 +49,26 @@ def first_line(text: str) -> str:
 
 
 class ArithTask:
-    """Two-operand addition; validation pairs come from the held-out tenth (fp8rl.arith)."""
+    """Two-operand addition, operands 0..``max_operand``; validation pairs come from the held-out tenth
+    (fp8rl.arith)."""
 
-    def __init__(self, seed: int, val_size: int = 64) -> None:
+    MAX_OPERAND = arith.MAX_OPERAND
+    TRAIN_STREAM = "arith"
+
+    def __init__(self, seed: int, val_size: int = 64, max_operand: int | None = None) -> None:
         self.seed = seed
-        self._val = [
-            self._problem(f"val-{i}", a, b) for i, (a, b) in enumerate(arith.val_pairs(seed, val_size))
-        ]
+        self.max_operand = max_operand or self.MAX_OPERAND
+        pairs = arith.val_pairs(seed, val_size, self.max_operand)
+        self._val = [self._problem(f"val-{i}", a, b) for i, (a, b) in enumerate(pairs)]
 
     @staticmethod
     def _problem(pid: str, a: int, b: int) -> Problem:
         return Problem(pid, arith.prompt(a, b), arith.answer(a, b))
 
     def train_problems(self, step: int, count: int) -> list[Problem]:
-        rng = random.Random(f"arith:{self.seed}:train:{step}")
-        return [self._problem(f"s{step}-{i}", a, b) for i, (a, b) in enumerate(arith.train_pairs(rng, count))]
+        rng = random.Random(f"{self.TRAIN_STREAM}:{self.seed}:train:{step}")
+        pairs = arith.train_pairs(rng, count, self.max_operand)
+        return [self._problem(f"s{step}-{i}", a, b) for i, (a, b) in enumerate(pairs)]
 
     def val_problems(self) -> list[Problem]:
         return self._val
@@ -82,16 +87,7 @@ class ArithChatTask(ArithTask):
     and 0.1 when sampling at temperature 1 at first; the 45 held-out pairs validate."""
 
     MAX_OPERAND = 19
-
-    def __init__(self, seed: int, val_size: int = 64) -> None:
-        self.seed = seed
-        pairs = arith.val_pairs(seed, val_size, self.MAX_OPERAND)
-        self._val = [self._problem(f"val-{i}", a, b) for i, (a, b) in enumerate(pairs)]
-
-    def train_problems(self, step: int, count: int) -> list[Problem]:
-        rng = random.Random(f"arith-chat:{self.seed}:train:{step}")
-        pairs = arith.train_pairs(rng, count, self.MAX_OPERAND)
-        return [self._problem(f"s{step}-{i}", a, b) for i, (a, b) in enumerate(pairs)]
+    TRAIN_STREAM = "arith-chat"
 
     @staticmethod
     def _problem(pid: str, a: int, b: int) -> Problem:
@@ -234,7 +230,8 @@ def build_task(config: CoordinatorConfig) -> Task:
         with _field("env"):
             return EnvironmentTask(load_environment(wanted.env, seed))
     if wanted.name in ("arith", "arith-chat"):
-        task = (ArithChatTask if wanted.name == "arith-chat" else ArithTask)(seed, wanted.val_size)
+        kind = ArithChatTask if wanted.name == "arith-chat" else ArithTask
+        task = kind(seed, wanted.val_size, wanted.max_operand)
     else:
         from coordinator.datasets import load_problems, split
 

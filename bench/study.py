@@ -1,0 +1,163 @@
+"""The FP8 study on a real model with statistical power: GRPO runs of every setting from the same base,
+over several seeds, and the 95% confidence interval of each setting's final accuracy against bf16's.
+
+Each (setting, seed) is one embedded ``coordinator start`` (redis-server, trainer and one replica as
+child processes) on the chat sums with operands 0..99 (``--task arith-chat --max-operand 99``; a tenth
+of the 10,000 pairs is held out), validating greedily before the first and after the last step on
+``--val-size`` held-out sums that each seed draws afresh. A run whose summary.json exists is not run
+again, so the study resumes where it stopped. The report pairs the settings by seed: the difference of
+final accuracies per seed, its mean and a t-interval over the seeds (the seed-to-seed spread of RL runs
+and the draw of validation problems are both in it).
+
+    python bench/study.py --model models/smollm2 --seeds 8 --out runs/study [--report docs/results/study.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# Student's t, two-sided 95% (0.975 quantile), by degrees of freedom.
+T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+T_975 |= {11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093}
+T_975 |= {20: 2.086, 25: 2.060, 30: 2.042}
+
+
+def t_975(df: int) -> float:
+    return T_975.get(df) or T_975[max(k for k in T_975 if k <= df)] if df >= 1 else math.inf
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    recipe: str
+    consistency: str = "default"
+
+
+SETTINGS = {
+    s.name: s
+    for s in (
+        Setting("bf16", "bf16"),
+        Setting("fp8-rollout", "fp8-rollout"),
+        Setting("fp8", "fp8"),
+        Setting("fp8-exact", "fp8", "exact"),
+    )
+}
+
+
+def run_once(setting: Setting, seed: int, args: argparse.Namespace) -> dict[str, Any]:
+    """One run's summary (run now unless its summary.json exists)."""
+    run_dir = args.out / f"{setting.name}-s{seed}"
+    summary = run_dir / "summary.json"
+    if not summary.exists():
+        command = [sys.executable, "-m", "coordinator.cli", "start", "--recipe", setting.recipe]
+        command += ["--consistency", setting.consistency, "--model", str(args.model), "--seed", str(seed)]
+        command += ["--run-id", f"study-{setting.name}-s{seed}", "--run-dir", str(run_dir)]
+        command += ["--task", "arith-chat", "--max-operand", str(args.max_operand), "--steps", str(args.steps)]
+        command += ["--prompts-per-step", str(args.prompts), "--group-size", str(args.group)]
+        command += ["--max-tokens", "16", "--val-size", str(args.val_size), "--val-every", "0"]
+        command += ["--progress", "plain", "--no-tensorboard"]
+        start = time.monotonic()
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            tail = done.stdout[-3000:] + done.stderr[-3000:]
+            raise RuntimeError(f"{setting.name} seed {seed}: exit {done.returncode}\n{tail}")
+        print(f"{setting.name} seed {seed}: {time.monotonic() - start:.0f} s", flush=True)
+    return json.loads(summary.read_text())
+
+
+def interval(values: list[float]) -> tuple[float, float]:
+    """(mean, half-width of its 95% t-interval)."""
+    if len(values) < 2:
+        return (values[0] if values else math.nan), math.inf
+    return statistics.mean(values), t_975(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
+
+
+HEADER = [
+    "| setting | final accuracy (mean ± 95% CI) | base accuracy | final − bf16 (mean ± 95% CI) | "
+    "median token_mult_prob_error | median gen_kl_error | step time (s) |",
+    "| --- " * 7 + "|",
+]
+
+
+def machine() -> str:
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
+    name = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), "")
+    return f"{name or platform.processor()} ({platform.machine()})"
+
+
+def report(results: dict[str, dict[int, dict[str, Any]]], args: argparse.Namespace) -> str:
+    git = ["git", "rev-parse", "--short", "HEAD"]
+    commit = subprocess.run(git, capture_output=True, text=True).stdout.strip()
+    seeds = sorted(set.intersection(*(set(r) for r in results.values())))
+    lines = [
+        f"Measured {time.strftime('%Y-%m-%d')} at commit {commit} on {machine()}; {len(seeds)} seeds x "
+        f"{args.val_size} validation sums each; {args.steps} GRPO steps of {args.prompts} prompts x "
+        f"{args.group} samples; `python bench/study.py --seeds {args.seeds}`.",
+        "",
+        *HEADER,
+    ]
+    bf16 = results.get("bf16", {})
+    for name, runs in results.items():
+        mean, half = interval([runs[s]["final_val_accuracy"] for s in seeds])
+        difference = "—"
+        if name != "bf16" and bf16:
+            gaps = [runs[s]["final_val_accuracy"] - bf16[s]["final_val_accuracy"] for s in seeds]
+            d_mean, d_half = interval(gaps)
+            difference = f"{d_mean:+.3f} ± {d_half:.3f}"
+
+        def median(key: str, runs: dict[int, dict[str, Any]] = runs) -> float:
+            return statistics.median(float(runs[s].get(key) or math.nan) for s in seeds)
+
+        base = statistics.mean(runs[s]["base_val_accuracy"] for s in seeds)
+        lines.append(
+            f"| `{name}` | {mean:.3f} ± {half:.3f} | {base:.3f} | {difference} | "
+            f"{median('median_token_mult_prob_error'):.5f} | {median('median_gen_kl_error'):.3g} | "
+            f"{median('median_step_s'):.1f} |"
+        )
+    lines += ["", "Final accuracy per seed:", "", "| seed | " + " | ".join(results) + " |"]
+    lines.append("| --- " * (len(results) + 1) + "|")
+    for s in seeds:
+        lines.append(
+            f"| {s} | " + " | ".join(f"{results[n][s]['final_val_accuracy']:.3f}" for n in results) + " |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", type=Path, default=Path("models/smollm2"))
+    parser.add_argument("--settings", default=",".join(SETTINGS))
+    parser.add_argument("--seeds", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--val-size", type=int, default=300)
+    parser.add_argument("--max-operand", type=int, default=99)
+    parser.add_argument("--out", type=Path, default=Path("runs/study"))
+    parser.add_argument("--report", type=Path, help="also write the table to this markdown file")
+    args = parser.parse_args(argv)
+    settings = [SETTINGS[name] for name in args.settings.split(",")]
+    results: dict[str, dict[int, dict[str, Any]]] = {s.name: {} for s in settings}
+    for seed in range(args.seeds):  # (seed by seed: a study stopped early still pairs every setting)
+        for setting in settings:
+            results[setting.name][seed] = run_once(setting, seed, args)
+        table = report(results, args)
+        print(table, flush=True)
+        if args.report:
+            args.report.write_text(table)
+
+
+if __name__ == "__main__":
+    main()
