@@ -9,7 +9,11 @@ Printed, one row per configuration and step, all measured in this run: median an
 tokens whose logprobs are bit-identical, with the rollout's tokens/s and the trainer's step time.
 
     python bench/consistency.py --model models/smollm2 --recipes bf16,fp8 [--steps 2]
-        [--consistency default,exact] [--dtype float32] [--first-layers 0,1,2,4] [--last-layers 0]
+        [--consistency default,exact] [--dtype float32] [--layers 0,1,2,4]
+
+``--layers N,...`` keeps the first N and the last N decoder layers in high precision, one setting per N
+(``--first-layers`` / ``--last-layers`` set either alone); the table's FP8 share is the fraction of the
+block linears' weights that then run in FP8.
 """
 
 from __future__ import annotations
@@ -91,6 +95,12 @@ def measure(setting: Setting, model: Path, args: argparse.Namespace, work: Path)
         log,
     )
     rows = []
+    from fp8rl.architectures import fp8_share, read_config
+    from fp8rl.precision import PrecisionConfig
+    from fp8rl.recipes import get_recipe
+
+    plan = PrecisionConfig.model_validate(precision).plan(model)
+    share = fp8_share(read_config(model), plan) if get_recipe(setting.recipe).fp8_rollout else 0.0
     try:
         address = rollout.bound_address()
         wait_healthy(rollout, address, "rollout")
@@ -160,6 +170,7 @@ def measure(setting: Setting, model: Path, args: argparse.Namespace, work: Path)
                 rows.append(
                     {
                         "setting": setting.label(),
+                        "fp8_share": share,
                         "version": step,
                         "median_mult": float(per_token.median()),
                         "mean_mult": result.metrics.token_mult_prob_error,
@@ -187,14 +198,17 @@ def measure(setting: Setting, model: Path, args: argparse.Namespace, work: Path)
 
 
 HEADER = (
-    "| setting | version | median token_mult_prob_error | mean | gen_kl_error | max abs Δ logprob | "
-    "bit-identical tokens | tokens | rollout tok/s | train step (s) |\n" + "| --- " * 10 + "|"
+    "| setting | FP8 share | version | median token_mult_prob_error | mean | gen_kl_error | "
+    "max abs Δ logprob | bit-identical tokens | tokens | rollout tok/s | train step (s) |\n"
+    + "| --- " * 11
+    + "|"
 )
 
 
 def _format(row: dict[str, Any]) -> str:
     return (
-        f"| {row['setting']} | {row['version']} | {row['median_mult']:.6f} | {row['mean_mult']:.6f} | "
+        f"| {row['setting']} | {row['fp8_share']:.3f} | {row['version']} | {row['median_mult']:.6f} | "
+        f"{row['mean_mult']:.6f} | "
         f"{row['gen_kl']:.3g} | {row['max_abs']:.3g} | {row['identical']:.4f} | {row['tokens']} | "
         f"{row['rollout_tok_s']:.1f} | {row['train_s']:.1f} |"
     )
@@ -208,6 +222,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--recipes", default="bf16,fp8")
     parser.add_argument("--consistency", default="default")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--layers", help="N,...: the first and the last N layers in high precision")
     parser.add_argument("--first-layers", default="0")
     parser.add_argument("--last-layers", default="0")
     parser.add_argument("--steps", type=int, default=2)
@@ -217,14 +232,15 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not (args.model / "config.json").is_file():
         sys.exit(f"{args.model}: no config.json (make smollm2 converts SmolLM2-135M-Instruct there)")
+    knobs = (
+        [(int(n), int(n)) for n in args.layers.split(",")]
+        if args.layers
+        else [(int(f), int(la)) for f in args.first_layers.split(",") for la in args.last_layers.split(",")]
+    )
     settings = [
-        Setting(r, c, d, int(f), int(la))
-        for r, c, d, f, la in itertools.product(
-            args.recipes.split(","),
-            args.consistency.split(","),
-            args.dtype.split(","),
-            args.first_layers.split(","),
-            args.last_layers.split(","),
+        Setting(r, c, d, first, last)
+        for r, c, d, (first, last) in itertools.product(
+            args.recipes.split(","), args.consistency.split(","), args.dtype.split(","), knobs
         )
     ]
     rows = []
@@ -237,8 +253,9 @@ def main(argv: list[str] | None = None) -> None:
         print(_format(row))
     medians: dict[str, list[float]] = {r["setting"]: [] for r in rows}
     for r in rows:
-        medians[r["setting"]].append(r["median_mult"])
-    print("\nmedian over versions:", {k: round(statistics.median(v), 6) for k, v in medians.items()})
+        medians[r["setting"]].append(r["mean_mult"])
+    median = {k: round(statistics.median(v), 6) for k, v in medians.items()}
+    print("\nmedian token_mult_prob_error over versions:", median)
 
 
 if __name__ == "__main__":

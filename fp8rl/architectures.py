@@ -241,6 +241,28 @@ def fp8_plan(
     )
 
 
+def fp8_share(config: dict[str, Any], plan: FP8Plan) -> float:
+    """The fraction of the block linears' weights (so of their GEMM work per token, with every expert
+    counted) that ``plan`` runs in FP8."""
+    shapes = _shapes(config)
+    hidden, inter = int(config["hidden_size"]), int(config.get("moe_intermediate_size") or 0)
+
+    def size(name: str) -> int:
+        if ".experts." in name:
+            return hidden * inter
+        rows, columns = shapes[name.split(".", 3)[3]]
+        return rows * columns
+
+    sizes = {
+        name: size(name)
+        for i in range(int(config["num_hidden_layers"]))
+        for group in layer_linears(config, i)
+        for name in group
+    }
+    fp8 = sum(n for name, n in sizes.items() if name not in plan.high_precision)
+    return fp8 / sum(sizes.values())
+
+
 def layer_linears(config: dict[str, Any], layer: int) -> list[list[str]]:
     """The linears of decoder layer ``layer`` (HF module names), in the groups vLLM computes as one GEMM
     each: q/k/v, o_proj, gate/up, down_proj; in an MoE layer all its experts' linears are one group
