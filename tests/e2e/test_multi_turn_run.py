@@ -1,6 +1,8 @@
 """`coordinator start --env module:factory` end to end: an embedded run on the tiny model whose episodes
 play two turns against the replica's episode URLs; each episode becomes one sample whose loss mask
-covers the policy's tokens only, and every step appears once."""
+covers the policy's tokens only, and every step appears once. The run is exact (`--consistency
+exact`): the logprobs recorded turn by turn must be the trainer's to the bit, so a token or a logprob
+misplaced in an episode's record shows."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ def test_a_multi_turn_environment_trains_from_recorded_episodes(tmp_path: Path) 
     args = [sys.executable, "-m", "coordinator.cli", "start", "--env", "tests.envs.arith_retry:ArithRetry"]
     args += ["--steps", "3", "--prompts-per-step", "6", "--group-size", "4", "--max-tokens", "4"]
     args += ["--val-every", "2", "--compute-dtype", "float32", "--run-dir", str(run_dir)]
-    args += ["--progress", "plain"]
+    args += ["--progress", "plain", "--consistency", "exact"]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=400)
     out = proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.returncode == 0, out
@@ -33,7 +35,7 @@ def test_a_multi_turn_environment_trains_from_recorded_episodes(tmp_path: Path) 
         assert r["episode_samples"] == 24 and 1 <= r["episode_turns_mean"] <= 2, r
         # The trainer trained and measured the policy's tokens only: what the episodes sampled.
         assert r["trained_tokens"] == r["rollout_tokens"] > 0, r
-        assert 0.9 < r["token_mult_prob_error"] < 1.1, r
+        assert r["token_mult_prob_error"] == 1.0 and r["gen_kl_error"] == 0.0, r
     # Some episodes took a second turn, whose prompt holds the environment's tokens (not trained).
     assert any(r["episode_turns_mean"] > 1 for r in steps), steps
     assert "val_accuracy" in records[0] and "val_accuracy" in records[2]
