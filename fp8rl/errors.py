@@ -36,8 +36,8 @@ class Cancelled(RuntimeError):
 
 
 class Unauthenticated(PermissionError):
-    """The caller did not prove who it is (no or unknown token, no certificate, an update whose MAC does
-    not verify)."""
+    """The caller did not prove who it is (no or unknown token, no certificate, an update whose signature
+    does not verify)."""
 
 
 class PermissionDenied(PermissionError):

@@ -142,26 +142,37 @@ class ExactLMHeadMethod(UnquantizedEmbeddingMethod):
         return exact.linear(x, layer.fp8rl_exact, bias, fp8=None)
 
 
-def _experts_apply(
-    layer: Any,
-    fp8: Any,
-    x: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    shared_experts: Any,
-) -> torch.Tensor:
-    """The routed experts of ``layer`` (its exact operands: gate/up, then down, per expert) on ``x``."""
-    if shared_experts is not None or layer.expert_map is not None:
-        raise NotImplementedError(f"{NAME}: shared experts and expert parallelism are not exact")
+class _ExactExperts:
+    """The ``apply`` of both exact expert methods: the routed experts of a layer, from the operands its
+    :meth:`process_weights_after_loading` kept (``layer.fp8rl_exact``: per expert, gate/up then down),
+    by :func:`fp8rl.exact.moe`; FP8 in ``exact_format``, or high precision when None."""
 
-    def gemm(expert: int, which: int, rows: torch.Tensor) -> torch.Tensor:
-        return exact.linear(rows, layer.fp8rl_exact[which][expert], None, fp8=fp8)
+    exact_format: Any = None
 
-    return exact.moe(x, gemm, topk_weights, topk_ids.long())
+    def apply(
+        self,
+        layer: Any,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        shared_experts: Any = None,
+        shared_experts_input: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if shared_experts is not None or layer.expert_map is not None:
+            raise NotImplementedError(f"{NAME}: shared experts and expert parallelism are not exact")
+
+        def gemm(expert: int, which: int, rows: torch.Tensor) -> torch.Tensor:
+            return exact.linear(rows, layer.fp8rl_exact[which][expert], None, fp8=self.exact_format)
+
+        return exact.moe(x, gemm, topk_weights, topk_ids.long())
 
 
-class ExactBlockFP8MoEMethod(EmulatedBlockFP8MoEMethod):
+class ExactBlockFP8MoEMethod(_ExactExperts, EmulatedBlockFP8MoEMethod):
     """``fp8_block_emulated``'s block-FP8 experts, computed by :func:`fp8rl.exact.moe`."""
+
+    def __init__(self, moe: Any, scale_format: Any) -> None:
+        super().__init__(moe, scale_format)
+        self.exact_format = scale_format
 
     def process_weights_after_loading(self, layer: Any) -> None:
         layer.fp8rl_exact = tuple(
@@ -177,19 +188,8 @@ class ExactBlockFP8MoEMethod(EmulatedBlockFP8MoEMethod):
         )
         super().process_weights_after_loading(layer)
 
-    def apply(
-        self,
-        layer: Any,
-        x: torch.Tensor,
-        topk_weights: torch.Tensor,
-        topk_ids: torch.Tensor,
-        shared_experts: Any = None,
-        shared_experts_input: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return _experts_apply(layer, self.scale_format, x, topk_weights, topk_ids, shared_experts)
 
-
-class ExactUnquantizedMoEMethod(FusedMoEMethodBase):
+class ExactUnquantizedMoEMethod(_ExactExperts, FusedMoEMethodBase):
     """vLLM's unquantized routed experts (its parameters and expert loaders), computed by
     :func:`fp8rl.exact.moe` in high precision; no CPU kernel, so nothing is prepacked."""
 
@@ -205,17 +205,6 @@ class ExactUnquantizedMoEMethod(FusedMoEMethodBase):
 
     def get_fused_moe_quant_config(self, layer: Any) -> FusedMoEQuantConfig | None:
         return FusedMoEQuantConfig.make()
-
-    def apply(
-        self,
-        layer: Any,
-        x: torch.Tensor,
-        topk_weights: torch.Tensor,
-        topk_ids: torch.Tensor,
-        shared_experts: Any = None,
-        shared_experts_input: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return _experts_apply(layer, None, x, topk_weights, topk_ids, shared_experts)
 
 
 def route(
