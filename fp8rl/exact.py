@@ -14,9 +14,9 @@ count. The means:
   multiples of 2^-18 far below 2^53. What cannot be exact (adding the scaled groups of a GEMM, the value
   classes of attention) is added in one fixed order.
 * **Elementwise math is correctly rounded.** Only IEEE +, -, *, / and sqrt and rounding to integers, one
-  torch op each (a fused kernel could contract a*b+c into one FMA on some CPUs), in float64: exp, log,
-  sin and cos are polynomials here (:func:`exp`), since libm's and each SIMD width's differ in the last
-  bit.
+  torch op each (a fused kernel could contract a*b+c into one FMA on some CPUs): exp, log, sin and cos
+  are polynomials here (:func:`exp`; float64, or float32 where the result is no wider), since libm's
+  and each SIMD width's differ in the last bit.
 
 The price is a little accuracy against plain float32 (a value far below its group's largest keeps
 fewer bits; attention weights are multiples of 2^-21 of the largest) and speed (float64 GEMMs per
@@ -126,7 +126,7 @@ def matmul(x: GroupedOperand, w: GroupedOperand) -> torch.Tensor:
     for start in range(0, m, chunk):
         part = x.rows(slice(start, start + chunk))
         dots = torch.bmm(part.values.transpose(0, 1), weight)  # [G, rows, N]: exact
-        dots.mul_(part.scales.t()[:, :, None] * w.scales.t()[:, None, :])  # (the scales' product: exact)
+        dots.mul_(part.scales.t()[:, :, None]).mul_(w.scales.t()[:, None, :])
         acc = out[start : start + chunk]
         acc.copy_(dots[0])
         for g in range(1, groups):  # (in order: the same additions for every row, whatever the batch)
@@ -174,17 +174,25 @@ _TWO_OVER_PI = 6.36619772367581382433e-01
 _SQRT_HALF = 0.7071067811865476
 
 
+_EXP = {  # dtype: (clamp range, ln 2 in two parts, degree of the polynomial, exponent bias, bits type)
+    torch.float64: ((-708.0, 709.0), (_LN2_HI, _LN2_LO), 13, (1023, 52, torch.int64)),
+    # (float32's split of ln 2: 0x3f317200 has 16 bits, so n * hi is exact for |n| < 2^8.)
+    torch.float32: ((-87.0, 88.0), (0.693145751953125, 1.428606765330187e-06), 7, (127, 23, torch.int32)),
+}
+
+
 def exp(x: torch.Tensor) -> torch.Tensor:
-    """e^x of float64 ``x``, clamped to [-708, 709] (normal results), with correctly rounded ops only:
-    ``2^n * e^r`` for ``n = round(x / ln 2)``, a degree-13 Taylor polynomial of ``r`` (|r| <= 0.35:
-    error below 1e-17)."""
-    x = x.clamp(-708.0, 709.0)
+    """e^x of float64 or float32 ``x``, clamped to normal results (float64: [-708, 709]; float32: [-87,
+    88]), with correctly rounded ops only: ``2^n * e^r`` for ``n = round(x / ln 2)``, ``e^r`` a Taylor
+    polynomial (|r| <= 0.35; degree 13 in float64, 7 in float32: errors below the dtype's ulp)."""
+    (low, high), (hi, lo), degree, (bias, shift, bits) = _EXP[x.dtype]
+    x = x.clamp(low, high)
     n = torch.round(x * _LOG2E)
-    r = (x - n * _LN2_HI) - n * _LN2_LO
+    r = (x - n * hi) - n * lo
     p = torch.ones_like(r)
-    for k in range(13, 0, -1):
-        p = p * r / k + 1.0
-    return p * pow2(n)
+    for k in range(degree, 0, -1):
+        p.mul_(r).div_(k).add_(1.0)
+    return p.mul_(((n.to(bits) + bias) << shift).view(x.dtype))
 
 
 def log(x: torch.Tensor) -> torch.Tensor:
@@ -240,9 +248,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
-    """``x / (1 + e^-x)`` in float64, rounded once to ``x``'s dtype."""
-    x64 = x.double()
-    return (x64 / (1.0 + exp(-x64))).to(x.dtype)
+    """``x / (1 + e^-x)`` in float32 (float64 for a float64 ``x``), rounded once to ``x``'s dtype."""
+    wide = x.double() if x.dtype == torch.float64 else x.float()
+    return (wide / (exp(-wide) + 1.0)).to(x.dtype)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -326,7 +334,7 @@ def attention(
     scores = scores.masked_fill(~mask, -math.inf)
     top = scores.amax(-1, keepdim=True)
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    weights = torch.round(exp(scores - top) * float(2**ATTENTION_P_BITS))
+    weights = torch.round(exp((scores - top).float()) * float(2**ATTENTION_P_BITS)).double()
     weights = torch.where(mask, weights, torch.zeros_like(weights))
     total = weights.sum(-1, keepdim=True)  # exact
     vi, vs = fixed_point(value, ATTENTION_V_BITS)  # [B, KV, Lk, D], [B, KV, Lk, 1]

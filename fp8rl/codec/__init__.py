@@ -28,11 +28,12 @@ its memory (one the codec built or decoded) is applied in place: XORed into that
 the set is made), and on any refusal XORed back, bit for bit (XOR is its own inverse).
 
 Speed (bench/codec.py): every byte is hashed once, with XXH3-128 (integrity against corruption;
-authenticity is the transport's job: TLS, and the trainer's Ed25519 signature of each update); a tensor's digest is built from its
-chunks' digests and the set digest from the tensors'. An update is a list of segments (its header, then
-each tensor's bytes, viewed, not copied) that the stream cuts into pieces; a received buffer is decoded in
-place. Chunks are the unit of work on a thread pool (numpy, zstd and xxhash release the GIL), so a big
-tensor keeps every core busy; within a chunk, deltas are computed in cache-sized blocks.
+authenticity is the transport's job: TLS, and the trainer's Ed25519 signature of each update); a tensor's
+digest is built from its chunks' digests and the set digest from the tensors'. An update is a list of
+segments (its header, then each tensor's bytes, viewed, not copied) that the stream cuts into pieces; a
+received buffer is decoded in place. Chunks are the unit of work on a thread pool (numpy, zstd and xxhash
+release the GIL), so a big tensor keeps every core busy; within a chunk, deltas are computed in
+cache-sized blocks.
 
 The modules, lowest first (none imports one below it in this list):
 

@@ -2,8 +2,8 @@
 process-wide thread pool (the pool the rest of the codec runs its chunks on too).
 
 Every byte is hashed with XXH3-128 (integrity against corruption; authenticity is the transport's job:
-TLS, and the trainer's Ed25519 signature over every update): a tensor's digest is built from its chunks' digests, so that a big tensor
-is hashed on every core at once, and the set digest from the tensors'.
+TLS, and the trainer's Ed25519 signature over every update): a tensor's digest is built from its
+chunks' digests, so that a big tensor is hashed on every core at once, and the set digest from the tensors'.
 """
 
 from __future__ import annotations
