@@ -150,8 +150,9 @@ def qwen3_moe_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 @pytest.fixture(scope="session")
 def family_checkpoints(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Every family's random float32 test model (tests/families.py), written once per session, by name."""
-    from tests.families import FAMILIES, QWEN3_MOE_OFF_GRID, write_checkpoint
+    """Every family's random test model (tests/families.py), written once per session, by name."""
+    from tests.families import FAMILIES, LLAMA_BF16_STORED, QWEN3_MOE_OFF_GRID, write_checkpoint
 
     root = tmp_path_factory.mktemp("families")
-    return {f.name: write_checkpoint(f, smollm2_dir, root / f.name) for f in (*FAMILIES, QWEN3_MOE_OFF_GRID)}
+    variants = (*FAMILIES, QWEN3_MOE_OFF_GRID, LLAMA_BF16_STORED)
+    return {f.name: write_checkpoint(f, smollm2_dir, root / f.name) for f in variants}

@@ -100,6 +100,13 @@ def collate(samples: Sequence[SampleData], pad_id: int = 0, multiple: int = 1) -
     return Batch(input_ids, attention, input_ids[:, 1:].clone(), mask, gen, _routed(samples, length))
 
 
+def _masked_logits(model: Any, batch: Batch, scored: torch.Tensor) -> torch.Tensor:
+    """The LM head's logits [N, V] at the ``scored`` positions [B, L-1] only (the decoder, then the head:
+    the causal LMs of docs/architectures.md apply nothing else to the last hidden state)."""
+    hidden = model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+    return model.get_output_embeddings()(hidden.last_hidden_state[:, :-1][scored])
+
+
 def _routed(samples: Sequence[SampleData], length: int) -> torch.Tensor | None:
     """The samples' rollout routings as [B, length, layers, top_k], UNKNOWN where none was sent; None
     when no sample carries one."""
@@ -233,7 +240,8 @@ class Learner:
         model: torch.nn.Module | None = None,
         calibrate: bool = False,
     ) -> torch.Tensor:
-        """Processed logprobs of ``batch.targets`` [B, L-1] (grad flows when enabled by the caller).
+        """Processed logprobs of ``batch.targets`` [B, L-1] (grad flows when enabled by the caller; in
+        exact mode 0 where ``batch.mask`` is, those positions are not computed).
         ``calibrate``: the batch's queries, keys and values count towards the next version's FP8
         attention scales."""
         # Across ranks NaN must not raise on one rank while the others wait in a collective: it flows
@@ -252,15 +260,27 @@ class Learner:
             recording,
             routed(self.routers if model is None else [], replay) as chosen,
         ):
-            logits = (model or self.model)(
-                input_ids=batch.input_ids, attention_mask=batch.attention_mask
-            ).logits
+            if self.exact:
+                scored = batch.mask != 0
+                logits = _masked_logits(model or self.model, batch, scored)
+            else:
+                logits = (model or self.model)(
+                    input_ids=batch.input_ids, attention_mask=batch.attention_mask
+                ).logits[:, :-1]
         if calibrate and self.routers and batch.routed is not None:  # (the step's pre-update scoring)
             own = own_routing(chosen, *batch.input_ids.shape)
             predicting = torch.nn.functional.pad(batch.mask.bool(), (0, 1))  # the positions scored
             self.routing_seen += routing.mismatch(own.cpu(), batch.routed.cpu(), predicting.cpu())
+        if self.exact:  # (the LM head on the masked positions only: exact GEMM rows do not depend on
+            # how many there are, and prompt and padding rows are most of a long micro-batch's)
+            chosen_logprobs = token_logprobs(
+                logits.float(), batch.targets[scored], sampling.temperature, sampling.top_k, sampling.top_p
+            )
+            return torch.zeros_like(batch.mask, dtype=chosen_logprobs.dtype).masked_scatter(
+                scored, chosen_logprobs
+            )
         return token_logprobs(
-            logits[:, :-1].float(), batch.targets, sampling.temperature, sampling.top_k, sampling.top_p
+            logits.float(), batch.targets, sampling.temperature, sampling.top_k, sampling.top_p
         )
 
     @torch.no_grad()

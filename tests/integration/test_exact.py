@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from fp8rl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, trainer_pb2
-from tests.families import FAMILIES, QWEN3_MOE, Family
+from tests.families import FAMILIES, LLAMA_BF16_STORED, QWEN3_MOE, Family
 from tests.integration.test_architectures import prompts
 from tests.integration.test_consistency import mult_prob_errors
 from tests.support import service_process
@@ -22,12 +22,15 @@ from trainer_service.service import TrainerService
 EXACT = {"consistency": "exact"}
 ROLLOUT_ARGS = ("--dtype", "float32", "--max-model-len", "256", "--set", "precision.consistency=exact")
 
-# Every family under fp8 (FP8 block linears beside high-precision ones: the LM head, routers, and q/k/v
-# off the 128-grid in the tied 576 model); the high-precision paths of a dense and an MoE model under
-# bf16 (vLLM's unquantized experts are another method); power-of-two scales; the FP8 KV cache.
-TIED = next(f for f in FAMILIES if f.name == "llama-tied-576")
-CASES = [(f, "fp8") for f in FAMILIES] + [(TIED, "bf16"), (QWEN3_MOE, "bf16")]
-CASES += [(next(f for f in FAMILIES if f.name == "qwen3-tied"), "fp8-pow2"), (FAMILIES[0], "fp8-kv")]
+# Every family under FP8 weights (FP8 block linears beside high-precision ones: the LM head, routers,
+# and q/k/v off the 128-grid in the tied 576 model): Llama stored in bfloat16 as real checkpoints are,
+# with the FP8 KV cache; Qwen3 with power-of-two scales; the others under fp8. The high-precision
+# paths of a dense and an MoE model under bf16 (vLLM's unquantized experts are another method).
+NAMED = {f.name: f for f in FAMILIES}
+TIED = NAMED["llama-tied-576"]
+CASES = [(LLAMA_BF16_STORED, "fp8-kv"), (NAMED["qwen3-tied"], "fp8-pow2")]
+CASES += [(NAMED[name], "fp8") for name in ("llama-tied-576", "mistral", "qwen2", "qwen3-moe")]
+CASES += [(TIED, "bf16"), (QWEN3_MOE, "bf16")]
 
 
 @pytest.mark.slow

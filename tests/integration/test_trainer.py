@@ -290,6 +290,41 @@ def test_padding_for_transformer_engine_changes_nothing(tiny_model_dir_f32: Path
         torch.testing.assert_close(dict(padded.model.named_parameters())[name], p, rtol=0, atol=lr / 2)
 
 
+@pytest.mark.parametrize("recipe", ["bf16", "fp8"])
+def test_exact_mode_scores_only_the_masked_positions_and_the_same_bits(
+    tiny_model_dir_f32: Path, recipe: str
+) -> None:
+    """Exact mode runs the LM head on the completion positions only: their logprobs are the bits of the
+    whole forward's (the exact GEMM's rows do not depend on how many it has), 0 elsewhere; sequences
+    of several lengths, so the batch has padding."""
+    import random
+
+    from fp8rl.logprobs import token_logprobs
+    from fp8rl.recipes import get_recipe
+    from fp8rl.sampling import SamplingSettings
+    from trainer_service.learner import Learner, SampleData
+
+    rng = random.Random()
+    data = []
+    for i in range(5):
+        completion = [rng.randrange(4, 300) for _ in range(rng.randrange(1, 9))]
+        prompt = [rng.randrange(4, 300) for _ in range(rng.randrange(3, 12))]
+        data.append(SampleData(prompt, completion, [-1.0] * len(completion), float(i % 2), str(i // 2)))
+    config = TrainerConfig(
+        model=tiny_model_dir_f32, recipe=recipe, compute_dtype="float32", precision={"consistency": "exact"}
+    )
+    learner = Learner(config, get_recipe(recipe))
+    batch, sampling = learner.collate(data), SamplingSettings(temperature=0.9)
+    scored = learner.score(batch, sampling)
+    with torch.no_grad():
+        logits = learner.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    whole = token_logprobs(logits[:, :-1].float(), batch.targets, temperature=0.9)
+    mask = batch.mask != 0
+    assert mask.sum() < mask.numel()  # (prompt and padding positions are skipped)
+    assert torch.equal(scored[mask], whole[mask])
+    assert torch.equal(scored[~mask], torch.zeros_like(scored[~mask]))
+
+
 def test_the_emulation_pads_as_transformer_engine_does(tiny_model_dir_f32: Path) -> None:
     """The emulated FP8 learner pads its sequences to TE's 16 positions, so that its wgrad quantizes the
     same 128 tokens per feature as TE's (the grouping changes dW: tests/unit/test_fp8_linear.py); without FP8
