@@ -375,6 +375,10 @@ class CoordinatorConfig(BaseModel):
                 "learner configures the embedded trainer; give a distributed trainer its own config"
             )
         self.task.check_reward()
+        try:
+            self.embedded.learner.loss.importance_sampling(get_recipe(self.run.recipe).importance_sampling)
+        except ValueError as exc:
+            raise ValueError(f"learner.{exc}") from None
         return self
 
     @model_serializer(mode="wrap")

@@ -11,7 +11,7 @@ from fp8rl.architectures import FP8Plan
 from fp8rl.devices import Device
 from fp8rl.models import TINY_ARITH, ModelDir
 from fp8rl.precision import PrecisionConfig
-from fp8rl.recipes import AdvantageNorm, ISMode, RecipeName, get_recipe
+from fp8rl.recipes import AdvantageNorm, ImportanceSampling, ISMode, RecipeName, get_recipe
 from fp8rl.security import SecurityConfig
 
 
@@ -44,6 +44,18 @@ class LossConfig(BaseModel):
     is_cap: float | None = Field(None, gt=0)
     is_low: float | None = Field(None, ge=0)
     is_high: float | None = Field(None, gt=0)
+
+    def importance_sampling(self, recipe: ImportanceSampling) -> ImportanceSampling:
+        """``recipe``'s importance sampling with this config's explicit fields over it; a ValueError
+        naming the fields when the bounds that result are out of order."""
+        overrides = {"mode": self.is_mode, "cap": self.is_cap, "low": self.is_low, "high": self.is_high}
+        merged = recipe.model_dump() | {k: v for k, v in overrides.items() if v is not None}
+        if merged["low"] >= merged["high"]:
+            raise ValueError(
+                f"loss.is_low ({merged['low']}) must be below is_high ({merged['high']}) "
+                "(an unset one is the recipe's)"
+            )
+        return ImportanceSampling.model_validate(merged)
 
 
 class LearnerConfig(BaseModel):
@@ -112,6 +124,11 @@ class TrainerConfig(LearnerConfig):
     publish_to: list[str] = []
     """host:port of replicas the trainer may publish to besides those that prove they hold the run's
     registration key (their registration_proof); without a key and this list, only loopback replicas."""
+
+    @model_validator(mode="after")
+    def _importance_sampling(self) -> TrainerConfig:
+        self.loss.importance_sampling(get_recipe(self.recipe).importance_sampling)
+        return self
 
     @model_validator(mode="after")
     def _precision(self) -> TrainerConfig:

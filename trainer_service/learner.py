@@ -665,8 +665,4 @@ def _item(t: torch.Tensor) -> float:
 
 def importance_sampling_config(default: ImportanceSampling, config: TrainerConfig) -> ImportanceSampling:
     """The recipe's importance sampling with the trainer config's explicit overrides applied."""
-    loss = config.loss
-    overrides = {"mode": loss.is_mode, "cap": loss.is_cap, "low": loss.is_low, "high": loss.is_high}
-    return ImportanceSampling.model_validate(
-        default.model_dump() | {k: v for k, v in overrides.items() if v is not None}
-    )
+    return config.loss.importance_sampling(default)

@@ -159,6 +159,20 @@ def test_the_learner_section_is_refused_in_distributed_mode() -> None:
         )
 
 
+def test_importance_sampling_bounds_out_of_order_are_refused_before_any_model_loads() -> None:
+    """is_low against is_high once the recipe's values fill the unset one: in the coordinator's learner
+    section and in the trainer's own config, at validation, naming the fields."""
+    from coordinator.config import CoordinatorConfig
+    from trainer_service.config import TrainerConfig
+
+    with pytest.raises(ConfigError, match=r"learner\.loss\.is_low \(3\.0\) must be below is_high \(2\.0\)"):
+        load_config(CoordinatorConfig, dotted=["recipe=fp8", "learner.loss.is_low=3"])
+    with pytest.raises(ConfigError, match=r"loss\.is_low \(0\.9\) must be below is_high \(0\.8\)"):
+        load_config(TrainerConfig, dotted=["loss.is_low=0.9", "loss.is_high=0.8"])
+    config = load_config(TrainerConfig, dotted=["recipe=bf16", "loss.is_high=0.8", "loss.is_low=0.1"])
+    assert config.loss.importance_sampling(get_recipe("bf16").importance_sampling).high == 0.8
+
+
 class Nested(BaseModel):
     model_config = ConfigDict(use_attribute_docstrings=True)
 
