@@ -570,6 +570,12 @@ def test_platform_checks_name_what_the_recipe_needs(tiny_model_dir_f32: Path) ->
     assert reason("fp8", hopper) is None  # auto: vLLM computes a float32 checkpoint in bfloat16
     assert "compute capability 9.0" in str(reason("fp8", ampere, "bfloat16"))
     assert reason("bf16", ampere, "float32") is None
+    exact = {"consistency": "exact"}
+    on_cpu = RolloutConfig(model=tiny_model_dir_f32, recipe="fp8", dtype="float32", precision=exact)
+    assert unsupported_reason(on_cpu, cpu) is None
+    assert "CUDA wiring is not written" in str(unsupported_reason(on_cpu, hopper))
+    sharded = on_cpu.model_copy(update={"tensor_parallel_size": 2})
+    assert "tensor_parallel_size 1" in str(unsupported_reason(sharded, cpu))
 
 
 def test_refit_api_is_checked_before_the_engine_loads() -> None:
