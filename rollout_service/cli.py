@@ -74,7 +74,7 @@ def serve(config: RolloutConfig) -> None:
     servicer = RolloutServicer(generate_slots=config.max_concurrent_generate)
     http = None
     if config.http_port is not None:
-        from rollout_service.openai_api import HttpServer
+        from rollout_service.openai_face import HttpServer
 
         http = HttpServer(config.host, config.http_port)  # bound now: a taken port fails before vLLM loads
 
@@ -101,7 +101,7 @@ def serve(config: RolloutConfig) -> None:
             client = redis.Redis.from_url(redis_url_with_password(config.redis_url))
             heartbeat = Heartbeat(client, str(config.advertise), info, config.heartbeat_s)
         if http:
-            from rollout_service.openai_api import build_app
+            from rollout_service.openai_face import build_app
 
             http.serve(build_app(service, config.model_name, config.security), config.security)
             host = config.advertise.rsplit(":", 1)[0] if config.advertise else config.host

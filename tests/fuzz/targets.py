@@ -351,12 +351,12 @@ class EchoEngine:
 
 @functools.cache
 def openai_client() -> Any:
-    """The real app (rollout_service.openai_api.build_app) over a real RolloutService and its engine loop,
+    """The real app (rollout_service.openai_face.build_app) over a real RolloutService and its engine loop,
     in process (no socket)."""
     from fastapi.testclient import TestClient
 
     from rollout_service.config import RolloutConfig
-    from rollout_service.openai_api import build_app
+    from rollout_service.openai_face import build_app
     from rollout_service.service import RolloutService
 
     service = RolloutService(
@@ -409,7 +409,7 @@ TARGETS = {
             "openai",
             openai,
             (),
-            ("rollout_service.openai_api", "rollout_service.service", "rollout_service.validation"),
+            ("rollout_service.openai_face", "rollout_service.service", "rollout_service.validation"),
             "openai.dict",
         ),
     )

@@ -15,7 +15,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from rollout_service.openai_api import HttpServer, build_app
+from rollout_service.openai_face import HttpServer, build_app
 from tests.conftest import InProcessRollout
 
 MODEL = "tiny"

@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 
 from fp8rl.tiny import decode
 from fp8rl.v1 import common_pb2, rollout_pb2
-from rollout_service.openai_api import VERSION_HEADER, HttpServer, build_app
+from rollout_service.openai_face import VERSION_HEADER, HttpServer, build_app
 from tests.conftest import InProcessRollout
 
 MODEL_NAME = "tiny"

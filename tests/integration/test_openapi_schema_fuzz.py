@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from rollout_service.openai_api import VERSION_HEADER
+from rollout_service.openai_face import VERSION_HEADER
 from tests.fuzz.targets import openai_client
 
 OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models")]

@@ -695,7 +695,7 @@ def test_the_http_endpoint_takes_the_same_tokens_over_https(
 
     import httpx
 
-    from rollout_service.openai_api import HttpServer, build_app
+    from rollout_service.openai_face import HttpServer, build_app
 
     security = security_for(run_secrets, "replica", tls=True)
     server = HttpServer("127.0.0.1", 0).serve(build_app(rollout_fp8.service, "tiny", security), security)
