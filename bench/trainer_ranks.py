@@ -45,7 +45,7 @@ def rank_main(model: Path, recipe: str, out: Path) -> None:
     from fp8rl.sampling import sampling_settings
     from fp8rl.v1 import common_pb2
     from trainer_service.config import TrainerConfig
-    from trainer_service.distributed import join_group
+    from trainer_service.distributed import join_group, leave_group
     from trainer_service.learner import Learner, SampleData
 
     ranks = join_group()
@@ -79,6 +79,7 @@ def rank_main(model: Path, recipe: str, out: Path) -> None:
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
     (out / f"rank{ranks.world}-{ranks.rank}.json").write_text(json.dumps(report))
+    leave_group()
 
 
 def main() -> None:

@@ -14,14 +14,13 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from safetensors.torch import save_file
 
 from fp8rl.recipes import get_recipe
 from tests.integration.test_distributed import STEP_SAMPLES, learner_config, sampling
 from tests.support import unpickling_forbidden
 from trainer_service import checkpoint
-from trainer_service.distributed import join_group
+from trainer_service.distributed import join_group, leave_group
 from trainer_service.learner import Learner
 
 
@@ -42,7 +41,7 @@ def main() -> None:
         (out / "metrics.json").write_text(
             json.dumps({k: metrics[k] for k in ("loss", "grad_norm", "token_mult_prob_error")})
         )
-    dist.destroy_process_group()
+    leave_group()
 
 
 def write(weights: Mapping[str, torch.Tensor], path: Path, root: bool) -> None:

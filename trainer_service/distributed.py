@@ -96,6 +96,15 @@ def join_group(device: str = "auto") -> Ranks:
     return Ranks(dist.get_rank(), dist.get_world_size())
 
 
+def leave_group() -> None:
+    """Leave torchrun's group together: every rank at a barrier, then each destroys its own. A rank that
+    destroys gloo's group while a peer still sends to it can abort in C++ ("terminate called without an
+    active exception", SIGABRT), seen once in the suite's two-rank test."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def _device() -> torch.device:
     """Where the group's messages live: the GPU under nccl, else the CPU."""
     if dist.get_backend() == "nccl":
