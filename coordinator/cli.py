@@ -25,7 +25,9 @@ SHORTCUTS = {
 }
 
 
-def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, str]]:
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, str]]:
+    """The command line, and the flags that set config fields (argparse dest -> field: config_from_cli;
+    scripts/config_reference.py documents them)."""
     parser = argparse.ArgumentParser(prog="coordinator", description="FP8 GRPO driver")
     sub = parser.add_subparsers(dest="command", required=True)
     start = sub.add_parser("start", help="start (or resume, with the same --run-id) a run")
@@ -56,6 +58,11 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, st
         p.add_argument("--run-id", required=name != "status")
         p.add_argument("--run-dir", type=Path)
         p.add_argument("--redis-url")
+    return parser, flags
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, str]]:
+    parser, flags = build_parser()
     return parser.parse_args(argv), flags
 
 

@@ -91,6 +91,7 @@ class RunConfig(_Slice):
     run_dir: Path | None = None
     """Where metrics, logs, checkpoints and plots go; default runs/<run-id>."""
     seed: int = 0
+    """Seeds the prompts' order, the validation split and the embedded trainer."""
     max_staleness: int = Field(0, ge=0)
     """0: on-policy. S >= 1: generation of step k+1 overlaps training of step k on weights at most S
     versions old; a stored batch staler than S is regenerated."""
@@ -177,13 +178,19 @@ class SamplingConfig(_Slice):
     """What each step generates: prompts, samples per prompt and the sampling parameters."""
 
     prompts_per_step: int = Field(32, ge=1)
+    """Prompts drawn per GRPO step (each sampled group_size times)."""
     group_size: int = Field(8, ge=1)
     """Samples per prompt (GRPO group)."""
     max_tokens: int = Field(8, ge=1)
+    """Completion tokens per sample, at most."""
     temperature: float = Field(1.0, gt=0)
+    """Sampling temperature of the rollouts (validation is greedy)."""
     top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling: 1 keeps every token."""
     top_k: int = Field(0, ge=0)
+    """Sample from the k most likely tokens; 0: all."""
     stop: list[str] = ["\n"]
+    """Stop strings: a completion ends at the first (it stays in the tokens trained on)."""
 
 
 class MetricsConfig(_Slice):

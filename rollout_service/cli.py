@@ -12,11 +12,18 @@ from fp8rl.config import add_config_flags, config_from_cli
 from rollout_service.config import RolloutConfig
 
 
-def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, str]]:
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, str]]:
+    """The command line, and the flags that set config fields (argparse dest -> field: config_from_cli;
+    scripts/config_reference.py documents them)."""
     parser = argparse.ArgumentParser(prog="rollout-service", description="vLLM rollout server (gRPC)")
     commands = parser.add_subparsers(dest="command", required=True)
     serve_parser = commands.add_parser("serve", help="load the model and serve Rollout on host:port")
     flags = add_config_flags(serve_parser, RolloutConfig)
+    return parser, flags
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, str]]:
+    parser, flags = build_parser()
     return parser.parse_args(argv), flags
 
 

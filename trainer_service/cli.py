@@ -18,7 +18,9 @@ if TYPE_CHECKING:
     from trainer_service.distributed import Ranks
 
 
-def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, str]]:
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, str]]:
+    """The command line, and the flags that set config fields (argparse dest -> field: config_from_cli;
+    scripts/config_reference.py documents them)."""
     parser = argparse.ArgumentParser(
         prog="trainer-service", description="GRPO learner with FP8 linears (gRPC)"
     )
@@ -32,6 +34,11 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, st
         "Several machines: `torchrun --nnodes M ... -m trainer_service.cli serve`.",
     )
     flags = add_config_flags(serve_parser, TrainerConfig)
+    return parser, flags
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, str]]:
+    parser, flags = build_parser()
     return parser.parse_args(argv), flags
 
 

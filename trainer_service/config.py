@@ -21,8 +21,11 @@ class OptimizerConfig(BaseModel):
     lr: float = Field(1e-5, gt=0)
     """Peak learning rate of AdamW."""
     betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW's decay rates of the first and second moments."""
     weight_decay: float = Field(0.0, ge=0)
+    """AdamW's decoupled weight decay."""
     eps: float = Field(1e-8, gt=0)
+    """AdamW's epsilon, added to the second moment's root."""
     warmup_steps: int = Field(0, ge=0)
     """Linear warm-up from lr/warmup_steps to lr over this many TrainSteps."""
     grad_clip: float = Field(1.0, gt=0)
@@ -42,8 +45,11 @@ class LossConfig(BaseModel):
     is_mode: ISMode | None = None
     """Importance-sampling correction; default: the recipe's (tis for FP8 recipes, none for bf16)."""
     is_cap: float | None = Field(None, gt=0)
+    """`tis`: the cap on each token's IS weight; default: the recipe's (docs/importance-sampling.md)."""
     is_low: float | None = Field(None, ge=0)
+    """`icepop`, `seq-mask-tis`: weights below it are masked; default: the recipe's; below is_high."""
     is_high: float | None = Field(None, gt=0)
+    """`icepop`, `seq-mask-tis`: weights above it are masked; default: the recipe's."""
 
     def importance_sampling(self, recipe: ImportanceSampling) -> ImportanceSampling:
         """``recipe``'s importance sampling with this config's explicit fields over it; a ValueError
@@ -102,13 +108,16 @@ class TrainerConfig(LearnerConfig):
     """HF checkpoint directory of a supported family (docs/architectures.md); default: the shipped tiny
     arith model."""
     recipe: RecipeName = "fp8"
+    """Precision recipe: the linears' format in training, the weights it publishes, the IS default."""
     precision: PrecisionConfig = PrecisionConfig()
     """Exact consistency and the high-precision layers (fp8rl/precision.py): the same as the replicas'."""
     rollout_tensor_parallel_size: int = Field(1, ge=1)
     """The replicas' tensor parallel size, which decides the linears vLLM can serve in FP8 (the trainer
     keeps the same ones in high precision: fp8rl.architectures)."""
     host: str = "127.0.0.1"
+    """Interface to bind; loopback unless the coordinator runs on another machine (then TLS: security)."""
     port: int = Field(50052, ge=0, le=65535)
+    """Port to bind; 0 picks a free one (printed at start-up)."""
     compute_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """Dtype of the forward/backward pass; master weights and optimizer state are always float32."""
     checkpoint_dir: Path | None = None
@@ -116,6 +125,7 @@ class TrainerConfig(LearnerConfig):
     resume: bool = False
     """Restore the latest complete checkpoint of checkpoint_dir at start-up."""
     seed: int = 0
+    """Seeds torch at start-up."""
     metrics_port: int | None = Field(None, ge=0, le=65535)
     """Serve Prometheus /metrics on host:metrics_port (0: a free port, printed at start-up); unset: off."""
     security: SecurityConfig = SecurityConfig()
