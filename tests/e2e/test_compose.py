@@ -151,3 +151,16 @@ def test_services_use_the_shipped_model_unless_told_otherwise(local: LocalCompos
         argv = subprocess.run([shell, flag, argv_of], env=env, capture_output=True, text=True).stdout
         expected = ["--model", model] if model else []
         assert [a for a in argv.splitlines() if a in ("--model", model)] == expected, argv
+
+
+def test_the_openai_file_publishes_the_replicas_face_on_loopback_only() -> None:
+    cpu = compose_config("docker-compose.yml")
+    openai = compose_config("docker-compose.yml", "docker-compose.openai.yml")
+    assert "ports" not in cpu["services"]["rollout"]  # the face serves inside the project's network only
+    assert "--http-port 8000" in " ".join(cpu["services"]["rollout"]["command"])
+    [published] = openai["services"]["rollout"]["ports"]
+    assert published["host_ip"] == "127.0.0.1" and published["target"] == 8000, published
+    assert published["published"] == "8000-8007", published
+    assert {k: v for k, v in openai["services"].items() if k != "rollout"} == {
+        k: v for k, v in cpu["services"].items() if k != "rollout"
+    }

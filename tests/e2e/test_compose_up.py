@@ -27,13 +27,14 @@ KILL_AFTER_STEP = 1  # the trainer is killed once this step is committed
 # Run by the coordinator's image on the project's network with its secrets: the run as Redis has it, and
 # each registered replica's own status over mutual TLS.
 PROBE = f"""
-import json, os, redis
+import json, os, redis, ssl, httpx
 from coordinator.clients import RolloutPool
+from coordinator.environments import NamedServer
 from coordinator.state import RunStore
 from fp8rl.config import read_yaml
 from fp8rl.credentials import redis_url_with_password
 from fp8rl.registry import live_replicas
-from fp8rl.security import SecurityConfig
+from fp8rl.security import SERVER_NAMES, SecurityConfig
 from fp8rl.v1 import common_pb2
 client = redis.Redis.from_url(redis_url_with_password(os.environ["REDIS_URL"]))
 store = RunStore(client, {RUN_ID!r})
@@ -41,10 +42,24 @@ registered = sorted(live_replicas(client))
 security = SecurityConfig.model_validate(read_yaml("/config/coordinator.yaml")["security"])
 pool = RolloutPool(lambda: registered, security)
 status = {{a: pool.stub(a).GetStatus(common_pb2.GetStatusRequest(), timeout=10) for a in registered}}
+# Each replica's OpenAI face over HTTPS under the run's CA, with the coordinator's token, and without one.
+tls = NamedServer(SERVER_NAMES["rollout"], ssl.create_default_context(cafile=str(security.tls_ca)))
+bearer = {{"Authorization": "Bearer " + security.token_file.read_text().strip()}}
+def completion(address):
+    with httpx.Client(transport=tls, headers=bearer, timeout=60) as http:
+        [model] = [m["id"] for m in http.get(f"https://{{address}}/v1/models").json()["data"]]
+        body = {{"model": model, "prompt": "1+1=", "max_tokens": 2}}
+        return http.post(f"https://{{address}}/v1/completions", json=body).json()["weight_version"]
+def anonymous(address):
+    with httpx.Client(transport=tls, timeout=60) as http:
+        return http.get(f"https://{{address}}/v1/models").status_code
+faces = {{a: s.http_address for a, s in status.items()}}
 print(json.dumps({{
     "metrics": store.metrics(), "replica_versions": store.replica_versions(), "registered": registered,
     "tokens_generated": {{a: s.tokens_generated for a, s in status.items()}},
     "weight_version": {{a: s.weight_version for a, s in status.items()}},
+    "http_weight_version": {{a: completion(h) for a, h in faces.items()}},
+    "http_anonymous": {{a: anonymous(h) for a, h in faces.items()}},
 }}))
 """
 
@@ -79,6 +94,26 @@ def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None
     while not condition():
         assert time.monotonic() < deadline, f"{what}: not after {timeout} s"
         time.sleep(1)
+
+
+def models_from_the_host(address: str, secrets: Path) -> list[str]:
+    """The replica's model list, asked as docs/running.md shows ("The OpenAI face under compose"): the
+    openai client, the run's CA and the reader's token, the certificate checked for the role's name."""
+    import ssl
+
+    import httpx
+    from openai import OpenAI
+
+    def as_replica(request: httpx.Request) -> None:
+        request.extensions["sni_hostname"] = "replica"
+
+    tls = ssl.create_default_context(cafile=str(secrets / "ca.pem"))
+    client = OpenAI(
+        base_url=f"https://{address}:8000/v1",
+        api_key=(secrets / "reader.token").read_text().strip(),
+        http_client=httpx.Client(verify=tls, event_hooks={"request": [as_replica]}),
+    )
+    return [m.id for m in client.models.list().data]
 
 
 def raises(error: type[Exception], call: Callable[[], object]) -> bool:
@@ -170,6 +205,7 @@ def observe(compose: Compose, password: str, up: tuple[str, ...], timings: dict,
     timings["run_s"] = time.monotonic() - started
     probe = compose("run", "--rm", "--no-deps", "-T", "coordinator", "python", "-c", PROBE)
     record = json.loads(probe.stdout.strip().splitlines()[-1])
+    record["host_models"] = {r: models_from_the_host(compose.address(r), shared) for r in replicas}
     runs = compose.volume("runs", work / "runs")
     checkpoints = compose.volume("checkpoints", work / "checkpoints")
     (work / "compose.log").write_text(compose("logs", "--no-color", "--timestamps").stdout)
@@ -207,6 +243,13 @@ def test_both_replicas_registered_and_served_batches(run: ComposeRun) -> None:
     assert all(run.record["tokens_generated"][a] > 0 for a in registered), run.record["tokens_generated"]
     assert run.record["weight_version"] == {a: STEPS for a in registered}
     assert run.record["replica_versions"] == {a: STEPS for a in registered}
+
+
+def test_each_replicas_openai_face_answers_the_runs_callers_only(run: ComposeRun) -> None:
+    registered = run.record["registered"]
+    assert run.record["http_weight_version"] == {a: STEPS for a in registered}  # HTTPS, the run's token
+    assert run.record["http_anonymous"] == {a: 401 for a in registered}  # no token: refused
+    assert list(run.record["host_models"].values()) == [["tiny-arith"]] * 2, run.record["host_models"]
 
 
 def test_the_trainers_checkpoints_are_on_their_volume(run: ComposeRun) -> None:
