@@ -24,11 +24,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from fp8rl.errors import InvalidRequest, Overloaded, PreconditionFailed
+from fp8rl.v1 import rollout_pb2
 
 EPISODE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
@@ -258,6 +259,10 @@ class Episodes:
                 f"{prompt_tokens + max_tokens}, past its {self.limits.max_tokens}",
             )
 
+    def turn(self, episode_id: str) -> EpisodeTurn:
+        """A call under ``/episodes/{episode_id}/v1``: the episode held (:meth:`begin`) for its turn."""
+        return EpisodeTurn(self, self.begin(episode_id))
+
     def get(self, episode_id: str) -> Episode:
         with self._lock:
             self._expire()
@@ -279,3 +284,101 @@ class Episodes:
     def __len__(self) -> int:
         with self._lock:
             return len(self._episodes)
+
+
+class ChatTokenizer(Protocol):
+    """What splicing a turn needs of the engine (rollout_service.engine.Engine has it)."""
+
+    @property
+    def has_chat_template(self) -> bool: ...
+
+    @property
+    def eos_token_id(self) -> int | None: ...
+
+    def tokenize(self, text: str) -> list[int]: ...
+
+    def tokenize_chat(self, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]: ...
+
+
+class CallScope:
+    """What an OpenAI call does around its generation. Outside an episode (:data:`OUTSIDE_EPISODES`):
+    nothing. An episode's turn (:class:`EpisodeTurn`) continues the episode's exact ids, stays within its
+    bounds, records what was sampled and frees the episode."""
+
+    def prompts(
+        self, prompts: list[rollout_pb2.Prompt], body: dict[str, Any], engine: ChatTokenizer
+    ) -> list[rollout_pb2.Prompt]:
+        """The prompts the engine is given for the request's ``prompts``."""
+        return prompts
+
+    def check_room(self, request: rollout_pb2.GenerateRequest, max_tokens: int) -> None:
+        """Refuse, before it runs, a request that could pass the scope's bounds."""
+
+    def record(self, completion: rollout_pb2.Completion) -> None:
+        """The call's (first) completion, once finished."""
+
+    def finish(self) -> None:
+        """The call is over (answered, failed or abandoned)."""
+
+
+OUTSIDE_EPISODES = CallScope()
+
+
+class EpisodeTurn(CallScope):
+    """One turn of a held episode: from :meth:`Episodes.turn` until :meth:`finish`."""
+
+    def __init__(self, episodes: Episodes, episode: Episode) -> None:
+        self.episodes, self.episode = episodes, episode
+        self.extends: bool = False  # (what the recorded turn needs: see Turn)
+        self.context: Any = None
+
+    def prompts(
+        self, prompts: list[rollout_pb2.Prompt], body: dict[str, Any], engine: ChatTokenizer
+    ) -> list[rollout_pb2.Prompt]:
+        """The turn's one prompt as the exact ids it continues (see the module's docstring)."""
+        if body.get("echo"):
+            raise InvalidRequest("echo", "not within an episode: a turn samples")
+        if len(prompts) != 1:
+            raise InvalidRequest("prompt", "an episode's turn has one prompt")
+        if (body.get("n") or 1) != 1:
+            raise InvalidRequest("n", "an episode's turn samples once (n: 1)")
+        previous = self.episode.turns[-1] if self.episode.turns else None
+        [prompt] = prompts
+        if prompt.HasField("chat"):
+            messages = [{"role": m.role, "content": m.content} for m in prompt.chat.messages]
+            if not engine.has_chat_template:
+                raise InvalidRequest("messages", "the model has no chat template")
+            ids, self.extends = spliced_chat(
+                previous, messages, engine.tokenize_chat, engine.tokenize, engine.eos_token_id
+            )
+            self.context = messages
+        elif prompt.HasField("text"):
+            ids, self.extends = spliced_text(previous, prompt.text, engine.tokenize)
+            self.context = prompt.text
+        else:
+            ids, self.extends = spliced_ids(previous, list(prompt.token_ids.ids))
+        return [rollout_pb2.Prompt(token_ids={"ids": ids})]
+
+    def check_room(self, request: rollout_pb2.GenerateRequest, max_tokens: int) -> None:
+        self.episodes.check_room(self.episode, len(request.prompts[0].token_ids.ids), max_tokens)
+
+    def record(self, completion: rollout_pb2.Completion) -> None:
+        c, context = completion, self.context
+        if isinstance(context, list):
+            context = [*context, {"role": "assistant", "content": c.text}]
+        elif isinstance(context, str):
+            context += c.text
+        turn = Turn(
+            list(c.prompt_token_ids),
+            list(c.token_ids),
+            list(c.logprobs),
+            c.weight_version,
+            c.finish_reason,
+            self.extends,
+            c.text,
+            context,
+        )
+        self.episodes.record(self.episode, turn)
+
+    def finish(self) -> None:
+        self.episodes.finish(self.episode)

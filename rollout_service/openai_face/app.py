@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from fp8rl.errors import Overloaded
 from fp8rl.security import SecurityConfig, bearer_role, read_tokens
 from fp8rl.serving import STATUS_OF
-from rollout_service.episodes import Episode
+from rollout_service.episodes import OUTSIDE_EPISODES, CallScope
 from rollout_service.openai_face.face import OpenAIFace
 from rollout_service.openai_face.requests import VERSION_HEADER, error_response, json_body
 from rollout_service.openai_face.responses import ordered
@@ -107,58 +107,42 @@ async def answer(
     """A generating route: the body read within the replica's limit, admitted by ``admit`` (within the
     episode ``episode_id``, when one is named), answered as a stream of ``chunks`` or whole by ``build``."""
     body = json_body(await bounded_body(request, face.service.limits.max_request_bytes))
-    episode = face.episodes.begin(episode_id) if episode_id is not None else None
+    scope = face.episodes.turn(episode_id) if episode_id is not None else OUTSIDE_EPISODES
     try:
         # Validation, tokenization and admission run on a worker thread: tokenizing can take a while.
-        generation, body = await run_in_threadpool(admit, body, request.headers, episode)
+        generation, body = await run_in_threadpool(admit, body, request.headers, scope)
     except BaseException:
-        if episode is not None:
-            face.episodes.finish(episode)
+        scope.finish()
         raise
     if body.get("stream"):
-        return streamed(face, request, generation, body, chunks, episode)
-    return await whole(face, request, generation, body, build, episode)
+        return streamed(request, generation, body, chunks, scope)
+    return await whole(request, generation, body, build, scope)
 
 
 def streamed(
-    face: OpenAIFace,
-    request: Request,
-    generation: Generation,
-    body: dict[str, Any],
-    chunks: Any,
-    episode: Episode | None,
+    request: Request, generation: Generation, body: dict[str, Any], chunks: Any, scope: CallScope
 ) -> StreamingResponse:
-    """The generation as server-sent events; an episode's turn is recorded once it finished, and the
-    episode freed once the stream ends."""
+    """The generation as server-sent events; the scope records each completion once it finished (an
+    episode's turn), and finishes once the stream ends."""
     version = generation.ticket.version
     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-    chunk = chunks(version, body)
-    if episode is not None:
-        chunk = recording(chunk, lambda c: face.record(body, c))
-    events = stream(request, generation, chunk, include_usage)
-    if episode is not None:
-        events = finishing(events, lambda: face.episodes.finish(episode))
+    chunk = recording(chunks(version, body), scope.record)
+    events = finishing(stream(request, generation, chunk, include_usage), scope.finish)
     return StreamingResponse(events, media_type="text/event-stream", headers={VERSION_HEADER: str(version)})
 
 
 async def whole(
-    face: OpenAIFace,
-    request: Request,
-    generation: Generation,
-    body: dict[str, Any],
-    build: Any,
-    episode: Episode | None,
+    request: Request, generation: Generation, body: dict[str, Any], build: Any, scope: CallScope
 ) -> Response:
-    """Every completion in one answer (499 if the client went away first); an episode's turn is recorded
-    and the episode freed."""
+    """Every completion in one answer (499 if the client went away first); the scope records the first
+    (an episode's turn has one) and finishes."""
     version = generation.ticket.version
     try:
         completions = await collect(generation, request)
-        if completions is not None and episode is not None:
-            face.record(body, completions[0])
+        if completions is not None:
+            scope.record(completions[0])
     finally:
-        if episode is not None:
-            face.episodes.finish(episode)
+        scope.finish()
     if completions is None:
         return Response(status_code=499)  # nobody is listening
     result = build(ordered(completions), version, body)

@@ -1,5 +1,6 @@
-"""``OpenAIFace``, the handlers: an OpenAI request admitted as a Generate call (an episode's turn
-continued exactly), and its completions answered as OpenAI's response models and stream chunks."""
+"""``OpenAIFace``, the handlers: an OpenAI request admitted as a Generate call (within its call's scope:
+an episode's turn continued exactly, rollout_service/episodes.py), and its completions answered as
+OpenAI's response models and stream chunks."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 
 from fp8rl.errors import InvalidRequest
 from fp8rl.v1 import rollout_pb2
-from rollout_service.episodes import Episode, Episodes, Turn, spliced_chat, spliced_ids, spliced_text
+from rollout_service.episodes import OUTSIDE_EPISODES, CallScope, Episodes
 from rollout_service.openai_face.requests import (
     UnknownModel,
     chat_prompt,
@@ -33,7 +34,6 @@ from rollout_service.service import Generation, RolloutService
 from rollout_service.validation import parse_sampling
 
 SCORE_ONLY = "fp8rl_score_only"  # (in the admitted body: echo with max_tokens 0)
-EPISODE = "fp8rl_episode"  # (in the admitted body of an episode's turn: the episode, extends, context)
 
 
 class OpenAIFace:
@@ -53,7 +53,7 @@ class OpenAIFace:
 
     # -- /v1/completions ----------------------------------------------------------------------------
     def completions(
-        self, body: Any, headers: Any, episode: Episode | None = None
+        self, body: Any, headers: Any, scope: CallScope = OUTSIDE_EPISODES
     ) -> tuple[Generation, dict[str, Any]]:
         body = validated(self.completion_params, body)
         self.check_model(body)
@@ -68,17 +68,13 @@ class OpenAIFace:
         asked = {**body, "max_tokens": 1} if score_only else body
         with fitting("prompt"):
             prompts = completion_prompts(body["prompt"])
-        if episode is not None:
-            if echo:
-                raise InvalidRequest("echo", "not within an episode: a turn samples")
-            prompts, body = self.episode_turn(episode, body, prompts)
+        prompts = scope.prompts(prompts, body, self.service.engine)
         request = generate_request(asked, headers, prompts, "max_tokens")
         request.top_logprobs = top or 0
         request.prompt_logprobs = echo and top is not None
         if echo and body.get("stream"):
             raise InvalidRequest("echo", "not streamed by this server: ask without stream")
-        if episode is not None:
-            self.check_room(episode, request)
+        self.check_room(scope, request)
         try:
             generation = self.service.generate(request, stream=bool(body.get("stream")))
         except InvalidRequest as exc:
@@ -88,60 +84,12 @@ class OpenAIFace:
             raise InvalidRequest("logprobs", str(exc).removeprefix("top_logprobs: ")) from None
         return generation, {**body, SCORE_ONLY: score_only}
 
-    # -- episodes -----------------------------------------------------------------------------------
-    def episode_turn(
-        self, episode: Episode, body: dict[str, Any], prompts: list[rollout_pb2.Prompt]
-    ) -> tuple[list[rollout_pb2.Prompt], dict[str, Any]]:
-        """A turn's one prompt as the exact ids it continues (rollout_service/episodes.py), and the body
-        with what recording it needs."""
-        if len(prompts) != 1:
-            raise InvalidRequest("prompt", "an episode's turn has one prompt")
-        if (body.get("n") or 1) != 1:
-            raise InvalidRequest("n", "an episode's turn samples once (n: 1)")
-        previous = episode.turns[-1] if episode.turns else None
-        prompt = prompts[0]
-        if prompt.HasField("chat"):
-            messages = [{"role": m.role, "content": m.content} for m in prompt.chat.messages]
-            if not self.service.engine.has_chat_template:
-                raise InvalidRequest("messages", "the model has no chat template")
-            engine = self.service.engine
-            ids, extends = spliced_chat(
-                previous, messages, engine.tokenize_chat, engine.tokenize, engine.eos_token_id
-            )
-            context: Any = messages
-        elif prompt.HasField("text"):
-            ids, extends = spliced_text(previous, prompt.text, self.service.engine.tokenize)
-            context = prompt.text
-        else:
-            ids, extends = spliced_ids(previous, list(prompt.token_ids.ids))
-            context = None
-        return [rollout_pb2.Prompt(token_ids={"ids": ids})], {**body, EPISODE: (episode, extends, context)}
-
-    def check_room(self, episode: Episode, request: rollout_pb2.GenerateRequest) -> None:
-        """Refuses a turn whose prompt and most completion tokens (as validation reads them) could pass
-        the episode's token bound."""
+    def check_room(self, scope: CallScope, request: rollout_pb2.GenerateRequest) -> None:
+        """The scope's refusal of a request whose prompt and most completion tokens (as validation reads
+        them) could pass its bounds (an episode's tokens)."""
         limits = self.service.limits
         most = parse_sampling(request.sampling, limits.max_model_len, limits.default_max_tokens).max_tokens
-        self.episodes.check_room(episode, len(request.prompts[0].token_ids.ids), most)
-
-    def record(self, body: dict[str, Any], c: rollout_pb2.Completion) -> None:
-        """An episode's turn, once its completion finished."""
-        episode, extends, context = body[EPISODE]
-        if isinstance(context, list):
-            context = [*context, {"role": "assistant", "content": c.text}]
-        elif isinstance(context, str):
-            context += c.text
-        turn = Turn(
-            list(c.prompt_token_ids),
-            list(c.token_ids),
-            list(c.logprobs),
-            c.weight_version,
-            c.finish_reason,
-            extends,
-            c.text,
-            context,
-        )
-        self.episodes.record(episode, turn)
+        scope.check_room(request, most)
 
     def completion_choice(self, c: rollout_pb2.Completion, n: int, body: dict[str, Any]) -> Any:
         """OpenAI's choice of ``c``; with ``echo`` the prompt comes first, in the text and in the logprobs
@@ -206,7 +154,7 @@ class OpenAIFace:
 
     # -- /v1/chat/completions -----------------------------------------------------------------------
     def chat(
-        self, body: Any, headers: Any, episode: Episode | None = None
+        self, body: Any, headers: Any, scope: CallScope = OUTSIDE_EPISODES
     ) -> tuple[Generation, dict[str, Any]]:
         body = validated(self.chat_params, body, lazy=("messages",))
         self.check_model(body)
@@ -227,13 +175,11 @@ class OpenAIFace:
                 raise InvalidRequest(name, "not supported by this server")
         with fitting("messages"):
             prompts = [chat_prompt(body["messages"])]
-        if episode is not None:
-            prompts, body = self.episode_turn(episode, body, prompts)
+        prompts = scope.prompts(prompts, body, self.service.engine)
         key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         request = generate_request(body, headers, prompts, key)
         request.top_logprobs = top or 0
-        if episode is not None:
-            self.check_room(episode, request)
+        self.check_room(scope, request)
         return self.service.generate(request, stream=bool(body.get("stream"))), body
 
     def chat_logprobs(self, c: rollout_pb2.Completion) -> Any:

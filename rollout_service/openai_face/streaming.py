@@ -132,7 +132,7 @@ async def bounded_body(request: Request, limit: int) -> bytes:
 
 
 def recording(chunk: Any, record: Callable[[rollout_pb2.Completion], None]) -> Any:
-    """``chunk``, recording each whole completion as it finishes (an episode's streamed turn)."""
+    """``chunk``, recording each whole completion as it finishes (a call scope's record)."""
 
     def recorded(c: rollout_pb2.Completion, done: bool) -> Any:
         if done:
