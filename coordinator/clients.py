@@ -146,9 +146,16 @@ class ReplicaFailed(RuntimeError):
 class RolloutPool:
     """The replicas of one run. ``addresses`` is called before each step (static list or Redis discovery)."""
 
-    def __init__(self, addresses: Callable[[], list[str]], security: SecurityConfig | None = None) -> None:
+    def __init__(
+        self,
+        addresses: Callable[[], list[str]],
+        security: SecurityConfig | None = None,
+        wait_s: float = UNAVAILABLE_WAIT_S,
+    ) -> None:
+        """``wait_s``: how long a step waits for a replica it can use (partitioned, restarting) before it
+        fails (coordinator.publishing)."""
         self._addresses = addresses
-        self.security = security
+        self.security, self.wait_s = security, wait_s
         self._stubs: dict[str, rollout_pb2_grpc.RolloutStub] = {}
         self._channels: dict[str, grpc.Channel] = {}
         self.proofs: dict[str, str] = {}  # address -> registration proof, as its last status showed

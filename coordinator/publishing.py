@@ -4,6 +4,7 @@ replica holds what, so a replica that restarted or fell behind is noticed and he
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 
@@ -24,15 +25,33 @@ class Publishing:
 
     def ensure_version(self, version: int) -> list[str]:
         """Replicas holding ``version`` after publishing it to those that do not (fresh replicas get a
-        keyframe). Raises if none can be brought there."""
-        held = self.pool.held_versions()
-        stale = {a: v for a, v in held.items() if v != version}
-        if stale:
-            self.deliver(version, stale)
-        ready = [a for a, v in self.pool.held_versions().items() if v == version]
-        if not ready:
-            raise ReplicaFailed(f"no replica could be brought to version {version}")
-        return ready
+        keyframe). While none can be reached or brought there (a partition, a restart), it tries again
+        with a growing pause for the pool's ``wait_s``, then raises ReplicaFailed."""
+        first_failure: float | None = None
+        for attempt in itertools.count():
+            try:
+                held = self.pool.held_versions()
+                stale = {a: v for a, v in held.items() if v != version}
+                if stale:
+                    self.deliver(version, stale)
+                ready = [a for a, v in self.pool.held_versions().items() if v == version]
+                if ready:
+                    return ready
+                problem = f"no replica could be brought to version {version}"
+            except ReplicaFailed as exc:
+                problem = str(exc)
+            now = time.monotonic()
+            first_failure = now if first_failure is None else first_failure
+            waited, wait_s = now - first_failure, self.pool.wait_s
+            if waited >= wait_s:
+                raise ReplicaFailed(f"{problem}, after trying for {waited:.0f} s")
+            if attempt == 0:
+                self.store.event(
+                    "replicas-unavailable", f"{problem}: trying for up to {wait_s:.0f} s", version
+                )
+            log.warning("%s: trying again (%.0f s of %.0f)", problem, waited, wait_s)
+            time.sleep(min(0.5 * 2**attempt, 8.0, max(0.0, wait_s - waited)))
+        raise AssertionError("unreachable")
 
     def publish(self, version: int) -> dict[str, float]:
         """Publish ``version`` to every reachable replica; the step record's sync figures."""

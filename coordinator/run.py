@@ -155,6 +155,8 @@ class Supervisor:
         self.unrecorded: list[str] = []
 
     def run(self) -> int:
+        from coordinator.clients import ReplicaFailed
+
         limit = self.config.embedded.max_restarts
         while True:
             with ExitStack() as stack:
@@ -168,6 +170,8 @@ class Supervisor:
                 except Exception as exc:
                     dead = embedded.dead() if embedded else []
                     if not dead or self.restarts >= limit:
+                        if isinstance(exc, ReplicaFailed):  # waited for one already: say so in a line
+                            raise RunExit(1, f"{exc}; the same --run-id resumes") from None
                         raise
                     self.restarts += 1
                     what = ", ".join(f"{c.name} (exit status {c.proc.returncode})" for c in dead)
@@ -228,7 +232,7 @@ class Supervisor:
         addresses = (lambda: rollouts) if rollouts else (lambda: sorted(live_replicas(client)))
         wait_s = EMBEDDED_UNAVAILABLE_WAIT_S if embedded else UNAVAILABLE_WAIT_S
         trainer = TrainerClient(services.trainer, services.security, wait_s)
-        pool = RolloutPool(addresses, services.security)
+        pool = RolloutPool(addresses, services.security, wait_s)
         stack.callback(trainer.close)
         stack.callback(pool.close)
         sink = MetricsSink(

@@ -55,6 +55,7 @@ class FakePool:
         self.crash_generating = False
         self.sampling: list[common_pb2.SamplingParams] = []  # of each Generate call
         self.proofs: dict[str, str] = {}  # the fake trainer checks none
+        self.wait_s = 0.0  # how long a step waits for a replica it can use (RolloutPool's)
 
     def held_versions(self) -> dict[str, int]:
         held = {a: v for a, v in self.versions.items() if a not in self.down}
@@ -107,6 +108,7 @@ class FakeTrainer:
         self.skip_reason = trainer_pb2.StepSkipped.REASON_NON_FINITE_GRADIENT
         self.refusal: grpc.RpcError | None = None  # raised by the next TrainStep
         self.on_train: Callable[[int], None] = lambda step: None  # runs as a step starts training
+        self.on_publish: Callable[[int], None] = lambda version: None  # runs as a publish call starts
 
     def status(self) -> trainer_pb2.TrainerStatus:
         return trainer_pb2.TrainerStatus(step=self.step, weight_version=self.step)
@@ -141,6 +143,7 @@ class FakeTrainer:
         self, version: int, held: dict[str, int], proofs: dict[str, str] | None = None
     ) -> trainer_pb2.PublishWeightsResponse:
         assert version == self.step, f"publishing version {version} from weights at {self.step}"
+        self.on_publish(version)
         if self.crash_publishing == version:
             self.crash_publishing = None
             raise Crash(f"while publishing version {version}")
@@ -341,9 +344,31 @@ def test_no_replica_at_the_version_stops_the_step(client: redis.Redis, tmp_path:
     run.drive(steps=1)
     run.trainer.refuse.add("r1")
     run.pool.versions["r1"] = 0
-    with pytest.raises(ReplicaFailed, match="no replica could be brought to version 1"):
+    with pytest.raises(ReplicaFailed, match="no replica could be brought to version 1, after trying"):
         run.drive(steps=2)
     assert run.trainer.trained == [0] and run.store.read() == RunState(1, "generate")
+
+
+def test_a_step_waits_for_a_replica_to_come_back(client: redis.Redis, tmp_path: Path) -> None:
+    run = Run(client, tmp_path)
+    run.pool.wait_s = 30.0
+    run.drive(steps=1)
+    run.trainer.refuse.add("r1")  # r1's update fails (a partition), the first two tries
+    run.pool.versions["r1"] = 0  # (restarted: it needs version 1 again)
+    tries: list[int] = []
+
+    def heal_after_two(k: int) -> None:
+        tries.append(k)
+        if len(tries) == 2:
+            run.trainer.refuse.clear()
+
+    run.trainer.on_publish = heal_after_two
+    started = time.monotonic()
+    run.drive(steps=2)
+    assert run.trainer.trained == [0, 1] and time.monotonic() - started < 10
+    assert run.events("replicas-unavailable") == [
+        "no replica could be brought to version 1: trying for up to 30 s"
+    ]
 
 
 def test_a_stop_request_ends_the_run_at_a_step_boundary(client: redis.Redis, tmp_path: Path) -> None:
