@@ -4,18 +4,19 @@ while it is fresh enough (``max_staleness``). Also greedy validation on held-out
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import grpc
 
 from coordinator.clients import RolloutPool, rpc_code
 from coordinator.config import CoordinatorConfig
-from coordinator.environments import Episode, EpisodeRunner
+from coordinator.environments import EpisodeRunner, PlayedEpisode
 from coordinator.problems import Problem, RewardTimeout
 from coordinator.state import RunStore
 from coordinator.tasks import EnvironmentTask, Task
@@ -27,10 +28,40 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class Batch:
+class StepBatch:
+    """A step's training request, as stored in Redis: what the trainer trains on and its figures."""
+
     request: trainer_pb2.TrainStepRequest
     version: int  # weight version the completions were generated with
     info: dict[str, Any]
+
+
+@dataclass
+class Rollouts:
+    """What generating for some problems gave: the samples to train on, one reward per rollout (a
+    completion, or an episode), and the figures that come with them."""
+
+    samples: list[trainer_pb2.Sample]
+    rewards: list[float]
+    tokens: int  # sampled by the policy
+    reward_timeouts: int = 0
+    score_s: float = 0.0  # of the time taken, spent scoring
+    extra: dict[str, float] = field(default_factory=dict)  # the kind's own figures
+
+
+class RolloutKind(Protocol):
+    """Single-turn completions or a multi-turn environment's episodes (BatchMaker picks one)."""
+
+    def __call__(
+        self,
+        problems: list[Problem],
+        n: int,
+        sampling: common_pb2.SamplingParams,
+        version: int,
+        replicas: list[str],
+        label: str,
+        training: bool,
+    ) -> Rollouts: ...
 
 
 class BatchMaker:
@@ -54,15 +85,18 @@ class BatchMaker:
         # An MoE model's samples carry the experts the rollout routed them to: the trainer measures its
         # routers' disagreement with them (routing_mismatch) and, with routing_replay, routes as they did.
         self.routed_experts = bool(moe_layers(read_config(config.run.model or TINY_ARITH)))
-        # A multi-turn environment plays episodes on the replicas' HTTP faces instead.
-        self.episodes = EpisodeRunner(task.env, pool.security) if isinstance(task, EnvironmentTask) else None
+        self._closing: list[Callable[[], None]] = [functools.partial(self._rewards.shutdown, wait=False)]
+        self.rollouts: RolloutKind = self._completions
+        if isinstance(task, EnvironmentTask):  # episodes on the replicas' HTTP faces instead
+            runner = EpisodeRunner(task.env, pool.security)
+            self.rollouts = functools.partial(self._episodes, runner)
+            self._closing.append(runner.close)
 
     def close(self) -> None:
-        self._rewards.shutdown(wait=False)
-        if self.episodes is not None:
-            self.episodes.close()
+        for close in self._closing:
+            close()
 
-    def batch_for(self, k: int, ahead: Future[Batch | None] | None) -> Batch:
+    def batch_for(self, k: int, ahead: Future[StepBatch | None] | None) -> StepBatch:
         """The stored batch of step k if fresh enough, else the one generated ahead, else a new one."""
         limit = self.config.run.max_staleness
         stored = self.find(k)
@@ -78,7 +112,7 @@ class BatchMaker:
         self._store(k, batch)
         return batch
 
-    def generate_ahead(self, step: int) -> Batch | None:
+    def generate_ahead(self, step: int) -> StepBatch | None:
         """Generate step's batch with whatever the replicas hold now (no publishing: the trainer is busy)."""
         try:
             held = self.pool.held_versions()
@@ -92,32 +126,70 @@ class BatchMaker:
             log.warning("generating ahead for step %d failed: %s", step, exc)
             return None
 
-    def find(self, k: int) -> Batch | None:
+    def find(self, k: int) -> StepBatch | None:
         stored = self.store.get_batch(k)
         if stored is None:
             return None
         request = trainer_pb2.TrainStepRequest()
         request.ParseFromString(stored[0])
-        return Batch(request, stored[1], stored[2])
+        return StepBatch(request, stored[1], stored[2])
 
-    def _store(self, k: int, batch: Batch) -> None:
+    def _store(self, k: int, batch: StepBatch) -> None:
         self.store.put_batch(k, batch.request.SerializeToString(), batch.version, batch.info)
 
-    def generate(self, step: int, version: int, replicas: list[str]) -> Batch:
-        problems = self.task.train_problems(step, self.config.sampling.prompts_per_step)
-        if self.episodes is not None:
-            return self._generate_episodes(step, problems, version, replicas)
+    def generate(self, step: int, version: int, replicas: list[str]) -> StepBatch:
+        c = self.config.sampling
+        problems = self.task.train_problems(step, c.prompts_per_step)
         start = time.perf_counter()
-        completions = self._complete(
-            problems, self.config.sampling.group_size, self.sampling, version, replicas, self.routed_experts
-        )
-        generate_s = time.perf_counter() - start
-        rewards, timeouts = self._rewards_of(problems, completions)
-        score_s = time.perf_counter() - start - generate_s
-        if timeouts:
+        got = self.rollouts(problems, c.group_size, self.sampling, version, replicas, f"s{step}", True)
+        generate_s = time.perf_counter() - start - got.score_s
+        if got.reward_timeouts:
             self.store.event(
-                "reward-timeout", f"{timeouts} of {len(rewards)} rewards of step {step} timed out (0)", step
+                "reward-timeout",
+                f"{got.reward_timeouts} of {len(got.rewards)} rewards of step {step} timed out (0)",
+                step,
             )
+        request = trainer_pb2.TrainStepRequest(
+            run_id=self.run_id, step=step, samples=got.samples, sampling=self.sampling
+        )
+        info = {
+            "generate_s": generate_s,
+            "score_s": got.score_s,
+            "rollout_tokens": got.tokens,
+            "rollout_tokens_per_s": got.tokens / max(generate_s, 1e-9),
+            "reward_mean": sum(got.rewards) / len(got.rewards),
+            "reward_timeouts": got.reward_timeouts,
+            **got.extra,
+        }
+        return StepBatch(request, version, info)
+
+    def validate(self, version: int, replicas: list[str]) -> float:
+        """Mean reward of greedy completions (or episodes) of the held-out prompts."""
+        problems = self.task.val_problems()
+        got = self.rollouts(problems, 1, self.greedy, version, replicas, f"val{version}", False)
+        if got.reward_timeouts:
+            self.store.event(
+                "reward-timeout",
+                f"{got.reward_timeouts} of {len(got.rewards)} validation rewards timed out (0)",
+            )
+        return sum(got.rewards) / len(got.rewards)
+
+    def _completions(
+        self,
+        problems: list[Problem],
+        n: int,
+        sampling: common_pb2.SamplingParams,
+        version: int,
+        replicas: list[str],
+        label: str,
+        training: bool,
+    ) -> Rollouts:
+        """Single-turn: n completions per problem over gRPC, each scored by the task's reward."""
+        routed = training and self.routed_experts
+        completions = self._complete(problems, n, sampling, version, replicas, routed)
+        start = time.perf_counter()
+        rewards, timeouts = self._rewards_of(problems, completions)
+        score_s = time.perf_counter() - start
         samples = [
             trainer_pb2.Sample(
                 prompt_token_ids=c.prompt_token_ids,
@@ -129,29 +201,22 @@ class BatchMaker:
             )
             for c, r in zip(completions, rewards, strict=True)
         ]
-        tokens = sum(len(c.token_ids) for c in completions)
-        request = trainer_pb2.TrainStepRequest(
-            run_id=self.run_id, step=step, samples=samples, sampling=self.sampling
-        )
-        info = {
-            "generate_s": generate_s,
-            "score_s": score_s,
-            "rollout_tokens": tokens,
-            "rollout_tokens_per_s": tokens / max(generate_s, 1e-9),
-            "reward_mean": sum(rewards) / len(rewards),
-            "reward_timeouts": timeouts,
-        }
-        return Batch(request, version, info)
+        return Rollouts(samples, rewards, sum(len(c.token_ids) for c in completions), timeouts, score_s)
 
-    def _generate_episodes(
-        self, step: int, problems: list[Problem], version: int, replicas: list[str]
-    ) -> Batch:
-        """A step of a multi-turn environment: group_size episodes per problem, each recorded sample of
-        an episode (one, unless a turn rewrote the conversation) trained with the episode's reward."""
-        assert self.episodes is not None
-        start = time.perf_counter()
-        n = self.config.sampling.group_size
-        episodes = self._play(problems, n, self.sampling, version, replicas, f"{self.run_id}.s{step}")
+    def _episodes(
+        self,
+        runner: EpisodeRunner,
+        problems: list[Problem],
+        n: int,
+        sampling: common_pb2.SamplingParams,
+        version: int,
+        replicas: list[str],
+        label: str,
+        training: bool,
+    ) -> Rollouts:
+        """A multi-turn environment: n episodes per problem, each recorded sample of an episode (one,
+        unless a turn rewrote the conversation) trained with the episode's reward."""
+        episodes = self._play(runner, problems, n, sampling, version, replicas, f"{self.run_id}.{label}")
         samples = [
             trainer_pb2.Sample(
                 prompt_token_ids=s["prompt_token_ids"],
@@ -164,34 +229,23 @@ class BatchMaker:
             for e in episodes
             for s in e.recorded["samples"]
         ]
-        generate_s = time.perf_counter() - start
-        tokens = sum(sum(s.loss_mask) for s in samples)
-        request = trainer_pb2.TrainStepRequest(
-            run_id=self.run_id, step=step, samples=samples, sampling=self.sampling
-        )
-        rewards = [e.reward for e in episodes]
-        info = {
-            "generate_s": generate_s,
-            "score_s": 0.0,
-            "rollout_tokens": tokens,
-            "rollout_tokens_per_s": tokens / max(generate_s, 1e-9),
-            "reward_mean": sum(rewards) / len(rewards),
-            "reward_timeouts": 0,
+        extra = {
             "episode_turns_mean": sum(e.turns for e in episodes) / len(episodes),
             "episode_samples": len(samples),
         }
-        return Batch(request, version, info)
+        tokens = sum(sum(s.loss_mask) for s in samples)
+        return Rollouts(samples, [e.reward for e in episodes], tokens, extra=extra)
 
     def _play(
         self,
+        runner: EpisodeRunner,
         problems: list[Problem],
         n: int,
         sampling: common_pb2.SamplingParams,
         version: int,
         replicas: list[str],
         prefix: str,
-    ) -> list[Episode]:
-        assert self.episodes is not None
+    ) -> list[PlayedEpisode]:
         if any(a not in self.pool.http for a in replicas):
             self.pool.held_versions()  # (their HTTP faces' addresses come with their status)
         served = {a: self.pool.http.get(a, "") for a in replicas}
@@ -200,21 +254,7 @@ class BatchMaker:
             self.store.event("replica-failed", f"{address}: episode failed: {type(exc).__name__}: {exc}")
             log.warning("replica %s failed an episode (%s); it is played again elsewhere", address, exc)
 
-        return self.episodes.play([(p, n) for p in problems], sampling, version, served, prefix, failed)
-
-    def validate(self, version: int, replicas: list[str]) -> float:
-        """Mean reward of greedy completions of the held-out prompts."""
-        problems = self.task.val_problems()
-        if self.episodes is not None:
-            episodes = self._play(problems, 1, self.greedy, version, replicas, f"{self.run_id}.val{version}")
-            return sum(e.reward for e in episodes) / len(episodes)
-        completions = self._complete(problems, 1, self.greedy, version, replicas)
-        rewards, timeouts = self._rewards_of(problems, completions)
-        if timeouts:
-            self.store.event(
-                "reward-timeout", f"{timeouts} of {len(rewards)} validation rewards timed out (0)"
-            )
-        return sum(rewards) / len(rewards)
+        return runner.play([(p, n) for p in problems], sampling, version, served, prefix, failed)
 
     def _rewards_of(
         self, problems: list[Problem], completions: list[rollout_pb2.Completion]

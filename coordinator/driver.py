@@ -18,7 +18,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from coordinator.batches import Batch, BatchMaker
+from coordinator.batches import BatchMaker, StepBatch
 from coordinator.clients import RolloutPool, TrainerClient
 from coordinator.config import CoordinatorConfig
 from coordinator.metrics import MetricsSink, committed
@@ -80,7 +80,7 @@ class Driver:
             self._recover()
             self.sink.rebuild(self.store.metrics(), self.store.read().step + 1)
             self._base_validation()
-            ahead: Future[Batch | None] | None = None
+            ahead: Future[StepBatch | None] | None = None
             while (state := self.store.read()).step < self.config.run.steps:
                 if self.store.stop_requested():
                     self.store.event("stop", "stopped on request at a step boundary", state.step)
@@ -106,8 +106,8 @@ class Driver:
                 log.error("lease renewal failed: %s", exc)
 
     def _guarded_step(
-        self, state: RunState, ahead: Future[Batch | None] | None
-    ) -> Future[Batch | None] | None:
+        self, state: RunState, ahead: Future[StepBatch | None] | None
+    ) -> Future[StepBatch | None] | None:
         """:meth:`_step`, unless the lease is known lost: then the step stops with LeaseLost (exit 3),
         whatever failed first (a coordinator cut off from Redis and back finds the replicas and the trainer
         moved on under another coordinator: what fails there is a consequence)."""
@@ -155,7 +155,9 @@ class Driver:
             self.sink.write(record)
 
     # -- one step -----------------------------------------------------------------------------------
-    def _step(self, state: RunState, ahead: Future[Batch | None] | None) -> Future[Batch | None] | None:
+    def _step(
+        self, state: RunState, ahead: Future[StepBatch | None] | None
+    ) -> Future[StepBatch | None] | None:
         k, started = state.step, time.perf_counter()
         if state.phase == "generate":
             batch = self.batches.batch_for(k, ahead)
@@ -219,49 +221,45 @@ class Driver:
     def _record(
         self,
         k: int,
-        batch: Batch,
+        batch: StepBatch,
         result: trainer_pb2.TrainStepResponse,
         train_s: float,
         publish: dict[str, float],
     ) -> dict[str, Any]:
-        m = result.metrics
+        info = batch.info
         return {
             "step": k + 1,
             "train_step": k,
             "weight_version": result.weight_version,
             "gen_weight_version": batch.version,
             "staleness": k - batch.version,
-            "reward_mean": batch.info["reward_mean"],
-            "reward_timeouts": batch.info.get("reward_timeouts", 0),  # absent from older stored batches
-            "token_mult_prob_error": m.token_mult_prob_error,
-            "gen_kl_error": m.gen_kl_error,
-            "is_weight_mean": m.is_weight_mean,
-            "is_weight_min": m.is_weight_min,
-            "is_weight_max": m.is_weight_max,
-            "is_clipped_fraction": m.is_clipped_fraction,
-            "max_seq_mult_prob_error": m.max_seq_mult_prob_error,
-            "out_of_support_fraction": m.out_of_support_fraction,
-            "abs_log_ratio_counts": list(m.abs_log_ratio_counts),  # histograms: fp8rl/grpo.py HISTOGRAMS
-            "is_weight_counts": list(m.is_weight_counts),
-            "loss": m.loss,
-            "grad_norm": m.grad_norm,
-            "learning_rate": m.learning_rate,
-            "ppo_clipped_fraction": m.ppo_clipped_fraction,
-            "train_tokens_per_s": m.tokens_per_s,
-            "generate_s": batch.info["generate_s"],
-            "score_s": batch.info.get("score_s", 0.0),  # (a batch stored before this field: not timed)
-            "rollout_tokens_per_s": batch.info["rollout_tokens_per_s"],
-            "rollout_tokens": batch.info["rollout_tokens"],
-            "trained_tokens": m.num_tokens,  # the policy's tokens the step trained (and measured)
-            **{
-                key: batch.info[key] for key in ("episode_turns_mean", "episode_samples") if key in batch.info
-            },
+            "reward_mean": info["reward_mean"],
+            "reward_timeouts": info.get("reward_timeouts", 0),  # absent from older stored batches
+            **trainer_figures(result.metrics),
+            "generate_s": info["generate_s"],
+            "score_s": info.get("score_s", 0.0),  # (a batch stored before this field: not timed)
+            "rollout_tokens_per_s": info["rollout_tokens_per_s"],
+            "rollout_tokens": info["rollout_tokens"],
+            **{key: info[key] for key in ("episode_turns_mean", "episode_samples") if key in info},
             "train_s": train_s,
             **publish,
             "replayed": result.replayed,
-            **{  # MoE models (fp8rl/routing.py)
-                key: getattr(m, key)
-                for key in ("routing_mismatch", "routing_mismatch_positions")
-                if m.HasField(key)
-            },
         }
+
+
+# The step record takes every figure of the trainer's TrainMetrics (protos/fp8rl/v1/trainer.proto) by its
+# field name, but these: the record's own names for two, and three it has from the coordinator's side.
+RECORDED_AS = {"tokens_per_s": "train_tokens_per_s", "num_tokens": "trained_tokens"}
+NOT_RECORDED = {"num_samples", "train_s", "reward_mean"}  # (the batch's size, the call's time, the batch's)
+
+
+def trainer_figures(metrics: trainer_pb2.TrainMetrics) -> dict[str, Any]:
+    """The step record's figures from the trainer: each field of ``metrics`` (a histogram as its list of
+    counts; an optional field, such as an MoE model's routing mismatch, only when set)."""
+    figures: dict[str, Any] = {}
+    for field in metrics.DESCRIPTOR.fields:
+        if field.name in NOT_RECORDED or (field.has_presence and not metrics.HasField(field.name)):
+            continue
+        value = getattr(metrics, field.name)
+        figures[RECORDED_AS.get(field.name, field.name)] = list(value) if field.is_repeated else value
+    return figures

@@ -85,7 +85,7 @@ def load_environment(spec: str, seed: int) -> Environment:
 
 
 @dataclass(frozen=True)
-class Episode:
+class PlayedEpisode:
     """A finished episode: its problem, reward and the replica's recording (GET /episodes/{id})."""
 
     problem: Problem
@@ -158,7 +158,7 @@ class EpisodeRunner:
         replicas: dict[str, str],
         prefix: str,
         on_failure: Callable[[str, Exception], None],
-    ) -> list[Episode]:
+    ) -> list[PlayedEpisode]:
         """Each (problem, count) ``count`` times under ``version`` on ``replicas`` (gRPC address -> HTTP
         address); ``prefix`` names the episodes (with a random part: a replayed step never meets an
         episode of an earlier attempt)."""
@@ -170,7 +170,7 @@ class EpisodeRunner:
         jobs = [(p, i) for p, count in problems for i in range(count)]
         start = itertools.count()
 
-        def one(job: tuple[Problem, int]) -> Episode:
+        def one(job: tuple[Problem, int]) -> PlayedEpisode:
             problem, i = job
             first = next(start)
             last: Exception | None = None
@@ -188,7 +188,7 @@ class EpisodeRunner:
 
     def _one(
         self, problem: Problem, sampling: common_pb2.SamplingParams, version: int, http: str, episode_id: str
-    ) -> Episode:
+    ) -> PlayedEpisode:
         import openai
 
         url = f"{self.base(http)}/episodes/{episode_id}"
@@ -213,7 +213,7 @@ class EpisodeRunner:
             answer.raise_for_status()
         except Exception as exc:  # (httpx's errors; the episode is lost with the replica)
             raise _ReplicaError(exc) from exc
-        return Episode(problem, reward, answer.json())
+        return PlayedEpisode(problem, reward, answer.json())
 
     def model_of(self, http: str) -> str:
         """The model name the replica at ``http`` serves (its /v1/models), asked once."""

@@ -13,7 +13,7 @@ the sampling set), so masking is always by selection (``torch.where``), never by
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -117,38 +117,28 @@ def importance_weights(
     raise ValueError(f"unknown importance sampling mode {config.mode!r}")
 
 
-DIVERGENCE_METRICS = (
-    "token_mult_prob_error",
-    "gen_kl_error",
-    "max_seq_mult_prob_error",
-    "is_weight_mean",
-    "is_weight_min",
-    "is_weight_max",
-    "is_clipped_fraction",
-)
-
-
 def divergence_metrics(
     prev: torch.Tensor, gen: torch.Tensor, mask: torch.Tensor, weights: ISWeights
 ) -> dict[str, float]:
-    """Mismatch between trainer and rollout over valid tokens (1.0 / 0.0 when they agree exactly)."""
+    """Mismatch between trainer and rollout over valid tokens (1.0 / 0.0 when they agree exactly); NaN
+    for each when no token is covered (e.g. every sampled token outside the trainer's top-k)."""
     m = mask.double()
     d = masked((prev - gen).double(), m)
     mult_error = torch.exp(d.abs())
     per_sequence = masked(mult_error, m).sum(-1) / m.sum(-1).clamp(min=1)
     valid = mask > 0
-    if not valid.any():  # nothing covered (e.g. every sampled token outside the trainer's top-k)
-        return {name: math.nan for name in DIVERGENCE_METRICS}
     raw = weights.raw[valid].double()
-    return {
-        "token_mult_prob_error": masked_mean(mult_error, m).item(),
-        "gen_kl_error": masked_mean(torch.exp(d) - d - 1, m).item(),
-        "max_seq_mult_prob_error": per_sequence[m.sum(-1) > 0].max().item(),
-        "is_weight_mean": raw.mean().item(),
-        "is_weight_min": raw.min().item(),
-        "is_weight_max": raw.max().item(),
-        "is_clipped_fraction": weights.altered_fraction,
+    figures: dict[str, Callable[[], float]] = {
+        "token_mult_prob_error": lambda: masked_mean(mult_error, m).item(),
+        "gen_kl_error": lambda: masked_mean(torch.exp(d) - d - 1, m).item(),
+        "max_seq_mult_prob_error": lambda: per_sequence[m.sum(-1) > 0].max().item(),
+        "is_weight_mean": lambda: raw.mean().item(),
+        "is_weight_min": lambda: raw.min().item(),
+        "is_weight_max": lambda: raw.max().item(),
+        "is_clipped_fraction": lambda: weights.altered_fraction,
     }
+    covered = bool(valid.any())
+    return {name: figure() if covered else math.nan for name, figure in figures.items()}
 
 
 # Bucket edges of the per-token histograms a TrainStep reports (TrainMetrics *_counts): bucket i holds

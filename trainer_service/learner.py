@@ -57,7 +57,7 @@ class SampleData:
 
 
 @dataclass
-class Batch:
+class PaddedBatch:
     """Right-padded sequences; per-token tensors are aligned with the logits that predict them: position
     t of ``targets``/``mask``/``gen`` is the token at t + 1 of ``input_ids``."""
 
@@ -68,20 +68,20 @@ class Batch:
     gen: torch.Tensor  # [B, L-1] rollout logprobs (0 elsewhere)
     routed: torch.Tensor | None = None  # [B, L, MoE layers, top_k] the rollout's experts (UNKNOWN elsewhere)
 
-    def rows(self, index: torch.Tensor) -> Batch:
+    def rows(self, index: torch.Tensor) -> PaddedBatch:
         return self._map(lambda t: t[index])
 
-    def to(self, device: torch.device) -> Batch:
+    def to(self, device: torch.device) -> PaddedBatch:
         return self._map(lambda t: t.to(device))
 
-    def _map(self, f: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
+    def _map(self, f: Callable[[torch.Tensor], torch.Tensor]) -> PaddedBatch:
         routed = None if self.routed is None else f(self.routed)
-        return Batch(
+        return PaddedBatch(
             f(self.input_ids), f(self.attention_mask), f(self.targets), f(self.mask), f(self.gen), routed
         )
 
 
-def collate(samples: Sequence[SampleData], pad_id: int = 0, multiple: int = 1) -> Batch:
+def collate(samples: Sequence[SampleData], pad_id: int = 0, multiple: int = 1) -> PaddedBatch:
     """Right-pad ``samples`` to the longest, rounded up to ``multiple`` positions (padding is masked out:
     attention, loss and metrics never see it)."""
     longest = max(len(s.prompt) + len(s.completion) for s in samples)
@@ -97,10 +97,10 @@ def collate(samples: Sequence[SampleData], pad_id: int = 0, multiple: int = 1) -
         attention[i, : p + c] = 1
         mask[i, p - 1 : p + c - 1] = 1 if s.loss_mask is None else torch.tensor(s.loss_mask, dtype=mask.dtype)
         gen[i, p - 1 : p + c - 1] = torch.tensor(s.gen_logprobs)
-    return Batch(input_ids, attention, input_ids[:, 1:].clone(), mask, gen, _routed(samples, length))
+    return PaddedBatch(input_ids, attention, input_ids[:, 1:].clone(), mask, gen, _routed(samples, length))
 
 
-def _masked_logits(model: Any, batch: Batch, scored: torch.Tensor) -> torch.Tensor:
+def _masked_logits(model: Any, batch: PaddedBatch, scored: torch.Tensor) -> torch.Tensor:
     """The LM head's logits [N, V] at the ``scored`` positions [B, L-1] only (the decoder, then the head:
     the causal LMs of docs/architectures.md apply nothing else to the last hidden state)."""
     hidden = model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
@@ -133,7 +133,7 @@ class StepInputs:
     """What every mini-batch of one TrainStep reads: the batch and, over its rows and tokens, the
     figures computed once before the first update."""
 
-    batch: Batch
+    batch: PaddedBatch
     sampling: SamplingSettings
     prev: torch.Tensor  # [B, L-1] logprobs under the weights before the step
     support: torch.Tensor  # [B, L-1] float, the tokens the loss and metrics cover
@@ -220,7 +220,7 @@ class Learner:
         # Exact mode's forward under grad is bit for bit the scoring pass: one forward serves both.
         self.one_pass = self.exact and config.mini_batches == 1
 
-    def collate(self, samples: Sequence[SampleData]) -> Batch:
+    def collate(self, samples: Sequence[SampleData]) -> PaddedBatch:
         """``samples`` as a batch on the device, padded to ``token_multiple`` positions."""
         return collate(samples, self.pad_id, self.token_multiple).to(self.device)
 
@@ -235,7 +235,7 @@ class Learner:
 
     def logprobs(
         self,
-        batch: Batch,
+        batch: PaddedBatch,
         sampling: SamplingSettings,
         model: torch.nn.Module | None = None,
         calibrate: bool = False,
@@ -284,7 +284,7 @@ class Learner:
         )
 
     @torch.no_grad()
-    def score(self, batch: Batch, sampling: SamplingSettings, calibrate: bool = False) -> torch.Tensor:
+    def score(self, batch: PaddedBatch, sampling: SamplingSettings, calibrate: bool = False) -> torch.Tensor:
         """``logprobs`` without grad, in micro-batches; across ranks each scores its share of them and
         every rank gets them all."""
         micros = list(torch.arange(len(batch.input_ids)).split(self.config.micro_batch_size))
@@ -358,7 +358,7 @@ class Learner:
         return StepInputs(batch, sampling, prev, support, weights.weights, advantages, ref), metrics
 
     def _divergence(
-        self, batch: Batch, prev: torch.Tensor
+        self, batch: PaddedBatch, prev: torch.Tensor
     ) -> tuple[torch.Tensor, grpo.ISWeights, dict[str, Any]]:
         """The tokens the loss and metrics cover, their importance weights, and the metrics of the
         rollout's divergence from ``prev`` (the trainer's logprobs of the batch before the update)."""
@@ -375,7 +375,7 @@ class Learner:
 
     def _one_pass(
         self, samples: Sequence[SampleData], sampling: SamplingSettings, lr: float
-    ) -> tuple[Batch, dict[str, Any], list[Update]]:
+    ) -> tuple[PaddedBatch, dict[str, Any], list[Update]]:
         """The step in one forward per micro-batch (exact mode, one mini-batch): the forward the update
         differentiates is bit for bit the scoring pass, so its detached logprobs are ``prev``; each
         micro-batch's loss is a sum over its tokens, and the mini-batch's token count divides the
@@ -422,7 +422,7 @@ class Learner:
 
     def _summed_loss(
         self,
-        rows: Batch,
+        rows: PaddedBatch,
         sampling: SamplingSettings,
         advantages: torch.Tensor,
         real: bool,
@@ -548,7 +548,7 @@ class Learner:
         given = [s.advantage for s in samples]
         return torch.tensor([computed[i].item() if a is None else a for i, a in enumerate(given)])
 
-    def _reference_logprobs(self, batch: Batch, sampling: SamplingSettings) -> torch.Tensor | None:
+    def _reference_logprobs(self, batch: PaddedBatch, sampling: SamplingSettings) -> torch.Tensor | None:
         if self.reference is None:
             return None
         with torch.no_grad():
