@@ -2,7 +2,7 @@
 
 The services send and apply updates part by part (:func:`~fp8rl.codec.encode.keyframe_parts`,
 :func:`~fp8rl.codec.encode.delta_parts`, :class:`~fp8rl.codec.decode.UpdateDecoder`); no module of theirs
-imports this one (tests/unit/test_weights.py checks). It lives in the package rather than in tests/
+imports this one (tests/unit/test_weight_codec.py checks). It lives in the package rather than in tests/
 because the benches, run as scripts from bench/, use it too.
 """
 
