@@ -43,7 +43,8 @@ from pathlib import Path
 import grpc
 
 from fp8rl.run_secrets import security_for
-from fp8rl.security import SecurityConfig, channel
+from fp8rl.security import SecurityConfig
+from fp8rl.transport import channel
 from fp8rl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 ROLES = {"redis-server": "redis-server", "trainer_service": "trainer", "rollout_service": "replica"}

@@ -13,8 +13,9 @@ from typing import Any, TypeVar
 
 import grpc
 
-from fp8rl.security import SecurityConfig, channel
+from fp8rl.security import SecurityConfig
 from fp8rl.serving import BUSY_METADATA, FENCE_METADATA
+from fp8rl.transport import channel
 from fp8rl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fp8rl.credentials import PASSWORD_ENV, redis_url_with_password, write_private
-from fp8rl.security import SecurityConfig, channel
+from fp8rl.security import SecurityConfig
+from fp8rl.transport import channel
 
 log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1

@@ -16,7 +16,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fp8rl.config import read_yaml
-from fp8rl.security import SecurityConfig, channel
+from fp8rl.security import SecurityConfig
+from fp8rl.transport import channel
 
 
 def serving(

@@ -283,12 +283,12 @@ def start_server(
     RESOURCE_EXHAUSTED) raises ``max_receive_bytes`` and checks sizes in its handlers.
     """
     from fp8rl.security import (
-        SERVER_KEEPALIVE,
         AccessControl,
         SecurityConfig,
         exposure_problem,
         server_credentials,
     )
+    from fp8rl.transport import SERVER_KEEPALIVE
 
     security = security or SecurityConfig()
     problem = exposure_problem(security, host)

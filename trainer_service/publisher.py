@@ -21,7 +21,8 @@ from fp8rl.codec.schema import build_weight_set
 from fp8rl.codec.stream import header_of, update_to_chunks
 from fp8rl.codec.weight_set import WeightSet
 from fp8rl.recipes import WeightFormat
-from fp8rl.security import SecurityConfig, channel
+from fp8rl.security import SecurityConfig
+from fp8rl.transport import channel
 from fp8rl.v1 import rollout_pb2_grpc, weights_pb2
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ import pytest
 from coordinator.metrics import read_metrics
 from fp8rl.credentials import redis_url_with_password
 from fp8rl.run_secrets import security_for
-from fp8rl.security import channel
+from fp8rl.transport import channel
 from fp8rl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from tests.e2e.test_coordinator_run import FAST, assert_children_gone, coordinator
 

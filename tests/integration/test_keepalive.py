@@ -1,5 +1,5 @@
 """A call on a connection the network stopped carrying fails within a few keepalive periods
-(fp8rl/security.py, KEEPALIVE_S), instead of waiting out its deadline: found by the network-fault tests
+(fp8rl/transport.py, KEEPALIVE_S), instead of waiting out its deadline: found by the network-fault tests
 (tests/e2e/test_network_faults.py), where a replica partitioned during a Generate held the coordinator's
 step for the Generate deadline (15 min), and a trainer partitioned during an update held the publish for
 the update deadline (10 min). The silent network here is a TCP proxy stopped with SIGSTOP: the kernel
@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from fp8rl import security
+from fp8rl import transport
 from fp8rl.serving import start_server
 from fp8rl.v1 import rollout_pb2, rollout_pb2_grpc
 from tests.support import child_process, free_port, wait_for_line
@@ -48,7 +48,7 @@ def proxied(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen]]:
 
 def generate_through_silence(address: str, proxy: subprocess.Popen, deadline_s: float) -> tuple[str, float]:
     """One call that works, then one after the network went silent: its status and seconds."""
-    with security.channel(address, None, "rollout") as chan:
+    with transport.channel(address, None, "rollout") as chan:
         stub = rollout_pb2_grpc.RolloutStub(chan)
         stub.Generate(rollout_pb2.GenerateRequest(), timeout=30)
         os.kill(proxy.pid, signal.SIGSTOP)
@@ -61,8 +61,8 @@ def generate_through_silence(address: str, proxy: subprocess.Popen, deadline_s: 
 def test_a_silent_connection_fails_unavailable_within_the_keepalive(
     proxied: tuple[str, subprocess.Popen], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    fast = [(k, 1000 if k.endswith("_ms") else v) for k, v in security.CLIENT_KEEPALIVE]
-    monkeypatch.setattr(security, "CLIENT_KEEPALIVE", fast)  # (1 s: the shipped 10 s, 10 times faster)
+    fast = [(k, 1000 if k.endswith("_ms") else v) for k, v in transport.CLIENT_KEEPALIVE]
+    monkeypatch.setattr(transport, "CLIENT_KEEPALIVE", fast)  # (1 s: the shipped 10 s, 10 times faster)
     code, seconds = generate_through_silence(*proxied, deadline_s=20)
     assert code == "UNAVAILABLE" and seconds < 10, (code, seconds)
 
@@ -70,6 +70,6 @@ def test_a_silent_connection_fails_unavailable_within_the_keepalive(
 def test_without_keepalive_the_call_waits_out_its_deadline(
     proxied: tuple[str, subprocess.Popen], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(security, "CLIENT_KEEPALIVE", [])  # what the channels had before
+    monkeypatch.setattr(transport, "CLIENT_KEEPALIVE", [])  # what the channels had before
     code, seconds = generate_through_silence(*proxied, deadline_s=4)
     assert code == "DEADLINE_EXCEEDED" and seconds >= 4
