@@ -1,6 +1,6 @@
 """Helpers for tests: real child processes (tracked by PID and always reaped), a real redis-server on
-loopback, an independent reference for the logprobs an FP8 engine should produce, and the compose file's
-services as local processes."""
+loopback, a trainer's config on this CPU, an independent reference for the logprobs an FP8 engine should
+produce, and the compose file's services as local processes."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 import yaml
@@ -24,6 +25,22 @@ import yaml
 from coordinator.processes import free_port as free_port  # the one free_port, re-exported for tests
 from coordinator.processes import start_redis
 from fp8rl import quant
+from trainer_service.config import TrainerConfig
+
+
+def trainer_config(model: Path, recipe: str = "fp8", **fields: Any) -> TrainerConfig:
+    """A trainer of ``model`` under ``recipe`` as the tests run one: float32 compute (bf16's noise hides
+    FP8 effects) and a free port if it serves; ``fields`` set the rest."""
+    return TrainerConfig.model_validate(
+        {"model": model, "recipe": recipe, "compute_dtype": "float32", "port": 0} | fields
+    )
+
+
+def coordinator_start(run_dir: Path, *args: str) -> list[str]:
+    """The command line of an embedded test run: `coordinator start` into ``run_dir`` with float32
+    compute (the default on CPU, said aloud) and plain progress lines, then ``args``."""
+    fixed = ["--run-dir", str(run_dir), "--compute-dtype", "float32", "--progress", "plain"]
+    return [sys.executable, "-m", "coordinator.cli", "start", *fixed, *args]
 
 
 @contextmanager

@@ -9,7 +9,6 @@ import importlib.util
 import json
 import random
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ import pytest
 from coordinator.metrics import read_metrics
 from fp8rl import arith
 from fp8rl.data import GSM8K_SAMPLE
+from tests.support import coordinator_start
 
 pytestmark = [
     pytest.mark.slow,
@@ -36,10 +36,9 @@ def test_a_dataset_run_scores_with_math_verify_off_the_main_thread(tmp_path: Pat
     data = tmp_path / "sums.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in sums + gsm8k))  # 32 rows: 16 validate
     run_dir = tmp_path / "run"
-    args = [sys.executable, "-m", "coordinator.cli", "start", "--task", "dataset", "--dataset", str(data)]
-    args += ["--prompt-key", "question", "--steps", "2", "--prompts-per-step", "20", "--group-size", "4"]
-    args += ["--max-tokens", "4", "--val-every", "0", "--compute-dtype", "float32"]
-    args += ["--run-dir", str(run_dir), "--progress", "plain"]
+    args = coordinator_start(run_dir, "--task", "dataset", "--dataset", str(data), "--prompt-key", "question")
+    args += ["--steps", "2", "--prompts-per-step", "20", "--group-size", "4", "--max-tokens", "4"]
+    args += ["--val-every", "0"]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=300)
     out = proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.returncode == 0, out

@@ -12,6 +12,7 @@ import pytest
 from coordinator.metrics import read_metrics
 from fp8rl import models
 from fp8rl.tiny import score_base_model
+from tests.support import coordinator_start
 
 pytestmark = pytest.mark.slow
 
@@ -49,8 +50,8 @@ def test_base_model_builder_is_deterministic_and_checks_its_postconditions(tmp_p
 
 def test_short_fp8_run_raises_validation_accuracy(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    args = [sys.executable, "-m", "coordinator.cli", "start", "--recipe", "fp8", "--steps", "40"]
-    args += ["--val-every", "0", "--set", "val_size=256", "--run-dir", str(run_dir), "--progress", "plain"]
+    args = coordinator_start(run_dir, "--recipe", "fp8", "--steps", "40", "--val-every", "0")
+    args += ["--set", "val_size=256"]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = read_metrics(run_dir)

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from coordinator.metrics import read_metrics
 from tests.families import QWEN3_MOE, write_checkpoint
+from tests.support import coordinator_start
 
 pytestmark = pytest.mark.slow
 
@@ -23,10 +23,9 @@ pytestmark = pytest.mark.slow
 def test_a_qwen3_moe_trains_under_fp8(smollm2_dir: Path, tmp_path: Path) -> None:
     model = write_checkpoint(QWEN3_MOE, smollm2_dir, tmp_path / "qwen3-moe")
     run_dir = tmp_path / "run"
-    args = [sys.executable, "-m", "coordinator.cli", "start", "--recipe", "fp8", "--model", str(model)]
-    args += ["--task", "arith-chat", "--steps", "2", "--prompts-per-step", "4", "--group-size", "2"]
-    args += ["--max-tokens", "8", "--val-every", "0", "--compute-dtype", "float32"]
-    args += ["--run-dir", str(run_dir), "--progress", "plain"]
+    args = coordinator_start(run_dir, "--recipe", "fp8", "--model", str(model), "--task", "arith-chat")
+    args += ["--steps", "2", "--prompts-per-step", "4", "--group-size", "2", "--max-tokens", "8"]
+    args += ["--val-every", "0"]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=900)
     out = proc.stdout[-4000:] + proc.stderr[-4000:]
     assert proc.returncode == 0, out

@@ -7,22 +7,21 @@ misplaced in an episode's record shows."""
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from coordinator.metrics import read_metrics
+from tests.support import coordinator_start
 
 pytestmark = pytest.mark.slow
 
 
 def test_a_multi_turn_environment_trains_from_recorded_episodes(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    args = [sys.executable, "-m", "coordinator.cli", "start", "--env", "tests.envs.arith_retry:ArithRetry"]
+    args = coordinator_start(run_dir, "--env", "tests.envs.arith_retry:ArithRetry", "--consistency", "exact")
     args += ["--steps", "3", "--prompts-per-step", "6", "--group-size", "4", "--max-tokens", "4"]
-    args += ["--val-every", "2", "--compute-dtype", "float32", "--run-dir", str(run_dir)]
-    args += ["--progress", "plain", "--consistency", "exact"]
+    args += ["--val-every", "2"]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=400)
     out = proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.returncode == 0, out

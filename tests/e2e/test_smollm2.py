@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from coordinator.metrics import read_metrics
+from tests.support import coordinator_start
 
 pytestmark = pytest.mark.slow
 
@@ -27,19 +27,9 @@ def test_smollm2_trains_under_fp8_on_a_chat_dataset(smollm2_dir: Path, tmp_path:
     data = tmp_path / "chat.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in chat_rows(12)))
     run_dir = tmp_path / "run"
-    args = [sys.executable, "-m", "coordinator.cli", "start", "--recipe", "fp8", "--model", str(smollm2_dir)]
-    args += ["--task", "dataset", "--dataset", str(data), "--prompt-key", "messages", "--val-size", "4"]
+    args = coordinator_start(run_dir, "--recipe", "fp8", "--model", str(smollm2_dir), "--task", "dataset")
+    args += ["--dataset", str(data), "--prompt-key", "messages", "--val-size", "4", "--val-every", "0"]
     args += ["--steps", "2", "--prompts-per-step", "4", "--group-size", "2", "--max-tokens", "12"]
-    args += [
-        "--val-every",
-        "0",
-        "--compute-dtype",
-        "float32",
-        "--run-dir",
-        str(run_dir),
-        "--progress",
-        "plain",
-    ]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=900)
     out = proc.stdout[-4000:] + proc.stderr[-4000:]
     assert proc.returncode == 0, out

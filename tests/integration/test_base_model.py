@@ -16,6 +16,7 @@ from fp8rl import models
 from fp8rl.architectures import EXPERT_GEMMS, fp8_plan, moe_layers, num_experts, read_config
 from fp8rl.recipes import get_recipe
 from fp8rl.tiny import BaseModelError, BaseScore, score_base_model, train_base_model, write_tiny_model
+from tests.support import trainer_config
 
 
 def test_shipped_model_matches_its_manifest_and_is_every_process_default() -> None:
@@ -40,7 +41,6 @@ def test_shipped_model_matches_its_manifest_and_is_every_process_default() -> No
 def test_shipped_moe_model_matches_its_manifest_and_every_expert_gemm_is_fp8() -> None:
     """The MoE twin: Qwen3-MoE in every layer, every linear and expert GEMM of whole 128x128 blocks, so the
     FP8 plan keeps only the routers in high precision; the trainer loads it with its experts converted."""
-    from trainer_service.config import TrainerConfig
     from trainer_service.fp8_linear import EmulatedFP8Experts
     from trainer_service.learner import Learner
 
@@ -58,7 +58,7 @@ def test_shipped_moe_model_matches_its_manifest_and_every_expert_gemm_is_fp8() -
     linears = [w for name, w in weights.items() if name.endswith("_proj.weight")]
     assert len(linears) == 8 + 24 and all(w.shape[0] % 128 == 0 == w.shape[1] % 128 for w in linears)
 
-    trainer = TrainerConfig(model=path, recipe="fp8", compute_dtype="float32", device="cpu")
+    trainer = trainer_config(path, "fp8", device="cpu")
     layers: Any = Learner(trainer, get_recipe("fp8")).model.model.layers
     assert all(isinstance(layer.mlp.experts, EmulatedFP8Experts) for layer in layers)
     assert not any(isinstance(layer.mlp.gate, torch.nn.Linear) for layer in layers)  # (routers unconverted)

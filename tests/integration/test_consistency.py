@@ -11,8 +11,7 @@ import torch
 
 from fp8rl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, trainer_pb2
 from tests.conftest import InProcessRollout
-from tests.support import service_process
-from trainer_service.config import TrainerConfig
+from tests.support import service_process, trainer_config
 from trainer_service.service import TrainerService
 
 SAMPLING = common_pb2.SamplingParams(max_tokens=16, temperature=1.0, seed=11)
@@ -33,7 +32,7 @@ def mult_prob_errors(
     (a delta against what the replica holds, which must apply). ``kv_scales``: the KV-cache scales of
     every version (none calibrated). ``prompts``: token ids (default: four short texts in the tiny model's
     byte-level ids)."""
-    config = TrainerConfig(model=model, recipe=recipe, compute_dtype="float32", port=0, **learner)  # type: ignore[arg-type]
+    config = trainer_config(model, recipe, **learner)  # type: ignore[arg-type]
     trainer = TrainerService(config)
     if kv_scales is not None:
         assert trainer.learner.kv_cache is not None

@@ -26,7 +26,14 @@ from fp8rl.serving import start_server
 from fp8rl.v1 import common_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc, weights_pb2
 from tests.families import FAMILIES, write_checkpoint
 from tests.integration.test_trainer import samples
-from tests.support import assert_pickle_free, child_process, free_port, unpickling_forbidden, wait_for_line
+from tests.support import (
+    assert_pickle_free,
+    child_process,
+    free_port,
+    trainer_config,
+    unpickling_forbidden,
+    wait_for_line,
+)
 from trainer_service import checkpoint
 from trainer_service.config import TrainerConfig
 from trainer_service.learner import Learner, SampleData
@@ -50,11 +57,9 @@ STEP_SAMPLES = [
 def learner_config(model: Path, recipe: str) -> TrainerConfig:
     # Adam's first step moves each weight by about lr * sign(g): eps well above float rounding keeps
     # gradients that are zero up to rounding from flipping a weight by 2 lr between the two runs.
-    return TrainerConfig(
-        model=model,
-        recipe=recipe,
-        compute_dtype="float32",
-        port=0,
+    return trainer_config(
+        model,
+        recipe,
         micro_batch_size=3,
         optimizer={"lr": LR, "eps": 1e-3},
     )

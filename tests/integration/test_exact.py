@@ -15,8 +15,7 @@ from fp8rl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, trainer_pb2
 from tests.families import FAMILIES, LLAMA_BF16_STORED, QWEN3_MOE, Family
 from tests.integration.test_architectures import prompts
 from tests.integration.test_consistency import mult_prob_errors
-from tests.support import service_process
-from trainer_service.config import TrainerConfig
+from tests.support import service_process, trainer_config
 from trainer_service.service import TrainerService
 
 EXACT = {"consistency": "exact"}
@@ -92,9 +91,7 @@ def batch_invariance(stub: rollout_pb2_grpc.RolloutStub, model: Path, recipe: st
     first = next(c for c in crowd if c.sample_index == 0)
     assert list(first.token_ids) == list(alone.token_ids)
     assert list(first.logprobs) == list(alone.logprobs)
-    trainer = TrainerService(
-        TrainerConfig(model=model, recipe=recipe, compute_dtype="float32", port=0, precision=EXACT)
-    )
+    trainer = TrainerService(trainer_config(model, recipe, precision=EXACT))
     scored = trainer.compute_logprobs(
         trainer_pb2.ComputeLogprobsRequest(
             sequences=[

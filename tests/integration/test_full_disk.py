@@ -15,7 +15,7 @@ import pytest
 from fp8rl.serving import start_server
 from fp8rl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from tests.integration.test_trainer import samples, step_request
-from tests.support import fill_disk, tmpfs
+from tests.support import fill_disk, tmpfs, trainer_config
 from trainer_service import checkpoint
 from trainer_service.config import TrainerConfig
 from trainer_service.service import TrainerService
@@ -36,10 +36,9 @@ def disk(tmp_path: Path) -> Iterator[Path]:
 
 
 def config_on(model: Path, root: Path, **overrides: object) -> TrainerConfig:
-    return TrainerConfig(
-        model=model,
-        recipe="fp8",
-        compute_dtype="float32",
+    return trainer_config(
+        model,
+        "fp8",
         device="cpu",
         fp8_backend="emulated",
         port=0,

@@ -15,7 +15,7 @@ import torch
 from fp8rl import quant
 from fp8rl.recipes import get_recipe
 from fp8rl.sampling import SamplingSettings
-from trainer_service.config import TrainerConfig
+from tests.support import trainer_config
 from trainer_service.learner import Learner, SampleData
 
 F32 = np.float32
@@ -80,9 +80,7 @@ def test_fake_quantize_query_is_vllms_static_quantizer() -> None:
 
 
 def learner(model: Path, recipe: str = "fp8-kv", **overrides: object) -> Learner:
-    config = TrainerConfig(
-        model=model, recipe=recipe, compute_dtype="float32", port=0, micro_batch_size=2, **overrides
-    )  # type: ignore[arg-type]
+    config = trainer_config(model, recipe, micro_batch_size=2, **overrides)  # type: ignore[arg-type]
     return Learner(config, get_recipe(recipe))
 
 
@@ -253,9 +251,7 @@ def test_kv_scales_survive_a_checkpoint(tiny_model_dir_f32: Path, tmp_path: Path
     from fp8rl.v1 import common_pb2, trainer_pb2
     from trainer_service.service import TrainerService
 
-    config = TrainerConfig(
-        model=tiny_model_dir_f32, recipe="fp8-kv", compute_dtype="float32", port=0, checkpoint_dir=tmp_path
-    )
+    config = trainer_config(tiny_model_dir_f32, "fp8-kv", checkpoint_dir=tmp_path)
     trainer = TrainerService(config)
     batch = [
         trainer_pb2.Sample(

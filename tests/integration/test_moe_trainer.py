@@ -14,8 +14,8 @@ import torch
 from fp8rl import quant
 from fp8rl.recipes import get_recipe
 from fp8rl.sampling import SamplingSettings
+from tests.support import trainer_config
 from trainer_service import fp8_linear as fp8_module
-from trainer_service.config import TrainerConfig
 from trainer_service.fp8_linear import EmulatedFP8Experts
 from trainer_service.learner import Learner, SampleData
 from trainer_service.publisher import Publisher
@@ -38,10 +38,9 @@ def samples(gen: torch.Generator, count: int = 6) -> list[SampleData]:
 def test_a_grpo_step_runs_every_expert_gemm_in_fp8(
     qwen3_moe_dir: Path, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    config = TrainerConfig(
-        model=qwen3_moe_dir,
-        recipe="fp8",
-        compute_dtype="float32",
+    config = trainer_config(
+        qwen3_moe_dir,
+        "fp8",
         device="cpu",
         fp8_backend="emulated",
         micro_batch_size=3,
@@ -138,9 +137,7 @@ def test_a_step_measures_routing_mismatch_under_replay(qwen3_moe_dir: Path, gen:
     choice although replay routes the step as the samples say. (Without replay: tests/e2e/test_moe_run.py.)"""
     import dataclasses
 
-    config = TrainerConfig(
-        model=qwen3_moe_dir, recipe="fp8", compute_dtype="float32", device="cpu", routing_replay=True
-    )
+    config = trainer_config(qwen3_moe_dir, "fp8", device="cpu", routing_replay=True)
     learner = Learner(config, get_recipe("fp8"))
     batch = samples(gen, count=4)
     own = own_routing_of(learner, batch)

@@ -33,7 +33,6 @@ from fp8rl.security import (
     PROOF_TTL_S,
     AccessControl,
     SecurityConfig,
-    channel,
     exposure_problem,
     proof_refusal,
     registration_proof,
@@ -41,6 +40,7 @@ from fp8rl.security import (
     token_digest,
 )
 from fp8rl.serving import FENCE_METADATA, InsecureBinding, RunningServer, start_server
+from fp8rl.transport import channel
 from fp8rl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc, weights_pb2
 from rollout_service.high_water import HighWater
 from rollout_service.service import RolloutService
@@ -48,7 +48,7 @@ from rollout_service.servicer import RolloutServicer
 from tests.conftest import InProcessRollout
 from tests.integration.test_rollout import random_state
 from tests.integration.test_trainer import samples
-from trainer_service.config import TrainerConfig
+from tests.support import trainer_config
 from trainer_service.service import TrainerService
 from trainer_service.servicer import SERVICE_NAME as TRAINER
 from trainer_service.servicer import TrainerServicer
@@ -119,11 +119,9 @@ def test_only_the_trainer_gets_the_signing_key(run_secrets: Path, tmp_path: Path
 def trainer_server(
     model: Path, security: SecurityConfig, tmp_path: Path
 ) -> tuple[TrainerService, RunningServer]:
-    config = TrainerConfig(
-        model=model,
-        recipe="fp8",
-        compute_dtype="float32",
-        port=0,
+    config = trainer_config(
+        model,
+        "fp8",
         micro_batch_size=3,
         checkpoint_dir=tmp_path / "ckpt",
         security=security,

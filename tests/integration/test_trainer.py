@@ -15,7 +15,13 @@ from fp8rl.codec.weight_set import raw_bytes
 from fp8rl.errors import InvalidRequest
 from fp8rl.serving import start_server
 from fp8rl.v1 import common_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc, weights_pb2
-from tests.support import assert_pickle_free, load_reference, reference_logprobs, unpickling_forbidden
+from tests.support import (
+    assert_pickle_free,
+    load_reference,
+    reference_logprobs,
+    trainer_config,
+    unpickling_forbidden,
+)
 from trainer_service.config import TrainerConfig
 from trainer_service.publisher import Publisher, Target
 from trainer_service.service import TrainerService, parse_samples
@@ -24,10 +30,9 @@ from trainer_service.servicer import SERVICE_NAME, TrainerServicer
 
 @pytest.fixture
 def trainer(tiny_model_dir_f32: Path) -> Iterator[tuple[TrainerService, trainer_pb2_grpc.TrainerStub]]:
-    config = TrainerConfig(
-        model=tiny_model_dir_f32,
-        recipe="fp8",
-        compute_dtype="float32",
+    config = trainer_config(
+        tiny_model_dir_f32,
+        "fp8",
         device="cpu",
         fp8_backend="emulated",
         port=0,
@@ -189,9 +194,7 @@ def test_a_loss_mask_trains_and_measures_only_the_policys_tokens(tiny_model_dir_
     for s, m in zip(batch, masks, strict=True):
         s.loss_mask.extend(m)
     data = parse_samples(batch, vocab=320, max_positions=512)
-    config = TrainerConfig(
-        model=tiny_model_dir_f32, recipe="fp8", compute_dtype="float32", fp8_backend="emulated"
-    )  # type: ignore[arg-type]
+    config = trainer_config(tiny_model_dir_f32, "fp8", fp8_backend="emulated")  # type: ignore[arg-type]
     sampling = SamplingSettings()
     masked, unmasked = Learner(config, get_recipe("fp8")), Learner(config, get_recipe("fp8"))
     plain_batch = masked.collate(parse_samples(samples(4), vocab=320, max_positions=512))
@@ -310,9 +313,7 @@ def test_exact_mode_scores_only_the_masked_positions_and_the_same_bits(
         completion = [rng.randrange(4, 300) for _ in range(rng.randrange(1, 9))]
         prompt = [rng.randrange(4, 300) for _ in range(rng.randrange(3, 12))]
         data.append(SampleData(prompt, completion, [-1.0] * len(completion), float(i % 2), str(i // 2)))
-    config = TrainerConfig(
-        model=tiny_model_dir_f32, recipe=recipe, compute_dtype="float32", precision={"consistency": "exact"}
-    )
+    config = trainer_config(tiny_model_dir_f32, recipe, precision={"consistency": "exact"})
     learner = Learner(config, get_recipe(recipe))
     batch, sampling = learner.collate(data), SamplingSettings(temperature=0.9)
     scored = learner.score(batch, sampling)
@@ -334,9 +335,7 @@ def test_the_emulation_pads_as_transformer_engine_does(tiny_model_dir_f32: Path)
 
     data = [SampleData([5, 6, 7], [8, 9], [-1.0, -1.0], 1.0, "0")]  # 5 positions
     for recipe, multiple in (("fp8", TE_TOKEN_MULTIPLE), ("fp8-rollout", 1)):
-        config = TrainerConfig(
-            model=tiny_model_dir_f32, recipe=recipe, compute_dtype="float32", fp8_backend="emulated"
-        )  # type: ignore[arg-type]
+        config = trainer_config(tiny_model_dir_f32, recipe, fp8_backend="emulated")  # type: ignore[arg-type]
         learner = Learner(config, get_recipe(recipe))
         assert learner.token_multiple == multiple
         assert learner.collate(data).input_ids.shape[1] == max(5, multiple)
@@ -363,10 +362,9 @@ def test_a_non_finite_gradient_skips_the_step_and_changes_nothing(trainer) -> No
 def test_a_non_finite_gradient_in_a_later_mini_batch_undoes_the_earlier_ones(
     tiny_model_dir_f32: Path,
 ) -> None:
-    config = TrainerConfig(
-        model=tiny_model_dir_f32,
-        recipe="fp8",
-        compute_dtype="float32",
+    config = trainer_config(
+        tiny_model_dir_f32,
+        "fp8",
         mini_batches=2,
         optimizer={"lr": 1e-3},
     )
@@ -380,7 +378,7 @@ def test_a_non_finite_gradient_in_a_later_mini_batch_undoes_the_earlier_ones(
 
 def checkpointing(model: Path, root: Path, **settings: int) -> TrainerConfig:
     """A float32 bf16-recipe trainer that checkpoints into ``root``."""
-    return TrainerConfig(model=model, recipe="bf16", compute_dtype="float32", checkpoint_dir=root, **settings)  # type: ignore[arg-type]
+    return trainer_config(model, "bf16", checkpoint_dir=root, **settings)  # type: ignore[arg-type]
 
 
 def checkpoint_steps(root: Path) -> list[str]:
