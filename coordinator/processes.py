@@ -20,7 +20,7 @@ from typing import Literal
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from fp8rl.credentials import PASSWORD_ENV, redis_url_with_password, write_private
+from fp8rl.credentials import PASSWORD_ENV, redis_config_string, redis_url_with_password, write_private
 from fp8rl.security import SecurityConfig
 from fp8rl.transport import channel
 
@@ -132,7 +132,7 @@ def start_redis(
     args = ["redis-server"]
     if password:  # in a 0600 config file, not in argv (which `ps` shows to every user)
         conf = data_dir / "redis.conf"
-        write_private(conf, f"requirepass {password}\n")
+        write_private(conf, f"requirepass {redis_config_string(password)}\n")
         args.append(str(conf))
     args += ["--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir)]
     args += ["--save", "", "--protected-mode", "yes"]

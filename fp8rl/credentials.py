@@ -67,6 +67,13 @@ def has_password(url: str | None) -> bool:
     return bool(url) and urlsplit(str(url)).password is not None
 
 
+def redis_config_string(value: str) -> str:
+    """``value`` as one quoted argument of a Redis configuration line: a password with a space, `"` or
+    `\\` in it stays one argument (Redis reads `\\`, `\\"`, `\\n`, `\\r` inside double quotes)."""
+    escaped = value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\r", "\\r")
+    return f'"{escaped}"'
+
+
 def new_password() -> str:
     return secrets.token_urlsafe(24)
 

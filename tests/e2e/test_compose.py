@@ -164,3 +164,10 @@ def test_the_openai_file_publishes_the_replicas_face_on_loopback_only() -> None:
     assert {k: v for k, v in openai["services"].items() if k != "rollout"} == {
         k: v for k, v in cpu["services"].items() if k != "rollout"
     }
+
+
+def test_the_coordinator_comes_back_after_a_crash_and_stays_down_once_done() -> None:
+    cpu = compose_config("docker-compose.yml")
+    assert cpu["services"]["coordinator"]["restart"] == "on-failure:5"
+    gpu = compose_config("docker-compose.yml", "docker-compose.gpu.yml")
+    assert gpu["services"]["coordinator"]["restart"] == "on-failure:5"
