@@ -19,7 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from coordinator.batches import BatchMaker, StepBatch
-from coordinator.clients import RolloutPool, TrainerClient
+from coordinator.clients import RolloutPool, TrainerClient, rpc_code
 from coordinator.config import CoordinatorConfig
 from coordinator.metrics import MetricsSink, committed
 from coordinator.publishing import Publishing
@@ -118,6 +118,12 @@ class Driver:
         except Exception as exc:
             if self._lease_lost is not None and not isinstance(exc, LeaseLost):
                 raise self._lease_lost from exc
+            if rpc_code(exc) == "FAILED_PRECONDITION" and self.trainer.status().step < state.step:
+                # The trainer came back behind the run (restarted from an older checkpoint, or from none):
+                # rewind to it, as a restarted coordinator would, and go on from there.
+                self._recover()
+                self.sink.rebuild(self.store.metrics(), self.store.read().step + 1)
+                return None
             raise
 
     def _recover(self) -> None:
@@ -127,7 +133,8 @@ class Driver:
         k = state.step
         if trainer_step < k or (trainer_step == k and state.phase in ("publish", "commit")):
             detail = (
-                f"trainer is at step {trainer_step} (restarted from a checkpoint): run rewound from {state}"
+                f"trainer is at step {trainer_step} (restarted from its newest checkpoint, or from none): "
+                f"run rewound from {state}"
             )
             self.store.rewind(trainer_step, detail)
             self.sink.say(f"recovery: {detail}")

@@ -120,9 +120,13 @@ class FakeTrainer:
             replay.CopyFrom(self.results[k])
             replay.replayed = True
             return replay
+        self.on_train(k)
+        if k > self.step:  # as the trainer answers a step it has not reached (trainer_service.service)
+            raise FakeRpcError(
+                grpc.StatusCode.FAILED_PRECONDITION, f"expected step {self.step}, got step {k}"
+            )
         assert k == self.step, f"asked to train step {k} at step {self.step}"
         assert len(request.samples) > 0
-        self.on_train(k)
         if self.refusal is not None:
             refusal, self.refusal = self.refusal, None
             raise refusal
@@ -271,6 +275,24 @@ def test_a_trainer_restarted_from_an_older_checkpoint_rewinds_the_run(
     assert [json.loads(line)["step"] for line in written] == [0, 1, 2, 3, 4]
     assert run.store.read() == RunState(4, "generate")
     assert any("trainer is at step 1" in e and "rewound" in e for e in run.events("recovery"))
+
+
+def test_a_trainer_that_comes_back_empty_mid_run_rewinds_the_running_run(
+    client: redis.Redis, tmp_path: Path
+) -> None:
+    run = Run(client, tmp_path)
+
+    def restart_without_checkpoints(k: int) -> None:
+        if k == 2 and run.trainer.trained == [0, 1]:
+            run.trainer.step, run.trainer.results = 0, {}  # killed and back at step 0, within the call
+
+    run.trainer.on_train = restart_without_checkpoints
+    records = run.drive(steps=3)  # no exception: the same driver rewinds and finishes
+    assert run.trainer.trained == [0, 1, 0, 1, 2]
+    assert [r["step"] for r in records] == [0, 1, 2, 3] == [r["step"] for r in run.store.metrics()]
+    written = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in written] == [0, 1, 2, 3]
+    assert any("trainer is at step 0" in e and "rewound" in e for e in run.events("recovery"))
 
 
 def test_a_trainer_ahead_of_the_run_is_refused(client: redis.Redis, tmp_path: Path) -> None:
