@@ -125,6 +125,24 @@ return 1
 """
 )
 
+# KEYS: lease, fence, stream | ARGV: owner, fence, then the entry's field/value pairs
+_GUARDED_XADD = (
+    _GUARD
+    + """
+redis.call('XADD', KEYS[3], '*', unpack(ARGV, 3))
+return 1
+"""
+)
+
+# KEYS: lease, fence, hash | ARGV: owner, fence, field, value
+_GUARDED_HSET_FIELD = (
+    _GUARD
+    + """
+redis.call('HSET', KEYS[3], ARGV[3], ARGV[4])
+return 1
+"""
+)
+
 # KEYS: lease, fence, state, events, batch | ARGV: owner, fence, step, detail, now
 _REDO_BATCH = (
     _GUARD
@@ -227,6 +245,8 @@ class RunStore:
         self._take_over: Any = client.register_script(_TAKE_OVER)
         self._renew: Any = client.register_script(_RENEW)
         self._hset: Any = client.register_script(_GUARDED_HSET)
+        self._xadd: Any = client.register_script(_GUARDED_XADD)
+        self._hset_field: Any = client.register_script(_GUARDED_HSET_FIELD)
         self._rewind: Any = client.register_script(_REWIND)
         self._redo_batch: Any = client.register_script(_REDO_BATCH)
         self._base_record: Any = client.register_script(_BASE_RECORD)
@@ -350,14 +370,27 @@ class RunStore:
         return raw[b"request"], int(raw[b"version"]), json.loads(raw[b"info"])
 
     def set_replica_version(self, address: str, version: int) -> None:
-        self.client.hset(self.key("replicas"), address, version)
+        keys = [*self._lease_keys, self.key("replicas")]
+        self._checked(
+            self._hset_field(keys=keys, args=[self.owner, self.fence, address, version]),
+            f"recording {address} at version {version}",
+        )
 
     def replica_versions(self) -> dict[str, int]:
         return {k.decode(): int(v) for k, v in self.client.hgetall(self.key("replicas")).items()}
 
     def event(self, kind: str, detail: str, step: int | None = None) -> None:
-        self.client.xadd(
-            self.key("events"), {"kind": kind, "step": "" if step is None else step, "detail": detail}
+        """One entry of the run's event stream, fenced like every write under a lease: a coordinator that
+        lost its lease records nothing more (LeaseLost). Before any lease (the supervisor noting a restart
+        of its children) there is nothing to fence."""
+        fields = {"kind": kind, "step": "" if step is None else step, "detail": detail}
+        if not self.owner:
+            self.client.xadd(self.key("events"), fields)
+            return
+        pairs = [x for item in fields.items() for x in item]
+        keys = [*self._lease_keys, self.key("events")]
+        self._checked(
+            self._xadd(keys=keys, args=[self.owner, self.fence, *pairs]), f"recording a {kind} event"
         )
 
     def metrics(self) -> list[dict[str, Any]]:

@@ -88,6 +88,15 @@ def test_stale_fencing_token_cannot_commit(client: redis.Redis) -> None:
         old.renew(30)
     with pytest.raises(LeaseLost):
         old.put_batch(1, b"x", 0, {})
+    with pytest.raises(LeaseLost):  # events and replica records are fenced too
+        old.event("heal", "from the stale coordinator", 0)
+    with pytest.raises(LeaseLost):
+        old.set_replica_version("r1:50051", 7)
+    assert [e["detail"] for e in new.events() if e["kind"] == "heal"] == [] and new.replica_versions() == {}
+    new.event("heal", "from the leader", 0)
+    new.set_replica_version("r1:50051", 1)
+    assert [e["detail"] for e in new.events() if e["kind"] == "heal"] == ["from the leader"]
+    assert new.replica_versions() == {"r1:50051": 1}
     assert new.metrics() == []
     new.commit(0, {"step": 1})
     assert new.metrics() == [{"step": 1}] and new.read() == RunState(1, "generate")
