@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import grpc
 
@@ -49,19 +49,21 @@ class Rollouts:
     extra: dict[str, float] = field(default_factory=dict)  # the kind's own figures
 
 
-class RolloutKind(Protocol):
-    """Single-turn completions or a multi-turn environment's episodes (BatchMaker picks one)."""
+@dataclass(frozen=True)
+class RolloutAsk:
+    """What to generate: n rollouts of each problem at a weight version, on these replicas."""
 
-    def __call__(
-        self,
-        problems: list[Problem],
-        n: int,
-        sampling: common_pb2.SamplingParams,
-        version: int,
-        replicas: list[str],
-        label: str,
-        training: bool,
-    ) -> Rollouts: ...
+    problems: list[Problem]
+    n: int
+    sampling: common_pb2.SamplingParams
+    version: int
+    replicas: list[str]
+    label: str  # names a step's episodes (run id, then this: s3, val4)
+    training: bool  # (validation: False)
+
+
+RolloutKind = Callable[[RolloutAsk], Rollouts]
+"""Single-turn completions or a multi-turn environment's episodes (BatchMaker picks one)."""
 
 
 class BatchMaker:
@@ -141,7 +143,9 @@ class BatchMaker:
         c = self.config.sampling
         problems = self.task.train_problems(step, c.prompts_per_step)
         start = time.perf_counter()
-        got = self.rollouts(problems, c.group_size, self.sampling, version, replicas, f"s{step}", True)
+        got = self.rollouts(
+            RolloutAsk(problems, c.group_size, self.sampling, version, replicas, f"s{step}", True)
+        )
         generate_s = time.perf_counter() - start - got.score_s
         if got.reward_timeouts:
             self.store.event(
@@ -166,7 +170,7 @@ class BatchMaker:
     def validate(self, version: int, replicas: list[str]) -> float:
         """Mean reward of greedy completions (or episodes) of the held-out prompts."""
         problems = self.task.val_problems()
-        got = self.rollouts(problems, 1, self.greedy, version, replicas, f"val{version}", False)
+        got = self.rollouts(RolloutAsk(problems, 1, self.greedy, version, replicas, f"val{version}", False))
         if got.reward_timeouts:
             self.store.event(
                 "reward-timeout",
@@ -174,21 +178,12 @@ class BatchMaker:
             )
         return sum(got.rewards) / len(got.rewards)
 
-    def _completions(
-        self,
-        problems: list[Problem],
-        n: int,
-        sampling: common_pb2.SamplingParams,
-        version: int,
-        replicas: list[str],
-        label: str,
-        training: bool,
-    ) -> Rollouts:
+    def _completions(self, ask: RolloutAsk) -> Rollouts:
         """Single-turn: n completions per problem over gRPC, each scored by the task's reward."""
-        routed = training and self.routed_experts
-        completions = self._complete(problems, n, sampling, version, replicas, routed)
+        routed = ask.training and self.routed_experts
+        completions = self._complete(ask.problems, ask.n, ask.sampling, ask.version, ask.replicas, routed)
         start = time.perf_counter()
-        rewards, timeouts = self._rewards_of(problems, completions)
+        rewards, timeouts = self._rewards_of(ask.problems, completions)
         score_s = time.perf_counter() - start
         samples = [
             trainer_pb2.Sample(
@@ -203,20 +198,10 @@ class BatchMaker:
         ]
         return Rollouts(samples, rewards, sum(len(c.token_ids) for c in completions), timeouts, score_s)
 
-    def _episodes(
-        self,
-        runner: EpisodeRunner,
-        problems: list[Problem],
-        n: int,
-        sampling: common_pb2.SamplingParams,
-        version: int,
-        replicas: list[str],
-        label: str,
-        training: bool,
-    ) -> Rollouts:
+    def _episodes(self, runner: EpisodeRunner, ask: RolloutAsk) -> Rollouts:
         """A multi-turn environment: n episodes per problem, each recorded sample of an episode (one,
         unless a turn rewrote the conversation) trained with the episode's reward."""
-        episodes = self._play(runner, problems, n, sampling, version, replicas, f"{self.run_id}.{label}")
+        episodes = self._play(runner, ask)
         samples = [
             trainer_pb2.Sample(
                 prompt_token_ids=s["prompt_token_ids"],
@@ -236,25 +221,17 @@ class BatchMaker:
         tokens = sum(sum(s.loss_mask) for s in samples)
         return Rollouts(samples, [e.reward for e in episodes], tokens, extra=extra)
 
-    def _play(
-        self,
-        runner: EpisodeRunner,
-        problems: list[Problem],
-        n: int,
-        sampling: common_pb2.SamplingParams,
-        version: int,
-        replicas: list[str],
-        prefix: str,
-    ) -> list[PlayedEpisode]:
-        if any(a not in self.pool.http for a in replicas):
+    def _play(self, runner: EpisodeRunner, ask: RolloutAsk) -> list[PlayedEpisode]:
+        if any(a not in self.pool.http for a in ask.replicas):
             self.pool.held_versions()  # (their HTTP faces' addresses come with their status)
-        served = {a: self.pool.http.get(a, "") for a in replicas}
+        served = {a: self.pool.http.get(a, "") for a in ask.replicas}
 
         def failed(address: str, exc: Exception) -> None:
             self.store.event("replica-failed", f"{address}: episode failed: {type(exc).__name__}: {exc}")
             log.warning("replica %s failed an episode (%s); it is played again elsewhere", address, exc)
 
-        return runner.play([(p, n) for p in problems], sampling, version, served, prefix, failed)
+        jobs = [(p, ask.n) for p in ask.problems]
+        return runner.play(jobs, ask.sampling, ask.version, served, f"{self.run_id}.{ask.label}", failed)
 
     def _rewards_of(
         self, problems: list[Problem], completions: list[rollout_pb2.Completion]
