@@ -139,7 +139,7 @@ async def whole(
     version = generation.ticket.version
     try:
         completions = await collect(generation, request)
-        if completions is not None:
+        if completions:  # (None: the client went away)
             scope.record(completions[0])
     finally:
         scope.finish()
