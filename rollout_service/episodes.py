@@ -311,8 +311,9 @@ class CallScope:
         """The prompts the engine is given for the request's ``prompts``."""
         return prompts
 
-    def check_room(self, request: rollout_pb2.GenerateRequest, max_tokens: int) -> None:
-        """Refuse, before it runs, a request that could pass the scope's bounds."""
+    def check_room(self, request: rollout_pb2.GenerateRequest, max_tokens: Callable[[], int]) -> None:
+        """Refuse, before it runs, a request that could pass the scope's bounds (``max_tokens``: the most
+        completion tokens the request may sample, computed on demand)."""
 
     def record(self, completion: rollout_pb2.Completion) -> None:
         """The call's (first) completion, once finished."""
@@ -359,8 +360,8 @@ class EpisodeTurn(CallScope):
             ids, self.extends = spliced_ids(previous, list(prompt.token_ids.ids))
         return [rollout_pb2.Prompt(token_ids={"ids": ids})]
 
-    def check_room(self, request: rollout_pb2.GenerateRequest, max_tokens: int) -> None:
-        self.episodes.check_room(self.episode, len(request.prompts[0].token_ids.ids), max_tokens)
+    def check_room(self, request: rollout_pb2.GenerateRequest, max_tokens: Callable[[], int]) -> None:
+        self.episodes.check_room(self.episode, len(request.prompts[0].token_ids.ids), max_tokens())
 
     def record(self, completion: rollout_pb2.Completion) -> None:
         c, context = completion, self.context

@@ -88,8 +88,12 @@ class OpenAIFace:
         """The scope's refusal of a request whose prompt and most completion tokens (as validation reads
         them) could pass its bounds (an episode's tokens)."""
         limits = self.service.limits
-        most = parse_sampling(request.sampling, limits.max_model_len, limits.default_max_tokens).max_tokens
-        scope.check_room(request, most)
+
+        def most_tokens() -> int:  # (read only by a scope with a bound: a plain call does no extra work)
+            sampling = parse_sampling(request.sampling, limits.max_model_len, limits.default_max_tokens)
+            return sampling.max_tokens
+
+        scope.check_room(request, most_tokens)
 
     def completion_choice(self, c: rollout_pb2.Completion, n: int, body: dict[str, Any]) -> Any:
         """OpenAI's choice of ``c``; with ``echo`` the prompt comes first, in the text and in the logprobs
