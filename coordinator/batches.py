@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ import grpc
 from coordinator.clients import RolloutPool, rpc_code
 from coordinator.config import CoordinatorConfig
 from coordinator.environments import EpisodeRunner, PlayedEpisode
-from coordinator.problems import Problem, RewardTimeout
+from coordinator.problems import CallFailed, Problem
 from coordinator.state import RunStore
 from coordinator.tasks import EnvironmentTask, Task
 from fp8rl.architectures import moe_layers, read_config
@@ -44,7 +45,7 @@ class Rollouts:
     samples: list[trainer_pb2.Sample]
     rewards: list[float]
     tokens: int  # sampled by the policy
-    reward_timeouts: int = 0
+    failures: list[str] = field(default_factory=list)  # user code that cost a rollout (scored 0): how
     score_s: float = 0.0  # of the time taken, spent scoring
     extra: dict[str, float] = field(default_factory=dict)  # the kind's own figures
 
@@ -90,7 +91,10 @@ class BatchMaker:
         self._closing: list[Callable[[], None]] = [functools.partial(self._rewards.shutdown, wait=False)]
         self.rollouts: RolloutKind = self._completions
         if isinstance(task, EnvironmentTask):  # episodes on the replicas' HTTP faces instead
-            runner = EpisodeRunner(task.env, pool.security)
+            limits = config.task
+            runner = EpisodeRunner(
+                task.spec, task.seed, pool.security, limits.episode_deadline_s, limits.user_code_memory_mb
+            )
             self.rollouts = functools.partial(self._episodes, runner)
             self._closing.append(runner.close)
 
@@ -147,12 +151,7 @@ class BatchMaker:
             RolloutAsk(problems, c.group_size, self.sampling, version, replicas, f"s{step}", True)
         )
         generate_s = time.perf_counter() - start - got.score_s
-        if got.reward_timeouts:
-            self.store.event(
-                "reward-timeout",
-                f"{got.reward_timeouts} of {len(got.rewards)} rewards of step {step} timed out (0)",
-                step,
-            )
+        self._failures(got, f"of step {step}", step)
         request = trainer_pb2.TrainStepRequest(
             run_id=self.run_id, step=step, samples=got.samples, sampling=self.sampling
         )
@@ -162,7 +161,7 @@ class BatchMaker:
             "rollout_tokens": got.tokens,
             "rollout_tokens_per_s": got.tokens / max(generate_s, 1e-9),
             "reward_mean": sum(got.rewards) / len(got.rewards),
-            "reward_timeouts": got.reward_timeouts,
+            "reward_failures": len(got.failures),
             **got.extra,
         }
         return StepBatch(request, version, info)
@@ -171,19 +170,23 @@ class BatchMaker:
         """Mean reward of greedy completions (or episodes) of the held-out prompts."""
         problems = self.task.val_problems()
         got = self.rollouts(RolloutAsk(problems, 1, self.greedy, version, replicas, f"val{version}", False))
-        if got.reward_timeouts:
-            self.store.event(
-                "reward-timeout",
-                f"{got.reward_timeouts} of {len(got.rewards)} validation rewards timed out (0)",
-            )
+        self._failures(got, f"of validation at version {version}")
         return sum(got.rewards) / len(got.rewards)
+
+    def _failures(self, got: Rollouts, of: str, step: int | None = None) -> None:
+        """One event for the rollouts that user code cost (scored 0): how many, and how they failed."""
+        if got.failures:
+            what = "rewards" if self.rollouts == self._completions else "episodes"
+            kinds = ", ".join(f"{n} {reason}" for reason, n in sorted(Counter(got.failures).items()))
+            text = f"{len(got.failures)} of {len(got.rewards)} {what} {of} scored 0: {kinds}"
+            self.store.event(f"{what[:-1]}-failed", text, step)
 
     def _completions(self, ask: RolloutAsk) -> Rollouts:
         """Single-turn: n completions per problem over gRPC, each scored by the task's reward."""
         routed = ask.training and self.routed_experts
         completions = self._complete(ask.problems, ask.n, ask.sampling, ask.version, ask.replicas, routed)
         start = time.perf_counter()
-        rewards, timeouts = self._rewards_of(ask.problems, completions)
+        rewards, failures = self._rewards_of(ask.problems, completions)
         score_s = time.perf_counter() - start
         samples = [
             trainer_pb2.Sample(
@@ -196,7 +199,7 @@ class BatchMaker:
             )
             for c, r in zip(completions, rewards, strict=True)
         ]
-        return Rollouts(samples, rewards, sum(len(c.token_ids) for c in completions), timeouts, score_s)
+        return Rollouts(samples, rewards, sum(len(c.token_ids) for c in completions), failures, score_s)
 
     def _episodes(self, runner: EpisodeRunner, ask: RolloutAsk) -> Rollouts:
         """A multi-turn environment: n episodes per problem, each recorded sample of an episode (one,
@@ -219,7 +222,8 @@ class BatchMaker:
             "episode_samples": len(samples),
         }
         tokens = sum(sum(s.loss_mask) for s in samples)
-        return Rollouts(samples, [e.reward for e in episodes], tokens, extra=extra)
+        failures = [e.failure.split(":", 1)[0] for e in episodes if e.failure is not None]
+        return Rollouts(samples, [e.reward for e in episodes], tokens, failures, extra=extra)
 
     def _play(self, runner: EpisodeRunner, ask: RolloutAsk) -> list[PlayedEpisode]:
         if any(a not in self.pool.http for a in ask.replicas):
@@ -235,19 +239,21 @@ class BatchMaker:
 
     def _rewards_of(
         self, problems: list[Problem], completions: list[rollout_pb2.Completion]
-    ) -> tuple[list[float], int]:
-        """Each completion's reward, on the reward threads, and how many timed out (scored 0)."""
+    ) -> tuple[list[float], list[str]]:
+        """Each completion's reward, on the reward threads, and how each that user code failed did (those
+        score 0)."""
         by_id = {p.id: p for p in problems}
 
-        def score(c: rollout_pb2.Completion) -> float | None:
+        def score(c: rollout_pb2.Completion) -> float | CallFailed:
             try:
                 return self.task.reward(by_id[c.prompt_id], c.text)
-            except RewardTimeout as exc:
+            except CallFailed as exc:
                 log.warning("reward of %s scored 0: %s", c.prompt_id, exc)
-                return None
+                return exc
 
         scores = list(self._rewards.map(score, completions))
-        return [0.0 if r is None else r for r in scores], scores.count(None)
+        failures = [r.reason for r in scores if isinstance(r, CallFailed)]
+        return [0.0 if isinstance(r, CallFailed) else r for r in scores], failures
 
     def _complete(
         self,

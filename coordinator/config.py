@@ -7,10 +7,8 @@ resumes, and named in its errors by those names too.
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -138,6 +136,15 @@ class TaskConfig(_Slice):
     """A multi-turn environment instead of a task: `module:factory` (called with seed=...) or
     `arith-feedback` (shipped); its episodes talk to the policy over the replicas' OpenAI-compatible HTTP
     and are trained as recorded (coordinator/environments.py)."""
+    reward_deadline_s: float = Field(5.0, gt=0)
+    """Seconds one completion's reward (math-verify's, or `reward`'s) may take in its worker process: past
+    it the worker is killed and the completion scores 0, counted in the step's `reward_failures`."""
+    episode_deadline_s: float = Field(900.0, gt=0)
+    """Seconds one episode of `env` may take in its worker process: past it the worker is killed and the
+    episode scores 0 (its recorded turns kept), counted in the step's `episode_failures`."""
+    user_code_memory_mb: int = Field(2048, ge=64)
+    """MiB of memory (heap and private mappings) each worker running a reward or an episode may hold: an
+    allocation past it fails there and costs that one sample."""
     max_operand: int | None = Field(None, ge=1, le=999)
     """Tasks arith and arith-chat: the largest operand (default 99 for arith, 19 for arith-chat; a tenth
     of all pairs is held out for validation)."""
@@ -400,19 +407,3 @@ class CoordinatorConfig(BaseModel):
     def identity(self) -> dict[str, Any]:
         """What defines the run: compared when a run is resumed."""
         return {k: v for k, v in self.model_dump(mode="json").items() if k not in RESUMABLE_FIELDS}
-
-
-def load_plugin(spec: str, what: str, form: str = "module:function") -> Callable[..., Any]:
-    """The callable a ``module:name`` setting names (``what``: the setting, for the message). Raises
-    ValueError saying what is wrong."""
-    module, sep, name = spec.partition(":")
-    if not sep:
-        raise ValueError(f"{what} {spec!r} is not of the form {form}")
-    try:
-        loaded = importlib.import_module(module)
-    except ImportError as exc:
-        raise ValueError(f"{what} {spec!r}: cannot import {module}: {exc}") from None
-    found = getattr(loaded, name, None)
-    if not callable(found):
-        raise ValueError(f"{what} {spec!r}: {module} has no callable {name}")
-    return cast(Callable[..., Any], found)

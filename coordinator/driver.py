@@ -241,7 +241,8 @@ class Driver:
             "gen_weight_version": batch.version,
             "staleness": k - batch.version,
             "reward_mean": info["reward_mean"],
-            "reward_timeouts": info.get("reward_timeouts", 0),  # absent from older stored batches
+            # rollouts that user code cost, scored 0 (older stored batches counted timeouts only)
+            "reward_failures": info.get("reward_failures", info.get("reward_timeouts", 0)),
             **trainer_figures(result.metrics),
             "generate_s": info["generate_s"],
             "score_s": info.get("score_s", 0.0),  # (a batch stored before this field: not timed)

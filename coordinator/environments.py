@@ -9,12 +9,13 @@ samples (the conversation as one token sequence, the policy's own tokens under a
 on them with the episode's reward, a GRPO group per problem.
 
 The factory is called as ``factory(seed=...)``; ``--env arith-feedback`` names the shipped one
-(coordinator/arith_feedback.py).
+(coordinator/arith_feedback.py). The coordinator's instance hands out the problems; each episode is
+played in a worker process (coordinator/user_code.py) by the worker's own instance, so an episode that
+hangs, crashes, leaks or raises costs that episode (scored 0), never the run.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import math
@@ -24,12 +25,13 @@ import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import httpx
 
-from coordinator.config import load_plugin
-from coordinator.problems import Problem
+from coordinator.problems import CallFailed, Problem
+from coordinator.user_code import WorkerPool, load_plugin
 from fp8rl.security import SERVER_NAMES, SecurityConfig
 from fp8rl.v1 import common_pb2
 
@@ -39,7 +41,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 BUILT_IN = {"arith-feedback": "coordinator.arith_feedback:ArithFeedback"}
-EPISODE_DEADLINE_S = 600.0  # one HTTP call of an episode
+TURN_DEADLINE_S = 600.0  # one HTTP call of an episode
 CONCURRENT_EPISODES = 16
 ATTEMPTS = 3  # an episode is played at most this often (on each replica once, if there are more)
 
@@ -86,11 +88,13 @@ def load_environment(spec: str, seed: int) -> Environment:
 
 @dataclass(frozen=True)
 class PlayedEpisode:
-    """A finished episode: its problem, reward and the replica's recording (GET /episodes/{id})."""
+    """A finished episode: its problem, reward and the replica's recording (GET /episodes/{id}); an
+    episode the environment's code failed (``failure`` says how) scores 0, with what it had recorded."""
 
     problem: Problem
     reward: float
     recorded: dict[str, Any]
+    failure: str | None = None
 
     @property
     def turns(self) -> int:
@@ -113,39 +117,98 @@ def openai_sampling(sampling: common_pb2.SamplingParams) -> dict[str, Any]:
     return args
 
 
+def http_client(token: str, tls_ca: Path | None) -> httpx.Client:
+    """One client for every replica, with the coordinator's bearer token; over TLS the replica's
+    certificate must name the replica's role (as gRPC checks)."""
+    verify: Any = True
+    transport: httpx.BaseTransport | None = None
+    if tls_ca is not None:
+        verify = ssl.create_default_context(cafile=str(tls_ca))
+        transport = NamedServer(SERVER_NAMES["rollout"], verify)
+    return httpx.Client(
+        headers={"Authorization": f"Bearer {token}"},
+        timeout=TURN_DEADLINE_S,
+        transport=transport,
+        verify=verify,
+    )
+
+
+def read_token(token_file: Path | None) -> str:
+    return token_file.read_text().strip() if token_file is not None else "none"
+
+
+EpisodeOutcome = tuple[str, Any]
+"""What an episode worker answers: ("reward", r), or ("replica", what failed) when the replica did."""
+
+
+def episode_player(
+    spec: str, seed: int, token_file: Path | None, tls_ca: Path | None
+) -> Callable[[Problem, str, int, str, dict[str, Any]], EpisodeOutcome]:
+    """An episode worker's callable (coordinator/user_code.py): the worker's own instance of the
+    environment, playing one episode at a time at an episode URL. The token is read from its file here,
+    never passed along."""
+    import openai
+
+    env = load_environment(spec, seed)
+    token = read_token(token_file)
+    http = http_client(token, tls_ca)
+
+    def play(
+        problem: Problem, url: str, version: int, model: str, sampling: dict[str, Any]
+    ) -> EpisodeOutcome:
+        client = openai.OpenAI(
+            base_url=f"{url}/v1",
+            api_key=token,  # (sent as the bearer token)
+            http_client=cast(Any, http),  # (openai 3 takes httpx's clients beside its httpx2's)
+            default_headers={"X-Weight-Version": str(version)},
+            max_retries=0,
+        )
+        try:
+            reward = float(env.play(problem, Policy(client, model, sampling)))
+        except (openai.APIError, OSError) as exc:
+            return "replica", f"{type(exc).__name__}: {exc}"
+        if not math.isfinite(reward):
+            raise ValueError(f"the environment's reward of {problem.id} is {reward}: it must be finite")
+        return "reward", reward
+
+    return play
+
+
 class EpisodeRunner:
     """Plays an environment's episodes on the replicas' HTTP faces (their ``RolloutStatus.http_address``),
-    a few at once; an episode whose replica fails (a connection error, an HTTP error: e.g. 409 once the
-    replica holds another version) is played again from the start on the next one (on the same one
-    when it is the only one), at most ATTEMPTS times or once per replica."""
+    a few at once, each in a worker process (coordinator/user_code.py) with its own instance of the
+    environment, bounded by ``deadline_s`` and ``memory_mb``.
 
-    def __init__(self, env: Environment, security: SecurityConfig | None) -> None:
-        self.env = env
+    An episode whose replica fails (a connection error, an HTTP error: e.g. 409 once the replica holds
+    another version) is played again from the start on the next one (on the same one when it is the only
+    one), at most ATTEMPTS times or once per replica. An episode whose environment code hangs, crashes,
+    leaks or raises scores 0 with the turns it had (``PlayedEpisode.failure``)."""
+
+    def __init__(
+        self,
+        spec: str,
+        seed: int,
+        security: SecurityConfig | None,
+        deadline_s: float = 900.0,
+        memory_mb: int = 2048,
+    ) -> None:
         self.security = security or SecurityConfig()
         self._models: dict[str, str] = {}  # HTTP address -> the model name it serves
-        token = self.security.token_file
-        self.token = token.read_text().strip() if token is not None else "none"
         self._pool = ThreadPoolExecutor(max_workers=CONCURRENT_EPISODES, thread_name_prefix="episode")
-        self._http = self._http_client()
+        self._http = http_client(read_token(self.security.token_file), self.security.tls_ca)
+        self.players = WorkerPool(
+            "coordinator.environments:episode_player",
+            (spec, seed, self.security.token_file, self.security.tls_ca),
+            name=f"episode of {spec}",
+            workers=CONCURRENT_EPISODES,
+            deadline_s=deadline_s,
+            memory_mb=memory_mb,
+        )
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
+        self.players.close()
         self._http.close()
-
-    def _http_client(self) -> httpx.Client:
-        """One client for every replica, with this process's bearer token; over TLS the replica's
-        certificate must name the replica's role (as gRPC checks)."""
-        verify: Any = True
-        transport: httpx.BaseTransport | None = None
-        if self.security.tls_ca is not None:
-            verify = ssl.create_default_context(cafile=str(self.security.tls_ca))
-            transport = NamedServer(SERVER_NAMES["rollout"], verify)
-        return httpx.Client(
-            headers={"Authorization": f"Bearer {self.token}"},
-            timeout=EPISODE_DEADLINE_S,
-            transport=transport,
-            verify=verify,
-        )
 
     def base(self, http_address: str) -> str:
         return f"{'https' if self.security.tls_ca is not None else 'http'}://{http_address}"
@@ -169,6 +232,7 @@ class EpisodeRunner:
             )
         jobs = [(p, i) for p, count in problems for i in range(count)]
         start = itertools.count()
+        args = openai_sampling(sampling)
 
         def one(job: tuple[Problem, int]) -> PlayedEpisode:
             problem, i = job
@@ -178,7 +242,7 @@ class EpisodeRunner:
                 address, http = served[(first + attempt) % len(served)]
                 episode_id = _episode_id(f"{prefix}.{problem.id}.{i}.{uuid.uuid4().hex[:8]}")
                 try:
-                    return self._one(problem, sampling, version, http, episode_id)
+                    return self._one(problem, args, version, http, episode_id)
                 except _ReplicaError as exc:
                     last = exc.cause
                     on_failure(address, exc.cause)
@@ -187,33 +251,24 @@ class EpisodeRunner:
         return list(self._pool.map(one, jobs))
 
     def _one(
-        self, problem: Problem, sampling: common_pb2.SamplingParams, version: int, http: str, episode_id: str
+        self, problem: Problem, sampling: dict[str, Any], version: int, http: str, episode_id: str
     ) -> PlayedEpisode:
-        import openai
-
         url = f"{self.base(http)}/episodes/{episode_id}"
         model = self.model_of(http)
-        client = openai.OpenAI(
-            base_url=f"{url}/v1",
-            api_key=self.token,  # (sent as the bearer token)
-            http_client=cast(Any, self._http),  # (openai 3 takes httpx's clients beside its httpx2's)
-            default_headers={"X-Weight-Version": str(version)},
-            max_retries=0,
-        )
         try:
-            reward = float(self.env.play(problem, Policy(client, model, openai_sampling(sampling))))
-        except (openai.APIError, OSError) as exc:
+            kind, value = self.players(problem, url, version, model, sampling)
+        except CallFailed as exc:  # the environment's code: the episode scores 0 with what it recorded
+            log.warning("episode %s scored 0: %s", episode_id, exc)
+            return PlayedEpisode(problem, 0.0, self._end(url), failure=f"{exc.reason}: {exc}")
+        if kind == "replica":
             self._end(url)
-            raise _ReplicaError(exc) from exc
-        if not math.isfinite(reward):
-            self._end(url)
-            raise ValueError(f"the environment's reward of {problem.id} is {reward}: it must be finite")
+            raise _ReplicaError(ReplicaCallFailed(value))
         try:
             answer = self._http.delete(url)
             answer.raise_for_status()
         except Exception as exc:  # (httpx's errors; the episode is lost with the replica)
             raise _ReplicaError(exc) from exc
-        return PlayedEpisode(problem, reward, answer.json())
+        return PlayedEpisode(problem, float(value), answer.json())
 
     def model_of(self, http: str) -> str:
         """The model name the replica at ``http`` serves (its /v1/models), asked once."""
@@ -226,9 +281,19 @@ class EpisodeRunner:
                 raise _ReplicaError(exc) from exc
         return self._models[http]
 
-    def _end(self, url: str) -> None:
-        with contextlib.suppress(Exception):  # (the replica forgets it when idle anyway)
-            self._http.delete(url)
+    def _end(self, url: str) -> dict[str, Any]:
+        """End the episode on its replica: what it recorded (nothing, when the replica cannot say)."""
+        try:  # (the replica forgets it when idle anyway)
+            answer = self._http.delete(url)
+            answer.raise_for_status()
+            recorded: dict[str, Any] = answer.json()
+            return recorded
+        except Exception:
+            return {"turns": [], "samples": []}
+
+
+class ReplicaCallFailed(Exception):
+    """A call of an episode to its replica failed (what the worker saw: the error's type and text)."""
 
 
 class _ReplicaError(Exception):

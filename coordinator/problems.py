@@ -1,6 +1,6 @@
 """What a task hands out and what scoring may raise: a problem (a prompt, its answer, and the conversation
-when the prompt is chat-format), a dataset row's prompt read as either, and the timeout of a reward.
-Below the tasks, the datasets and the math reward, which all use them."""
+when the prompt is chat-format), a dataset row's prompt read as either, and the failure of user code
+that costs one sample. Below the tasks, the datasets and the user code's workers, which all use them."""
 
 from __future__ import annotations
 
@@ -9,9 +9,13 @@ from dataclasses import dataclass
 Messages = tuple[tuple[str, str], ...]  # (role, content) per turn
 
 
-class RewardTimeout(RuntimeError):
-    """A reward that could not be computed in time (its worker was killed): the batch scores it 0 and
-    counts it."""
+class CallFailed(RuntimeError):
+    """User code (a reward, an episode) that timed out, crashed, ran out of memory or raised in its worker
+    (coordinator/user_code.py): the batch scores its sample 0, counts it and records an event."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason  # timed out | crashed | out of memory | raised
 
 
 @dataclass(frozen=True)

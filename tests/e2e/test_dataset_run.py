@@ -46,6 +46,6 @@ def test_a_dataset_run_scores_with_math_verify_off_the_main_thread(tmp_path: Pat
     assert "validation holds out 16 of the 32 rows, not val_size 128" in proc.stderr
     records = read_metrics(run_dir)
     assert [r["step"] for r in records] == [0, 1, 2]  # 20 prompts of 16 rows: repeats, ids of their own
-    assert all(r["reward_timeouts"] == 0 for r in records[1:])
+    assert all(r["reward_failures"] == 0 for r in records[1:])
     # Scored by math-verify: exact match scores "46" against "46.0" as 0, so every reward would be 0.
     assert records[0]["val_accuracy"] > 0 and max(r["reward_mean"] for r in records[1:]) > 0, records

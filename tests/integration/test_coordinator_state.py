@@ -7,7 +7,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,18 +18,12 @@ from coordinator.state import ConfigMismatch, LeaseLost, RunState, RunStore
 from tests.support import redis_server
 
 
-@pytest.fixture(scope="module")
-def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[redis.Redis]:
-    with redis_server(tmp_path_factory.mktemp("redis")) as url:
-        yield redis.Redis.from_url(url)
+def store(redis_client: redis.Redis, run: str) -> RunStore:
+    return RunStore(redis_client, run)
 
 
-def store(client: redis.Redis, run: str) -> RunStore:
-    return RunStore(client, run)
-
-
-def test_config_is_immutable_once_written(client: redis.Redis) -> None:
-    a = store(client, "cfg")
+def test_config_is_immutable_once_written(redis_client: redis.Redis) -> None:
+    a = store(redis_client, "cfg")
     assert a.init_config({"recipe": "fp8", "lr": 1e-5, "loss": {"clip": 0.2}}, "h1")
     assert not a.init_config({"recipe": "fp8", "lr": 1e-5, "loss": {"clip": 0.2}}, "h1")
     with pytest.raises(ConfigMismatch, match=r"differing fields: loss\.clip, lr"):
@@ -38,8 +31,8 @@ def test_config_is_immutable_once_written(client: redis.Redis) -> None:
     assert a.read() == RunState(0, "generate")
 
 
-def test_one_coordinator_drives_a_run(client: redis.Redis) -> None:
-    first, second = store(client, "lease"), store(client, "lease")
+def test_one_coordinator_drives_a_run(redis_client: redis.Redis) -> None:
+    first, second = store(redis_client, "lease"), store(redis_client, "lease")
     first.init_config({}, "h")
     first.acquire("first", ttl_s=30)
     with pytest.raises(LeaseLost, match="driven by another coordinator"):
@@ -50,8 +43,8 @@ def test_one_coordinator_drives_a_run(client: redis.Redis) -> None:
     second.transition(RunState(0, "train"), RunState(0, "publish"))
 
 
-def test_a_dead_holders_lease_is_taken_over(client: redis.Redis) -> None:
-    crashed, resumed = store(client, "dead"), store(client, "dead")
+def test_a_dead_holders_lease_is_taken_over(redis_client: redis.Redis) -> None:
+    crashed, resumed = store(redis_client, "dead"), store(redis_client, "dead")
     crashed.init_config({}, "h")
     crashed.acquire("host:1", ttl_s=30)  # then killed: its lease would block the resume for 30 s
     with pytest.raises(LeaseLost, match=r"\(host:1\); its lease expires in 30 s"):
@@ -74,8 +67,8 @@ def test_coordinator_liveness_from_its_lease_holder_id() -> None:
     assert not coordinator_is_dead("garbage")
 
 
-def test_stale_fencing_token_cannot_commit(client: redis.Redis) -> None:
-    old, new = store(client, "fence"), store(client, "fence")
+def test_stale_fencing_token_cannot_commit(redis_client: redis.Redis) -> None:
+    old, new = store(redis_client, "fence"), store(redis_client, "fence")
     old.init_config({}, "h")
     old.acquire("old", ttl_s=0.2)
     old.transition(RunState(0, "generate"), RunState(0, "commit"))
@@ -102,8 +95,8 @@ def test_stale_fencing_token_cannot_commit(client: redis.Redis) -> None:
     assert new.metrics() == [{"step": 1}] and new.read() == RunState(1, "generate")
 
 
-def test_transitions_are_compare_and_set(client: redis.Redis) -> None:
-    s = store(client, "cas")
+def test_transitions_are_compare_and_set(redis_client: redis.Redis) -> None:
+    s = store(redis_client, "cas")
     s.init_config({}, "h")
     s.acquire("me", ttl_s=30)
     with pytest.raises(RuntimeError, match="state changed"):
@@ -120,10 +113,10 @@ def test_transitions_are_compare_and_set(client: redis.Redis) -> None:
     assert kinds == ["phase", "commit"]
 
 
-def test_a_write_sent_again_after_a_lost_reply_applies_once(client: redis.Redis) -> None:
+def test_a_write_sent_again_after_a_lost_reply_applies_once(redis_client: redis.Redis) -> None:
     """The coordinator's client (state.connect) sends a call again when its reply did not come (a
     partition, a timeout): the call may have run. Transitions and commits see themselves done."""
-    s = store(client, "resent")
+    s = store(redis_client, "resent")
     s.init_config({}, "h")
     s.acquire("me", ttl_s=30)
     for _ in range(2):
@@ -151,18 +144,18 @@ def test_the_coordinators_client_rides_out_a_redis_that_stops_answering(
         assert [e["kind"] for e in s.events()] == ["phase"]
 
 
-def test_release_never_deletes_another_coordinators_lease(client: redis.Redis) -> None:
-    first, second = store(client, "release"), store(client, "release")
+def test_release_never_deletes_another_coordinators_lease(redis_client: redis.Redis) -> None:
+    first, second = store(redis_client, "release"), store(redis_client, "release")
     first.acquire("host:1", ttl_s=0.2)
     time.sleep(0.3)  # first's lease expired (it stalled); second takes the run
     second.acquire("host:2", ttl_s=30)
     first.release()  # late: compare-and-delete leaves second's lease alone
-    assert client.get(second.key("lease")) == b"host:2"
+    assert redis_client.get(second.key("lease")) == b"host:2"
     second.release()
-    assert client.get(second.key("lease")) is None
+    assert redis_client.get(second.key("lease")) is None
 
 
-def test_a_new_run_gets_config_hash_and_state_together(client: redis.Redis) -> None:
-    a = store(client, "atomic-init")
+def test_a_new_run_gets_config_hash_and_state_together(redis_client: redis.Redis) -> None:
+    a = store(redis_client, "atomic-init")
     assert a.init_config({"recipe": "fp8"}, "h") and a.read() == RunState(0, "generate")
-    assert client.get(a.key("config_hash")) == b"h"
+    assert redis_client.get(a.key("config_hash")) == b"h"

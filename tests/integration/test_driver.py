@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -15,15 +15,13 @@ import pytest
 import redis
 
 from coordinator.clients import ReplicaFailed
-from coordinator.config import CoordinatorConfig
+from coordinator.config import CoordinatorConfig, TaskConfig
 from coordinator.driver import Driver, TrainingRefused
 from coordinator.metrics import MetricsSink
-from coordinator.problems import Problem, RewardTimeout
 from coordinator.state import RunState, RunStore
-from coordinator.tasks import ArithTask, Task
+from coordinator.tasks import ArithTask, CustomReward, Task
 from fp8rl.config import config_hash
 from fp8rl.v1 import common_pb2, rollout_pb2, trainer_pb2
-from tests.support import redis_server
 
 run_ids = (f"run{i}" for i in itertools.count())
 
@@ -164,18 +162,12 @@ class FakeTrainer:
         return trainer_pb2.PublishWeightsResponse(version=version, results=results)
 
 
-@pytest.fixture(scope="module")
-def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[redis.Redis]:
-    with redis_server(tmp_path_factory.mktemp("redis")) as url:
-        yield redis.Redis.from_url(url)
-
-
 class Run:
     """One run id on the shared redis-server, driven by fresh Drivers (as restarted coordinators)."""
 
-    def __init__(self, client: redis.Redis, run_dir: Path, *replicas: str, **config: object) -> None:
+    def __init__(self, redis_client: redis.Redis, run_dir: Path, *replicas: str, **config: object) -> None:
         self.id, self.run_dir = next(run_ids), run_dir
-        self.store = RunStore(client, self.id)
+        self.store = RunStore(redis_client, self.id)
         self.pool = FakePool(*(replicas or ("r1",)))
         self.trainer = FakeTrainer(self.pool)
         defaults = {"steps": 3, "prompts_per_step": 2, "group_size": 2, "val_every": 0, "val_size": 4}
@@ -205,29 +197,27 @@ class Run:
         return [e["detail"] for e in self.store.events() if e["kind"] == kind]
 
 
-class TimingOut(ArithTask):
-    """Rewards that time out on the completions "1" (half of FakePool's), as math-verify's do past their
-    deadline (coordinator/math_reward.py); the others score 1."""
-
-    def reward(self, problem: Problem, completion: str) -> float:
-        if completion == "1":
-            raise RewardTimeout("math-verify worker (pid 1) did not answer in 5.0 s")
-        return 1.0
-
-
-def test_a_reward_that_times_out_scores_0_and_is_counted(client: redis.Redis, tmp_path: Path) -> None:
-    run = Run(client, tmp_path, steps=2)
-    records = run.drive(task=TimingOut(seed=0))
-    assert run.trainer.trained == [0, 1]  # the run goes on
-    assert [r["reward_timeouts"] for r in records[1:]] == [2, 2]  # of 2 prompts x 2 samples
+def test_a_reward_that_crashes_scores_0_is_counted_and_the_run_goes_on(
+    redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """A --reward whose worker process dies on the completions "1" (half of FakePool's): those score 0,
+    each step counts and records them, and the run trains every step."""
+    run = Run(redis_client, tmp_path, steps=2)
+    task = CustomReward(ArithTask(seed=0), "tests.envs.faulty:crash_on_one", TaskConfig())
+    try:
+        records = run.drive(task=task)
+    finally:
+        task.close()
+    assert run.trainer.trained == [0, 1]
+    assert [r["reward_failures"] for r in records[1:]] == [2, 2]  # of 2 prompts x 2 samples
     assert [r["reward_mean"] for r in records[1:]] == [0.5, 0.5]
-    assert run.events("reward-timeout") == [f"2 of 4 rewards of step {k} timed out (0)" for k in (0, 1)]
+    assert run.events("reward-failed") == [f"2 of 4 rewards of step {k} scored 0: 2 crashed" for k in (0, 1)]
 
 
 def test_a_run_trains_each_step_once_publishes_deltas_and_validates(
-    client: redis.Redis, tmp_path: Path
+    redis_client: redis.Redis, tmp_path: Path
 ) -> None:
-    run = Run(client, tmp_path, "r1", "r2", val_every=2)
+    run = Run(redis_client, tmp_path, "r1", "r2", val_every=2)
     records = run.drive()
     assert run.trainer.trained == [0, 1, 2] and run.steps() == [0, 1, 2, 3]
     assert run.store.read() == RunState(3, "generate")
@@ -241,9 +231,9 @@ def test_a_run_trains_each_step_once_publishes_deltas_and_validates(
 
 @pytest.mark.parametrize("crash", ["generating", "after-training", "publishing"])
 def test_a_crash_anywhere_resumes_without_training_a_step_twice(
-    client: redis.Redis, tmp_path: Path, crash: str
+    redis_client: redis.Redis, tmp_path: Path, crash: str
 ) -> None:
-    run = Run(client, tmp_path)
+    run = Run(redis_client, tmp_path)
     if crash == "generating":
         run.drive(steps=1)
         run.pool.crash_generating = True
@@ -262,9 +252,9 @@ def test_a_crash_anywhere_resumes_without_training_a_step_twice(
 
 
 def test_a_trainer_restarted_from_an_older_checkpoint_rewinds_the_run(
-    client: redis.Redis, tmp_path: Path
+    redis_client: redis.Redis, tmp_path: Path
 ) -> None:
-    run = Run(client, tmp_path)
+    run = Run(redis_client, tmp_path)
     run.drive(steps=3)
     run.trainer.step = 1  # restarted from its checkpoint of step 1: steps 1 and 2 are lost
     records = run.drive(steps=4)
@@ -278,9 +268,9 @@ def test_a_trainer_restarted_from_an_older_checkpoint_rewinds_the_run(
 
 
 def test_a_trainer_that_comes_back_empty_mid_run_rewinds_the_running_run(
-    client: redis.Redis, tmp_path: Path
+    redis_client: redis.Redis, tmp_path: Path
 ) -> None:
-    run = Run(client, tmp_path)
+    run = Run(redis_client, tmp_path)
 
     def restart_without_checkpoints(k: int) -> None:
         if k == 2 and run.trainer.trained == [0, 1]:
@@ -295,16 +285,16 @@ def test_a_trainer_that_comes_back_empty_mid_run_rewinds_the_running_run(
     assert any("trainer is at step 0" in e and "rewound" in e for e in run.events("recovery"))
 
 
-def test_a_trainer_ahead_of_the_run_is_refused(client: redis.Redis, tmp_path: Path) -> None:
-    run = Run(client, tmp_path)
+def test_a_trainer_ahead_of_the_run_is_refused(redis_client: redis.Redis, tmp_path: Path) -> None:
+    run = Run(redis_client, tmp_path)
     run.trainer.step = 5
     with pytest.raises(RuntimeError, match="another run's trainer"):
         run.drive()
     assert run.trainer.trained == [] and run.store.read() == RunState(0, "generate")
 
 
-def test_a_stored_batch_staler_than_allowed_is_regenerated(client: redis.Redis, tmp_path: Path) -> None:
-    run = Run(client, tmp_path)
+def test_a_stored_batch_staler_than_allowed_is_regenerated(redis_client: redis.Redis, tmp_path: Path) -> None:
+    run = Run(redis_client, tmp_path)
     run.drive(steps=1)
     run.put_batch(1, version=0, reward=9.0)
     records = run.drive(steps=2)
@@ -312,8 +302,8 @@ def test_a_stored_batch_staler_than_allowed_is_regenerated(client: redis.Redis, 
     assert records[-1]["gen_weight_version"] == 1 and records[-1]["reward_mean"] != 9.0
 
 
-def test_a_stored_batch_within_the_staleness_limit_is_used(client: redis.Redis, tmp_path: Path) -> None:
-    run = Run(client, tmp_path, max_staleness=1)
+def test_a_stored_batch_within_the_staleness_limit_is_used(redis_client: redis.Redis, tmp_path: Path) -> None:
+    run = Run(redis_client, tmp_path, max_staleness=1)
     run.drive(steps=1)
     run.put_batch(1, version=0, reward=9.0)
     records = run.drive(steps=2)
@@ -321,8 +311,10 @@ def test_a_stored_batch_within_the_staleness_limit_is_used(client: redis.Redis, 
     assert records[-1]["reward_mean"] == 9.0 and records[-1]["staleness"] == 1
 
 
-def test_generation_ahead_overlaps_training_one_version_behind(client: redis.Redis, tmp_path: Path) -> None:
-    run = Run(client, tmp_path, max_staleness=1, steps=4)
+def test_generation_ahead_overlaps_training_one_version_behind(
+    redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    run = Run(redis_client, tmp_path, max_staleness=1, steps=4)
 
     def wait_for_the_next_batch(k: int) -> None:  # training of step k outlasts generating step k+1
         deadline = time.monotonic() + 10
@@ -335,8 +327,8 @@ def test_generation_ahead_overlaps_training_one_version_behind(client: redis.Red
     assert [r["staleness"] for r in records[1:]] == [0, 1, 1, 1]
 
 
-def test_a_restarted_replica_is_healed_with_a_keyframe(client: redis.Redis, tmp_path: Path) -> None:
-    run = Run(client, tmp_path, "r1", "r2")
+def test_a_restarted_replica_is_healed_with_a_keyframe(redis_client: redis.Redis, tmp_path: Path) -> None:
+    run = Run(redis_client, tmp_path, "r1", "r2")
     run.drive(steps=2)
     run.pool.versions["r2"] = 0  # restarted with the base weights
     records = run.drive(steps=3)
@@ -345,9 +337,9 @@ def test_a_restarted_replica_is_healed_with_a_keyframe(client: redis.Redis, tmp_
 
 
 def test_unreachable_refusing_and_failing_replicas_are_worked_around(
-    client: redis.Redis, tmp_path: Path
+    redis_client: redis.Redis, tmp_path: Path
 ) -> None:
-    run = Run(client, tmp_path, "r1", "r2", "r3")
+    run = Run(redis_client, tmp_path, "r1", "r2", "r3")
     run.pool.down.add("r1")  # unreachable: dropped from the step
     run.trainer.refuse.add("r2")  # takes no update: never asked to generate at a version it lacks
     run.pool.failing.add("r3")  # fails Generate: its prompts move on (here: nowhere left)
@@ -361,8 +353,8 @@ def test_unreachable_refusing_and_failing_replicas_are_worked_around(
     assert run.events("publish-failed")[0] == "r2: refused"
 
 
-def test_no_replica_at_the_version_stops_the_step(client: redis.Redis, tmp_path: Path) -> None:
-    run = Run(client, tmp_path)
+def test_no_replica_at_the_version_stops_the_step(redis_client: redis.Redis, tmp_path: Path) -> None:
+    run = Run(redis_client, tmp_path)
     run.drive(steps=1)
     run.trainer.refuse.add("r1")
     run.pool.versions["r1"] = 0
@@ -371,8 +363,8 @@ def test_no_replica_at_the_version_stops_the_step(client: redis.Redis, tmp_path:
     assert run.trainer.trained == [0] and run.store.read() == RunState(1, "generate")
 
 
-def test_a_step_waits_for_a_replica_to_come_back(client: redis.Redis, tmp_path: Path) -> None:
-    run = Run(client, tmp_path)
+def test_a_step_waits_for_a_replica_to_come_back(redis_client: redis.Redis, tmp_path: Path) -> None:
+    run = Run(redis_client, tmp_path)
     run.pool.wait_s = 30.0
     run.drive(steps=1)
     run.trainer.refuse.add("r1")  # r1's update fails (a partition), the first two tries
@@ -393,8 +385,8 @@ def test_a_step_waits_for_a_replica_to_come_back(client: redis.Redis, tmp_path: 
     ]
 
 
-def test_a_stop_request_ends_the_run_at_a_step_boundary(client: redis.Redis, tmp_path: Path) -> None:
-    run = Run(client, tmp_path)
+def test_a_stop_request_ends_the_run_at_a_step_boundary(redis_client: redis.Redis, tmp_path: Path) -> None:
+    run = Run(redis_client, tmp_path)
     run.trainer.on_train = lambda k: run.store.request_stop() if k == 1 else None
     records = run.drive()
     assert run.trainer.trained == [0, 1] and [r["step"] for r in records] == [0, 1, 2]
@@ -404,8 +396,8 @@ def test_a_stop_request_ends_the_run_at_a_step_boundary(client: redis.Redis, tmp
     assert run.trainer.trained == [0, 1, 2]
 
 
-def test_the_base_validation_is_recorded_once(client: redis.Redis, tmp_path: Path) -> None:
-    run = Run(client, tmp_path)
+def test_the_base_validation_is_recorded_once(redis_client: redis.Redis, tmp_path: Path) -> None:
+    run = Run(redis_client, tmp_path)
     run.pool.crash_generating = True
     with pytest.raises(Crash):
         run.drive()
@@ -415,8 +407,10 @@ def test_the_base_validation_is_recorded_once(client: redis.Redis, tmp_path: Pat
     assert run.steps() == [0, 1, 2]
 
 
-def test_validation_is_greedy_and_training_samples_as_configured(client: redis.Redis, tmp_path: Path) -> None:
-    run = Run(client, tmp_path, top_k=5, top_p=0.5, temperature=0.75)
+def test_validation_is_greedy_and_training_samples_as_configured(
+    redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    run = Run(redis_client, tmp_path, top_k=5, top_p=0.5, temperature=0.75)
     run.drive(steps=1)
     greedy = common_pb2.SamplingParams(temperature=0.0, max_tokens=8, stop=["\n"])
     sampled = common_pb2.SamplingParams(temperature=0.75, top_p=0.5, top_k=5, max_tokens=8, stop=["\n"])
@@ -424,9 +418,9 @@ def test_validation_is_greedy_and_training_samples_as_configured(client: redis.R
 
 
 def test_a_non_finite_gradient_retries_the_step_once_with_a_fresh_batch(
-    client: redis.Redis, tmp_path: Path
+    redis_client: redis.Redis, tmp_path: Path
 ) -> None:
-    run = Run(client, tmp_path)
+    run = Run(redis_client, tmp_path)
     run.trainer.non_finite = {1: 1}
     records = run.drive()
     assert run.trainer.trained == [0, 1, 2] and [r["step"] for r in records] == [0, 1, 2, 3]
@@ -445,9 +439,9 @@ def test_a_non_finite_gradient_retries_the_step_once_with_a_fresh_batch(
 
 
 def test_a_step_that_stays_non_finite_stops_the_run_and_resumes_later(
-    client: redis.Redis, tmp_path: Path
+    redis_client: redis.Redis, tmp_path: Path
 ) -> None:
-    run = Run(client, tmp_path)
+    run = Run(redis_client, tmp_path)
     run.trainer.non_finite = {1: 2}
     with pytest.raises(TrainingRefused, match="step 1 failed twice with a non-finite gradient"):
         run.drive()
@@ -457,9 +451,9 @@ def test_a_step_that_stays_non_finite_stops_the_run_and_resumes_later(
 
 
 def test_the_driver_reads_a_skipped_step_from_its_typed_outcome_not_its_message(
-    client: redis.Redis, tmp_path: Path
+    redis_client: redis.Redis, tmp_path: Path
 ) -> None:
-    run = Run(client, tmp_path)
+    run = Run(redis_client, tmp_path)
     run.trainer.non_finite = {1: 1}
     run.trainer.skip_detail = "step {k}: the update overflowed"  # reworded: the policy still applies
     run.drive()
@@ -467,13 +461,13 @@ def test_the_driver_reads_a_skipped_step_from_its_typed_outcome_not_its_message(
         "step 1: the update overflowed"
     ]
     # An error that merely reads like one is an error: it propagates, and nothing is redone.
-    run = Run(client, tmp_path)
+    run = Run(redis_client, tmp_path)
     run.trainer.refusal = FakeRpcError(grpc.StatusCode.FAILED_PRECONDITION, "step 0: non-finite gradient")
     with pytest.raises(grpc.RpcError):
         run.drive()
     assert run.trainer.trained == [] and run.events("redo-batch") == []
     # A reason this driver does not know stops the run rather than retrying blindly.
-    run = Run(client, tmp_path)
+    run = Run(redis_client, tmp_path)
     run.trainer.non_finite, run.trainer.skip_reason = {0: 1}, 7  # type: ignore[assignment]
     with pytest.raises(TrainingRefused, match="reason 7, unknown here"):
         run.drive()

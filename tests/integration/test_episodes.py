@@ -8,7 +8,6 @@ import itertools
 import json
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from typing import Any
 
 import openai
@@ -22,12 +21,8 @@ MODEL = "tiny"
 
 
 @pytest.fixture(scope="module")
-def http(rollout_fp8: InProcessRollout) -> Iterator[str]:
-    server = HttpServer("127.0.0.1", 0).serve(build_app(rollout_fp8.service, MODEL))
-    try:
-        yield f"http://127.0.0.1:{server.port}"
-    finally:
-        server.stop()
+def http(replica_http: str) -> str:
+    return replica_http
 
 
 def client(http: str, episode: str) -> openai.OpenAI:

@@ -5,7 +5,6 @@ OpenAI-compatible HTTP endpoint answers the official `openai` client with the gR
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -15,7 +14,7 @@ from transformers import AutoTokenizer
 
 from fp8rl.tiny import decode
 from fp8rl.v1 import common_pb2, rollout_pb2
-from rollout_service.openai_face import VERSION_HEADER, HttpServer, build_app
+from rollout_service.openai_face import VERSION_HEADER
 from tests.conftest import InProcessRollout
 
 MODEL_NAME = "tiny"
@@ -152,12 +151,8 @@ def test_server_reflection_answers_v1_and_v1alpha(rollout_fp8: InProcessRollout)
 
 
 @pytest.fixture(scope="module")
-def http(rollout_fp8: InProcessRollout) -> Iterator[str]:
-    server = HttpServer("127.0.0.1", 0).serve(build_app(rollout_fp8.service, MODEL_NAME))
-    try:
-        yield f"http://127.0.0.1:{server.port}/v1"
-    finally:
-        server.stop()
+def http(replica_http: str) -> str:
+    return f"{replica_http}/v1"
 
 
 @pytest.fixture(scope="module")

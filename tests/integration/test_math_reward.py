@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 
 from coordinator.config import CoordinatorConfig
-from coordinator.math_reward import MathVerifier
-from coordinator.problems import RewardTimeout
+from coordinator.math_reward import math_verifier
+from coordinator.problems import CallFailed
 from coordinator.tasks import DatasetTask, build_task
+from coordinator.user_code import WorkerPool
 from fp8rl.config import load_config
 
 pytestmark = pytest.mark.skipif(
@@ -38,7 +39,7 @@ def test_the_dataset_reward_runs_math_verify_off_the_main_thread() -> None:
         dotted=["task=dataset", "dataset=gsm8k-sample", "prompt_key=question", "val_size=8"],
     )
     task = build_task(config)
-    assert isinstance(task, DatasetTask) and isinstance(task._verify, MathVerifier)
+    assert isinstance(task, DatasetTask) and isinstance(task._verify, WorkerPool)
     try:
         problems = task.val_problems()[:8]
         cases = [(p, f"So in all:\n#### {p.answer}", 1.0) for p in problems]
@@ -55,12 +56,12 @@ def test_the_dataset_reward_runs_math_verify_off_the_main_thread() -> None:
 
 
 def test_a_completion_past_the_deadline_times_out_and_its_worker_is_replaced() -> None:
-    verifier = MathVerifier(workers=2, deadline_s=1.0)
+    verifier = math_verifier(workers=2, deadline_s=1.0)
     try:
         assert verifier("46", "12+34=46") == 1.0  # starts a worker (imports sympy) before the clock
         first = verifier.pids
         start = time.monotonic()
-        with pytest.raises(RewardTimeout, match=r"did not answer in 1.0 s"):
+        with pytest.raises(CallFailed, match=r"did not answer in 1.0 s"):
             verifier("46", ENDLESS)
         assert time.monotonic() - start < 5
         assert verifier.pids == [] and gone(first[0])  # killed and reaped
@@ -73,7 +74,7 @@ def test_a_completion_past_the_deadline_times_out_and_its_worker_is_replaced() -
 
 
 def test_a_worker_that_died_is_replaced_and_close_refuses_more() -> None:
-    verifier = MathVerifier(workers=1)
+    verifier = math_verifier(workers=1)
     try:
         assert verifier("3", "3") == 1.0
         (pid,) = verifier.pids

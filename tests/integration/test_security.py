@@ -724,7 +724,8 @@ def test_the_http_endpoint_takes_the_same_tokens_over_https(
         from tests.envs.arith_retry import ArithRetry
 
         env = ArithRetry(seed=0)
-        runner = EpisodeRunner(env, security_for(run_secrets, "coordinator", tls=True))
+        spec = "tests.envs.arith_retry:ArithRetry"  # (its episodes play in a worker, with the token file)
+        runner = EpisodeRunner(spec, 0, security_for(run_secrets, "coordinator", tls=True))
         failures: list[Exception] = []
         try:
             [played] = runner.play(
