@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import yaml
@@ -26,6 +26,11 @@ from coordinator.processes import free_port as free_port  # the one free_port, r
 from coordinator.processes import start_redis
 from fp8rl import quant
 from trainer_service.config import TrainerConfig
+
+if TYPE_CHECKING:
+    from fp8rl.security import SecurityConfig
+    from fp8rl.serving import RunningServer
+    from trainer_service.service import TrainerService
 
 
 def trainer_config(model: Path, recipe: str = "fp8", **fields: Any) -> TrainerConfig:
@@ -111,6 +116,38 @@ def redis_server(
     with ExitStack() as stack:
         url, _ = start_redis(stack, data, data / log, port=port, aof=aof)
         yield url
+
+
+def serve_trainer(service: TrainerService, security: SecurityConfig | None = None) -> RunningServer:
+    """``service`` behind a real gRPC server on port 0, as its CLI serves it, SERVING (``.stop(0)``)."""
+    from fp8rl.serving import start_server
+    from fp8rl.v1 import trainer_pb2_grpc
+    from trainer_service.servicer import SERVICE_NAME, TrainerServicer
+
+    servicer = TrainerServicer(service)
+    running = start_server(
+        lambda s: trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, s),
+        [SERVICE_NAME],
+        security=security,
+    )
+    running.set_serving()
+    return running
+
+
+def serve_rollout(servicer: Any, security: SecurityConfig | None = None) -> RunningServer:
+    """A Rollout servicer (the real one, or a test's) behind a real gRPC server on port 0, with the
+    replica's message bound, SERVING (``.stop(0)``)."""
+    from fp8rl.serving import start_server
+    from fp8rl.v1 import rollout_pb2_grpc
+
+    running = start_server(
+        lambda s: rollout_pb2_grpc.add_RolloutServicer_to_server(servicer, s),
+        ["fp8rl.v1.Rollout"],
+        security=security,
+        max_receive_bytes=64 * 1024 * 1024,
+    )
+    running.set_serving()
+    return running
 
 
 def load_reference(

@@ -22,7 +22,6 @@ from fp8rl.codec.stream import decode_parts, receive_parts
 from fp8rl.codec.weight_set import WeightSet
 from fp8rl.recipes import get_recipe
 from fp8rl.sampling import SamplingSettings, sampling_settings
-from fp8rl.serving import start_server
 from fp8rl.v1 import common_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc, weights_pb2
 from tests.families import FAMILIES, write_checkpoint
 from tests.integration.test_trainer import samples
@@ -30,6 +29,7 @@ from tests.support import (
     assert_pickle_free,
     child_process,
     free_port,
+    serve_rollout,
     trainer_config,
     unpickling_forbidden,
     wait_for_line,
@@ -194,12 +194,7 @@ class KeptUpdates(rollout_pb2_grpc.RolloutServicer):
 @pytest.fixture
 def kept() -> Iterator[tuple[KeptUpdates, str]]:
     servicer = KeptUpdates()
-    running = start_server(
-        lambda s: rollout_pb2_grpc.add_RolloutServicer_to_server(servicer, s),
-        ["fp8rl.v1.Rollout"],
-        max_receive_bytes=64 << 20,
-    )
-    running.set_serving()
+    running = serve_rollout(servicer)
     yield servicer, running.address
     running.stop(0)
 

@@ -12,14 +12,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from fp8rl.serving import start_server
 from fp8rl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from tests.integration.test_trainer import samples, step_request
-from tests.support import fill_disk, tmpfs, trainer_config
+from tests.support import fill_disk, serve_trainer, tmpfs, trainer_config
 from trainer_service import checkpoint
 from trainer_service.config import TrainerConfig
 from trainer_service.service import TrainerService
-from trainer_service.servicer import SERVICE_NAME, TrainerServicer
 
 PAGE = 4096  # a tmpfs's block
 
@@ -55,11 +53,7 @@ class Served:
 
     def __init__(self, service: TrainerService) -> None:
         self.service = service
-        servicer = TrainerServicer(service)
-        self.server = start_server(
-            lambda s: trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, s), [SERVICE_NAME]
-        )
-        self.server.set_serving()
+        self.server = serve_trainer(service)
         self.channel = grpc.insecure_channel(self.server.address)
         self.stub = trainer_pb2_grpc.TrainerStub(self.channel)
 

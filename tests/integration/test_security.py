@@ -48,10 +48,9 @@ from rollout_service.servicer import RolloutServicer
 from tests.conftest import InProcessRollout
 from tests.integration.test_rollout import random_state
 from tests.integration.test_trainer import samples
-from tests.support import trainer_config
+from tests.support import serve_rollout, serve_trainer, trainer_config
 from trainer_service.service import TrainerService
 from trainer_service.servicer import SERVICE_NAME as TRAINER
-from trainer_service.servicer import TrainerServicer
 
 Code = grpc.StatusCode
 
@@ -127,12 +126,7 @@ def trainer_server(
         security=security,
     )
     service = TrainerService(config)
-    servicer = TrainerServicer(service)
-    running = start_server(
-        lambda s: trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, s), [TRAINER], security=security
-    )
-    running.set_serving()
-    return service, running
+    return service, serve_trainer(service, security)
 
 
 @pytest.fixture
@@ -333,13 +327,7 @@ def secured_replica(
     and the run's registration key for the test's duration (its high-water mark in memory)."""
     security = security_for(run_secrets, "replica", tls=False)
     service = rollout_fp8.service
-    running = start_server(
-        lambda s: rollout_pb2_grpc.add_RolloutServicer_to_server(rollout_fp8.servicer, s),
-        ["fp8rl.v1.Rollout"],
-        security=security,
-        max_receive_bytes=64 * 1024 * 1024,
-    )
-    running.set_serving()
+    running = serve_rollout(rollout_fp8.servicer, security)
     public = security.update_public_key()
     assert public is not None
     service.update_public_key, service.high_water = public, HighWater(None, signer_id(public))
@@ -486,14 +474,7 @@ def replica_process_state(
     service = RolloutService(
         rollout.service.config.model_copy(update={"security": security}), rollout.service.engine
     )
-    servicer = RolloutServicer(service)
-    running = start_server(
-        lambda s: rollout_pb2_grpc.add_RolloutServicer_to_server(servicer, s),
-        ["fp8rl.v1.Rollout"],
-        security=security,
-        max_receive_bytes=64 * 1024 * 1024,
-    )
-    running.set_serving()
+    running = serve_rollout(RolloutServicer(service), security)
     as_trainer = channel(running.address, security_for(run_secrets, "trainer", tls=False), "rollout")
     try:
         yield service, rollout_pb2_grpc.RolloutStub(as_trainer)

@@ -19,13 +19,13 @@ from tests.support import (
     assert_pickle_free,
     load_reference,
     reference_logprobs,
+    serve_trainer,
     trainer_config,
     unpickling_forbidden,
 )
 from trainer_service.config import TrainerConfig
 from trainer_service.publisher import Publisher, Target
 from trainer_service.service import TrainerService, parse_samples
-from trainer_service.servicer import SERVICE_NAME, TrainerServicer
 
 
 @pytest.fixture
@@ -40,11 +40,7 @@ def trainer(tiny_model_dir_f32: Path) -> Iterator[tuple[TrainerService, trainer_
         optimizer={"lr": 1e-3},
     )
     service = TrainerService(config)
-    servicer = TrainerServicer(service)
-    running = start_server(
-        lambda s: trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, s), [SERVICE_NAME]
-    )
-    running.set_serving()
+    running = serve_trainer(service)
     with grpc.insecure_channel(running.address) as channel:
         yield service, trainer_pb2_grpc.TrainerStub(channel)
     running.stop(0)
