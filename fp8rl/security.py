@@ -24,13 +24,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import hashlib
 import hmac
 import ipaddress
 import json
 import string
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -70,7 +72,32 @@ READS = frozenset(
 )
 """Calls any identified caller may make (anyone, with open_reads). A method in neither table is refused to
 everyone: a new RPC is closed until it is classified here."""
+RUN_ROLES = frozenset({"coordinator", "trainer"})
+"""The run's own callers: their Generate calls come before outside readers' (rollout_service.generation)."""
 TOKEN_METADATA = "authorization"
+_CALLER: contextvars.ContextVar[str | None] = contextvars.ContextVar("fp8rl_caller_role", default=None)
+
+
+def caller_role() -> str | None:
+    """The role of the caller whose call is being served here (None: not identified, or no security)."""
+    return _CALLER.get()
+
+
+def is_run_caller() -> bool:
+    """Whether the call being served is the run's own (the coordinator's or the trainer's)."""
+    return _CALLER.get() in RUN_ROLES
+
+
+@contextlib.contextmanager
+def serving_caller(role: str | None) -> Iterator[None]:
+    """Serve what runs inside as a call of ``role`` (the HTTP face's middleware; gRPC's interceptor)."""
+    token = _CALLER.set(role)
+    try:
+        yield
+    finally:
+        _CALLER.reset(token)
+
+
 MIN_KEY_BYTES = 16
 
 
@@ -366,14 +393,16 @@ class AccessControl(grpc.ServerInterceptor):
         if role is not None or not self.client_certs:
             # Decided from the metadata alone: a refused call never has its request parsed.
             refused = self.refusal(method, role)
-            return handler if refused is None else _refuse(handler, refused)
+            return _as_caller(handler, lambda _: role) if refused is None else _refuse(handler, refused)
 
-        def check(context: grpc.ServicerContext) -> None:  # the verified certificate decides
-            refused = self.refusal(method, self.certificate_role(context))
+        def check(context: grpc.ServicerContext) -> str | None:  # the verified certificate decides
+            certified = self.certificate_role(context)
+            refused = self.refusal(method, certified)
             if refused is not None:
                 context.abort(_code(refused), str(refused))
+            return certified
 
-        return _guarded(handler, check)
+        return _as_caller(handler, check)
 
 
 def _code(refused: Exception) -> grpc.StatusCode:
@@ -401,18 +430,22 @@ def _refuse(handler: Any, refused: Exception) -> grpc.RpcMethodHandler:
     return make(abort, request_deserializer=None, response_serializer=handler.response_serializer)
 
 
-def _guarded(handler: Any, check: Callable[[grpc.ServicerContext], None]) -> grpc.RpcMethodHandler:
-    """``handler`` with ``check(context)`` run before its behaviour (and so before any request is read)."""
+def _as_caller(handler: Any, identify: Callable[[grpc.ServicerContext], str | None]) -> grpc.RpcMethodHandler:
+    """``handler`` served as the caller ``identify(context)`` names (:func:`caller_role` inside it), which
+    runs before its behaviour (and so before any request is read) and may refuse the call."""
     attr, make = _HANDLER_KINDS[(handler.request_streaming, handler.response_streaming)]
     behaviour = getattr(handler, attr)
 
     def unary(request: Any, context: grpc.ServicerContext) -> Any:
-        check(context)
-        return behaviour(request, context)
+        with serving_caller(identify(context)):
+            return behaviour(request, context)
 
     def streaming(request: Any, context: grpc.ServicerContext) -> Any:
-        check(context)
-        yield from behaviour(request, context)
+        _CALLER.set(identify(context))  # (a generator's frames may end on another context: no reset)
+        try:
+            yield from behaviour(request, context)
+        finally:
+            _CALLER.set(None)
 
     return make(
         streaming if handler.response_streaming else unary,

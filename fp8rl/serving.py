@@ -157,24 +157,34 @@ def enable_reflection(server: grpc.Server, service_names: Sequence[str]) -> None
 
 class Capacity:
     """At most ``limit`` concurrent calls of one kind; one more is refused at once (RESOURCE_EXHAUSTED), so
-    slow or stalled calls never hold every server thread and health and status always get one."""
+    slow or stalled calls never hold every server thread and health and status always get one. The last
+    ``reserved`` slots are kept for the run's own calls (``slot(run=True)``): outside callers filling
+    every other slot never make the run wait for one."""
 
-    def __init__(self, what: str, limit: int) -> None:
-        self.what, self.limit = what, limit
-        self._slots = threading.BoundedSemaphore(limit)
+    def __init__(self, what: str, limit: int, reserved: int = 0) -> None:
+        if not 0 <= reserved < limit:
+            raise ValueError(f"{what}: {reserved} reserved slots of {limit}: leave outside callers one")
+        self.what, self.limit, self.reserved = what, limit, reserved
+        self._lock = threading.Lock()
+        self._in_use = 0
 
     @property
     def in_use(self) -> int:
-        return self.limit - self._slots._value
+        return self._in_use
 
     @contextlib.contextmanager
-    def slot(self) -> Iterator[None]:
-        if not self._slots.acquire(blocking=False):
-            raise Overloaded(f"{self.what}: {self.limit} calls in flight already; retry later")
+    def slot(self, run: bool = False) -> Iterator[None]:
+        with self._lock:
+            open_to_caller = self.limit if run else self.limit - self.reserved
+            if self._in_use >= open_to_caller:
+                kept = f" ({self.reserved} kept for the run's own)" if self.reserved and not run else ""
+                raise Overloaded(f"{self.what}: {self._in_use} calls in flight already{kept}; retry later")
+            self._in_use += 1
         try:
             yield
         finally:
-            self._slots.release()
+            with self._lock:
+                self._in_use -= 1
 
 
 def idle_limited(items: Iterable[T], context: grpc.ServicerContext, idle_s: float) -> Iterator[T]:

@@ -78,7 +78,9 @@ def serve(config: RolloutConfig) -> None:
     from rollout_service.service import RolloutService
     from rollout_service.servicer import SERVICE_NAME, RolloutServicer
 
-    servicer = RolloutServicer(generate_slots=config.max_concurrent_generate)
+    servicer = RolloutServicer(
+        generate_slots=config.max_concurrent_generate, run_slots=config.run_generate_slots
+    )
     http = None
     if config.http_port is not None:
         from rollout_service.openai_face import HttpServer

@@ -58,6 +58,14 @@ class RolloutConfig(BaseModel):
     max_concurrent_generate: int = Field(10, ge=1, le=10)
     """Generate / GenerateStream calls served at once (of 16 server threads: 2 are for UpdateWeights and 4
     stay with health and status); one more is refused (RESOURCE_EXHAUSTED)."""
+    run_generate_slots: int = Field(2, ge=0)
+    """Of max_concurrent_generate, the calls kept for the run's own callers (the coordinator, the trainer,
+    known by their tokens or certificates): outside readers get the others."""
+    outside_samples_during_run: int = Field(8, ge=1)
+    """While the run's own samples are queued or generating, outside readers' samples join the engine's
+    batch only up to this many at once (the rest wait their turn): a flood of readers cannot slow a
+    training step by more than this many extra sequences. With no run samples in flight, readers get the
+    whole engine."""
     episodes: EpisodeLimits = EpisodeLimits()
     """Bounds of the HTTP endpoint's episodes (/episodes/{id}/v1/...: rollout_service/episodes.py)."""
     stream_idle_s: float = Field(30.0, gt=0)
@@ -96,6 +104,11 @@ class RolloutConfig(BaseModel):
             )
         if self.precision.high_precision_modules:  # (a pattern that matches no linear fails here)
             self.fp8_plan  # noqa: B018
+        if self.run_generate_slots >= self.max_concurrent_generate:
+            raise ValueError(
+                f"run_generate_slots ({self.run_generate_slots}) must be below max_concurrent_generate "
+                f"({self.max_concurrent_generate}): outside readers need one"
+            )
         return self
 
     @property

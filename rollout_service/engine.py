@@ -65,6 +65,7 @@ class EngineRequest:
     prompt_token_ids: list[int]
     sampling: Sampling
     stream: bool = False  # report each new piece of the completion as it is generated (Progress)
+    run: bool = False  # the run's own: vLLM schedules it before outside readers' waiting requests
 
 
 @dataclass(frozen=True)
@@ -295,6 +296,8 @@ class VllmEngine:
             # The logprob of each sampled token under the distribution actually sampled from:
             # temperature applied, top-k / top-p renormalised. The trainer computes the same.
             logprobs_mode="processed_logprobs",
+            # The run's requests go first among those waiting (EngineRequest.run: priority 0, else 1).
+            scheduling_policy="priority",
             enforce_eager=self.device == "cpu",
             gpu_memory_utilization=config.gpu_memory_utilization,
             max_logprobs=config.max_top_logprobs,
@@ -395,7 +398,12 @@ class VllmEngine:
             prompt_logprobs=s.top_logprobs if s.prompt_logprobs else None,
             output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
         )
-        self._engine.add_request(request.request_id, {"prompt_token_ids": request.prompt_token_ids}, params)
+        self._engine.add_request(
+            request.request_id,
+            {"prompt_token_ids": request.prompt_token_ids},
+            params,
+            priority=0 if request.run else 1,
+        )
         if self.moe_layers:
             self._prompt_lengths[request.request_id] = len(request.prompt_token_ids)
         if s.top_logprobs or s.prompt_logprobs:

@@ -41,6 +41,7 @@ class Ticket:
     _results: queue.Queue[FinishedSample | Progress | BaseException] = field(default_factory=queue.Queue)
     request_ids: list[str] = field(default_factory=list)
     stream: bool = False
+    run: bool = False  # the run's own (before outside readers: GenerationLoop)
 
     def __iter__(self) -> Iterator[FinishedSample]:
         return (e for e in self.events() if isinstance(e, FinishedSample))
@@ -65,9 +66,21 @@ class _Job:
 
 
 class GenerationLoop:
-    def __init__(self, engine: Engine, version: int = ANY_VERSION, max_queued: int = 1 << 62) -> None:
+    """Owns the engine. The run's own requests (``submit(..., run=True)``) come first: while any is queued
+    or generating, outside requests join the engine's batch only while fewer than
+    ``outside_during_run`` of theirs are in it, and the rest wait here (vLLM also schedules the run's
+    before waiting outside ones). With none of the run's in flight, outside requests take the engine."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        version: int = ANY_VERSION,
+        max_queued: int = 1 << 62,
+        outside_during_run: int = 1 << 62,
+    ) -> None:
         self.engine = engine
         self.max_queued = max_queued  # samples queued or generating; beyond it submit() is refused
+        self.outside_during_run = outside_during_run
         self.version = version
         self.needs_keyframe = False
         self.tokens_generated = 0
@@ -91,8 +104,9 @@ class GenerationLoop:
         with self._cond:
             return len(self._pending) + len(self._active)
 
-    def submit(self, requests: list[EngineRequest], required_version: int) -> Ticket:
-        """Admit requests for generation under ``required_version`` (or any version with -1)."""
+    def submit(self, requests: list[EngineRequest], required_version: int, run: bool = False) -> Ticket:
+        """Admit requests for generation under ``required_version`` (or any version with -1); ``run``:
+        the run's own."""
         with self._cond:
             self._cond.wait_for(lambda: not self._updating or self._stopped)
             if self._stopped:
@@ -114,6 +128,7 @@ class GenerationLoop:
                 len(requests),
                 request_ids=[r.request_id for r in requests],
                 stream=any(r.stream for r in requests),
+                run=run,
             )
             self._pending += [(r, ticket) for r in requests]
             self._cond.notify_all()
@@ -165,14 +180,34 @@ class GenerationLoop:
                 if self._stopped:
                     job, self._job = self._job, None
                     break
-                admitted, self._pending = self._pending, []
+                admitted, self._pending = self._admissible()
                 aborts, self._aborts = self._aborts, []
-                job = self._job if not admitted and not self._active else None
+                job = self._job if not admitted and not self._active and not self._pending else None
             self._serve(admitted, aborts, job)
         self._fail_all(NotReady("the rollout service is shutting down"))
         if job is not None and not job.done.is_set():  # an update that never ran must not wait forever
             job.error = NotReady("the rollout service is shutting down")
             job.done.set()
+
+    def _admissible(self) -> tuple[list[tuple[EngineRequest, Ticket]], list[tuple[EngineRequest, Ticket]]]:
+        """(what joins the engine now, the run's first; what waits): every pending request, but that
+        while the run has requests in flight, outside ones join only up to ``outside_during_run`` in the
+        engine. (Under the lock.)"""
+        pending = self._pending
+        if not any(t.run for t in self._active.values()) and not any(t.run for _, t in pending):
+            return pending, []
+        room = self.outside_during_run - sum(not t.run for t in self._active.values())
+        admitted = [(r, t) for r, t in pending if t.run]
+        held = []
+        for request, ticket in pending:
+            if ticket.run:
+                continue
+            if room > 0:
+                admitted.append((request, ticket))
+                room -= 1
+            else:
+                held.append((request, ticket))
+        return admitted, held
 
     def _serve(
         self, admitted: list[tuple[EngineRequest, Ticket]], aborts: list[str], job: _Job | None

@@ -5,6 +5,7 @@ Plain Python over the engine loop; the gRPC servicer only converts messages and 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
@@ -223,7 +224,9 @@ class RolloutService:
         self.config = config
         self.engine = engine
         self.recipe = get_recipe(config.recipe)
-        self.loop = GenerationLoop(engine, max_queued=config.max_queued_samples)
+        self.loop = GenerationLoop(
+            engine, max_queued=config.max_queued_samples, outside_during_run=config.outside_samples_during_run
+        )
         self.limits = Limits(
             engine.max_model_len,
             engine.vocab_size,
@@ -268,16 +271,21 @@ class RolloutService:
     def version(self) -> int:
         return self.loop.version
 
-    def generate(self, request: rollout_pb2.GenerateRequest, stream: bool = False) -> Generation:
+    def generate(
+        self, request: rollout_pb2.GenerateRequest, stream: bool = False, run: bool = False
+    ) -> Generation:
         """Validate and admit a request; raises before anything runs if it is malformed or asks for a
-        version this replica does not hold. ``stream``: its tokens as they come (Generation.events)."""
+        version this replica does not hold. ``stream``: its tokens as they come (Generation.events);
+        ``run``: the run's own call, served before outside readers' (GenerationLoop)."""
         version = required_version(request)
         engine_requests, slots = parse_generate(request, self.limits, self.tokenizer, stream)
+        if run:
+            engine_requests = [dataclasses.replace(r, run=True) for r in engine_requests]
         if request.return_routed_experts and not self.num_experts:
             raise InvalidRequest(
                 "return_routed_experts", "the model has no mixture-of-experts layers: nothing is routed"
             )
-        ticket = self.loop.submit(engine_requests, version)
+        ticket = self.loop.submit(engine_requests, version, run)
         self.requests_admitted += 1
         return Generation(
             self.loop,

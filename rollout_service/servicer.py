@@ -9,6 +9,7 @@ import grpc
 
 from fp8rl.codec.stream import receive_parts
 from fp8rl.errors import NotReady
+from fp8rl.security import is_run_caller
 from fp8rl.serving import Capacity, idle_limited, map_errors, read_ahead
 from fp8rl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, weights_pb2
 from rollout_service.service import RolloutService
@@ -19,9 +20,11 @@ SERVICE_NAME = "fp8rl.v1.Rollout"
 class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     """Serves as soon as it is bound; every call answers UNAVAILABLE until the engine is attached."""
 
-    def __init__(self, service: RolloutService | None = None, generate_slots: int = 10) -> None:
+    def __init__(
+        self, service: RolloutService | None = None, generate_slots: int = 10, run_slots: int = 0
+    ) -> None:
         self._service = service
-        self.generating = Capacity("Generate", generate_slots)
+        self.generating = Capacity("Generate", generate_slots, reserved=run_slots)
         self.updating = Capacity("UpdateWeights", 2)  # one applying, the next one arriving
 
     def attach(self, service: RolloutService) -> None:
@@ -37,8 +40,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     def Generate(
         self, request: rollout_pb2.GenerateRequest, context: grpc.ServicerContext
     ) -> rollout_pb2.GenerateResponse:
-        with self.generating.slot():
-            generation = self.service.generate(request)
+        run = is_run_caller()
+        with self.generating.slot(run):
+            generation = self.service.generate(request, run=run)
             context.add_callback(generation.cancel)  # runs at the end of every RPC; no-op once all finished
             order = {p.id or str(i): i for i, p in enumerate(request.prompts)}
             completions = sorted(generation, key=lambda c: (order[c.prompt_id], c.sample_index))
@@ -53,8 +57,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     def GenerateStream(
         self, request: rollout_pb2.GenerateRequest, context: grpc.ServicerContext
     ) -> Iterator[rollout_pb2.Completion]:
-        with self.generating.slot():
-            generation = self.service.generate(request)
+        run = is_run_caller()
+        with self.generating.slot(run):
+            generation = self.service.generate(request, run=run)
             context.add_callback(generation.cancel)  # the client went away: abort what is left
             yield from generation
 

@@ -14,7 +14,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from fp8rl.errors import Overloaded
-from fp8rl.security import SecurityConfig, bearer_role, read_tokens
+from fp8rl.security import SecurityConfig, bearer_role, read_tokens, serving_caller
 from fp8rl.serving import STATUS_OF
 from rollout_service.episodes import OUTSIDE_EPISODES, CallScope
 from rollout_service.openai_face.face import OpenAIFace
@@ -33,20 +33,22 @@ def build_app(service: RolloutService, model_name: str, security: SecurityConfig
     declared, components = openapi_components(model_name)
     security = security or SecurityConfig()
     accepted = read_tokens(security.tokens_file) if security.tokens_file else {}
-    if accepted and not security.open_reads:  # the same bearer tokens as gRPC; any role may generate
-        require_tokens(app, accepted)
+    if accepted:  # the same bearer tokens as gRPC; any role may generate (the run's own first)
+        identify_callers(app, accepted, required=not security.open_reads)
     add_routes(app, face, declared)
     add_error_handlers(app)
     app.openapi = functools.partial(openapi, app, components)  # type: ignore[method-assign]
     return app
 
 
-def require_tokens(app: FastAPI, accepted: dict[str, str]) -> None:
-    """Refuses (401) every request without one of the ``accepted`` bearer tokens."""
+def identify_callers(app: FastAPI, accepted: dict[str, str], required: bool) -> None:
+    """Serves each request as the role of its bearer token (the run's own calls come first:
+    rollout_service.generation); refuses (401) one without an ``accepted`` token when ``required``."""
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next: Any) -> Response:
-        if bearer_role(request.headers.get("authorization", ""), accepted) is None:
+        role = bearer_role(request.headers.get("authorization", ""), accepted)
+        if role is None and required:
             body = {
                 "error": {
                     "message": "send Authorization: Bearer <token>",
@@ -56,7 +58,8 @@ def require_tokens(app: FastAPI, accepted: dict[str, str]) -> None:
                 }
             }
             return JSONResponse(body, status_code=401)
-        return cast(Response, await call_next(request))
+        with serving_caller(role):
+            return cast(Response, await call_next(request))
 
 
 def add_routes(app: FastAPI, face: OpenAIFace, declared: dict[str, Any]) -> None:

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from fp8rl.errors import InvalidRequest
+from fp8rl.security import is_run_caller
 from fp8rl.v1 import rollout_pb2
 from rollout_service.episodes import OUTSIDE_EPISODES, CallScope, Episodes
 from rollout_service.openai_face.requests import (
@@ -76,7 +77,7 @@ class OpenAIFace:
             raise InvalidRequest("echo", "not streamed by this server: ask without stream")
         self.check_room(scope, request)
         try:
-            generation = self.service.generate(request, stream=bool(body.get("stream")))
+            generation = self.service.generate(request, bool(body.get("stream")), is_run_caller())
         except InvalidRequest as exc:
             if exc.field != "top_logprobs":
                 raise
@@ -184,7 +185,7 @@ class OpenAIFace:
         request = generate_request(body, headers, prompts, key)
         request.top_logprobs = top or 0
         self.check_room(scope, request)
-        return self.service.generate(request, stream=bool(body.get("stream"))), body
+        return self.service.generate(request, bool(body.get("stream")), is_run_caller()), body
 
     def chat_logprobs(self, c: rollout_pb2.Completion) -> Any:
         from openai.types.chat.chat_completion import ChoiceLogprobs

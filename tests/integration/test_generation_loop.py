@@ -206,3 +206,61 @@ def test_stopping_releases_an_update_that_never_ran() -> None:
     loop.stop()
     updater.join(timeout=10)
     assert not updater.is_alive() and isinstance(outcome[0], NotReady)
+
+
+def test_the_runs_requests_go_first_and_outside_ones_wait_past_their_share() -> None:
+    """While the run's samples are in flight, outside samples join the engine only up to
+    ``outside_during_run`` at once (the rest wait in the loop, not in the engine's batch); with none of
+    the run's in flight, outside requests take the engine whole."""
+    engine = ScriptedEngine(steps=4)
+    loop = GenerationLoop(engine, outside_during_run=2)
+    try:
+        outside = loop.submit([engine_request(f"o{i}") for i in range(3)], -1)  # no run in flight: all in
+        while len(engine.events) < 3:
+            time.sleep(0.001)
+        run = loop.submit([engine_request(f"r{i}") for i in range(4)], -1, run=True)
+        late = loop.submit([engine_request(f"late{i}") for i in range(4)], -1)
+        assert len(list(run)) == 4 and len(list(outside)) == 3 and len(list(late)) == 4
+        adds = [e.removeprefix("add ") for e in engine.events if e.startswith("add")]
+        assert adds[:3] == ["o0", "o1", "o2"] and set(adds[3:7]) == {"r0", "r1", "r2", "r3"}
+        # The late outside requests joined only once the engine held fewer than 2 outside ones, or the
+        # run had none in flight: never more than 2 outside beside the run's.
+        most = 0
+        running_outside: set[str] = set()
+        run_left = {"r0", "r1", "r2", "r3"}
+        for event in engine.events:
+            kind, rid = event.split(" ")
+            if kind == "add" and not rid.startswith("r"):
+                running_outside.add(rid)
+                if run_left and rid.startswith("late"):
+                    most = max(most, len(running_outside))
+            elif kind == "finish":
+                running_outside.discard(rid)
+                run_left.discard(rid)
+        assert most <= 2, engine.events
+    finally:
+        loop.stop()
+
+
+def test_a_flood_of_outside_calls_leaves_the_runs_slots() -> None:
+    from fp8rl.serving import Capacity
+
+    capacity = Capacity("Generate", 4, reserved=1)
+
+    def refused(run: bool) -> str | None:
+        try:
+            with capacity.slot(run):
+                return None
+        except Overloaded as exc:
+            return str(exc)
+
+    with capacity.slot(), capacity.slot(), capacity.slot():
+        assert refused(False) == "Generate: 3 calls in flight already (1 kept for the run's own); retry later"
+        assert refused(True) is None  # the run's own call gets the kept slot
+        with capacity.slot(run=True):
+            assert refused(True) is not None and refused(False) is not None
+    with capacity.slot(run=True), capacity.slot(), capacity.slot():  # the run may take any free slot
+        assert refused(False) is not None and refused(True) is None
+    assert capacity.in_use == 0
+    with pytest.raises(ValueError, match="leave outside callers one"):
+        Capacity("Generate", 2, reserved=2)

@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -33,6 +34,7 @@ from fp8rl.security import (
     PROOF_TTL_S,
     AccessControl,
     SecurityConfig,
+    caller_role,
     exposure_problem,
     proof_refusal,
     registration_proof,
@@ -727,3 +729,66 @@ def test_the_http_endpoint_takes_the_same_tokens_over_https(
             untrusting.get(url, extensions=as_replica)  # a certificate of the run's own CA, nobody else's
     finally:
         server.stop()
+
+
+class RoleEcho(rollout_pb2_grpc.RolloutServicer):
+    """Answers each Generate with the role it was served as (``caller_role``), as a completion's text."""
+
+    def Generate(self, request: Any, context: grpc.ServicerContext) -> rollout_pb2.GenerateResponse:
+        completion = rollout_pb2.Completion(text=str(caller_role()))
+        return rollout_pb2.GenerateResponse(completions=[completion])
+
+    def GenerateStream(self, request: Any, context: grpc.ServicerContext) -> Iterator[rollout_pb2.Completion]:
+        yield rollout_pb2.Completion(text=str(caller_role()))
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["tokens", "certificates"])
+def test_a_call_is_served_as_its_callers_role(run_secrets: Path, tls: bool) -> None:
+    """By token or by verified certificate, the servicer knows whose call it serves (the run's own calls
+    come before readers': rollout_service.generation); nothing of one call's role stays for the next."""
+    running = serve_rollout(RoleEcho(), security_for(run_secrets, "replica", tls=tls))
+    try:
+        for role in ("coordinator", "reader", "coordinator"):
+            caller = security_for(run_secrets, role, tls=tls)
+            if tls:
+                caller = caller.model_copy(update={"token_file": None})  # the certificate alone
+            stub = rollout_pb2_grpc.RolloutStub(channel(running.address, caller, "rollout"))
+            request = rollout_pb2.GenerateRequest()
+            assert stub.Generate(request, timeout=10).completions[0].text == role
+            assert [c.text for c in stub.GenerateStream(request, timeout=10)] == [role]
+    finally:
+        running.stop(0)
+
+
+def test_the_http_face_serves_the_runs_own_calls_first(
+    rollout_fp8: InProcessRollout, run_secrets: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import httpx
+
+    from rollout_service.openai_face import HttpServer, build_app
+
+    service = rollout_fp8.service
+    asked: list[bool] = []
+    generate = service.generate
+
+    def recorded(request: Any, stream: bool = False, run: bool = False) -> Any:
+        asked.append(run)
+        return generate(request, stream, run)
+
+    monkeypatch.setattr(service, "generate", recorded)
+    security = security_for(run_secrets, "replica", tls=False)
+    server = HttpServer("127.0.0.1", 0).serve(build_app(service, "tiny", security))
+    try:
+        body = {"model": "tiny", "prompt": "12+34=", "max_tokens": 2}
+        for role in ("coordinator", "reader"):
+            token = token_path(run_secrets, role).read_text().strip()
+            answer = httpx.post(
+                f"http://127.0.0.1:{server.port}/v1/completions",
+                json=body,
+                headers={"Authorization": f"Bearer {token}"},
+                timeout=60,
+            )
+            assert answer.status_code == 200, answer.text
+    finally:
+        server.stop()
+    assert asked == [True, False]
