@@ -13,6 +13,9 @@ not hold, an oversized prompt, an oversized request, too many samples, no token,
   RESOURCE_EXHAUSTED while the replica is at capacity; any other answer (INTERNAL, UNAVAILABLE,
   DEADLINE_EXCEEDED, OK to a bad request) is a failure;
 - the run's steps (each committed exactly once, in order; no supervisor restart; exit status 0);
+- the step time under the flood against the same run's clean steps before it (--clean-minutes): the
+  median step_s of each, and their ratio (bound: <= --max-slowdown, 1.2: the run's own Generate calls
+  come first, rollout_service/generation.py);
 - the RSS of every process of the run (coordinator, redis-server, trainer, replica, any children such
   as a vLLM engine core), sampled every --sample-s during the load: after a warm-up (its first fifth),
   the median of the last third over the median of the first third, per process. Bound: each ratio
@@ -20,7 +23,8 @@ not hold, an oversized prompt, an oversized request, too many samples, no token,
 
 Exit status 1 on any failure.
 
-    python bench/sustained_load.py [--minutes 10] [--clients 12] [--model DIR] [--recipe fp8]
+    python bench/sustained_load.py [--minutes 10] [--clean-minutes 2] [--clients 12] [--model DIR]
+        [--recipe fp8]
 """
 
 from __future__ import annotations
@@ -254,14 +258,18 @@ def wait_for(what: str, ready: Callable[[], bool], proc: subprocess.Popen[bytes]
         time.sleep(0.5)
 
 
-def committed(run_dir: Path) -> list[int]:
+def records(run_dir: Path) -> list[dict[str, float]]:
     path = run_dir / "metrics.jsonl"
     lines = path.read_text().splitlines() if path.exists() else []
-    steps = []
+    found = []
     for line in lines:
         with contextlib.suppress(json.JSONDecodeError):  # (a line being written)
-            steps.append(json.loads(line)["step"])
-    return steps
+            found.append(json.loads(line))
+    return found
+
+
+def committed(run_dir: Path) -> list[int]:
+    return [int(r["step"]) for r in records(run_dir)]
 
 
 def main() -> int:
@@ -272,6 +280,10 @@ def main() -> int:
     parser.add_argument(
         "--clients", type=int, default=12, help="flooding threads (more than the replica's 10 Generate slots)"
     )
+    parser.add_argument(
+        "--clean-minutes", type=float, default=2.0, help="clean steps first, the baseline of the step time"
+    )
+    parser.add_argument("--max-slowdown", type=float, default=1.2, help="bound: step time flood / clean")
     parser.add_argument("--model", type=Path, help="HF checkpoint (default: the shipped tiny model)")
     parser.add_argument("--recipe", default="fp8")
     parser.add_argument("--sample-s", type=float, default=2.0, help="seconds between RSS samples")
@@ -292,6 +304,8 @@ def main() -> int:
         proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
     try:
         wait_for("a first step", lambda: len(committed(run_dir)) >= 2, proc, log)
+        clean_from = committed(run_dir)[-1]
+        time.sleep(args.clean_minutes * 60)
         address = json.loads((run_dir / "run.json").read_text())["rollouts"][0]
         watcher = threading.Thread(target=watch_memory, args=(proc.pid, args.sample_s, samples, stop_memory))
         watcher.start()
@@ -314,7 +328,10 @@ def main() -> int:
         if proc.poll() is None:
             proc.terminate()
             proc.wait()
-    return report(args, tally, samples, committed(run_dir), first_step, load_s, status, log)
+    step_s = {int(r["step"]): float(r["step_s"]) for r in records(run_dir) if "step_s" in r}
+    clean = [t for k, t in step_s.items() if clean_from < k <= first_step]
+    loaded = [t for k, t in step_s.items() if k > first_step + 1]  # (not the step the flood began in)
+    return report(args, tally, samples, committed(run_dir), first_step, load_s, status, log, (clean, loaded))
 
 
 def report(
@@ -326,8 +343,20 @@ def report(
     load_s: float,
     status: int,
     log: Path,
+    step_times: tuple[list[float], list[float]],
 ) -> int:
     failed = []
+    clean, loaded = step_times
+    if clean and loaded:
+        ratio = statistics.median(loaded) / statistics.median(clean)
+        print(
+            f"step time: clean median {statistics.median(clean):.2f} s ({len(clean)} steps), under the "
+            f"flood {statistics.median(loaded):.2f} s ({len(loaded)} steps): {ratio:.2f}x "
+            f"(bound {args.max_slowdown:g})"
+        )
+        failed += [] if ratio <= args.max_slowdown else [f"steps {ratio:.2f}x slower under the flood"]
+    else:
+        failed.append(f"too few steps to compare: {len(clean)} clean, {len(loaded)} under the flood")
     print(f"load: {load_s / 60:.1f} min, {args.clients} clients, recipe {args.recipe}; log {log}")
     lat = sorted(tally.latencies)
     if lat:

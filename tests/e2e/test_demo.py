@@ -30,22 +30,23 @@ def build_base_model(out: Path) -> dict:
 
 
 def test_base_model_builder_is_deterministic_and_checks_its_postconditions(tmp_path: Path) -> None:
-    """Two builds on one machine are byte-identical (another CPU's kernels may build another model: the
-    shipped bytes are the reference there), and what the manifest claims is what the model scores."""
+    """Builds on one machine are byte-identical: on the kernels the shipped model was built with, one
+    build is the shipped bytes; on others (another CPU's kernels may build another model) two builds
+    agree. And what the manifest claims is what the model scores."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    first, second = build_base_model(tmp_path / "a"), build_base_model(tmp_path / "b")
-    assert first == second
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "a", dtype=torch.float32)
-    score = score_base_model(model, first["validation"]["pairs"])
-    assert (score.greedy, score.known) == (first["validation"]["greedy"], first["validation"]["known"])
-    assert score.misses() == []
+    first = build_base_model(tmp_path / "a")
     shipped = models.read_manifest(models.TINY_ARITH)
     if first["built_on"] == shipped["built_on"]:  # the shipped model's own kernels: the same bytes
         assert first == shipped
     else:
         print(f"built on {first['built_on']}, shipped from {shipped['built_on']}: bytes may differ")
+        assert first == build_base_model(tmp_path / "b")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "a", dtype=torch.float32)
+    score = score_base_model(model, first["validation"]["pairs"])
+    assert (score.greedy, score.known) == (first["validation"]["greedy"], first["validation"]["known"])
+    assert score.misses() == []
 
 
 def test_short_fp8_run_raises_validation_accuracy(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""Soak: a 30-step embedded run while a random child (trainer, rollout, redis-server) is killed with
+"""Soak: a 20-step embedded run while a random child (trainer, rollout, redis-server) is killed with
 SIGKILL every few steps and a client floods the replica with valid and invalid Generate requests. The
 coordinator's supervisor restarts the processes each time; at the end every step appears exactly once,
 the trainer's last checkpoint is the run's last step, and no process is left."""
@@ -26,7 +26,7 @@ from fp8rl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from tests.e2e.test_coordinator_run import FAST, assert_children_gone, coordinator
 
 pytestmark = pytest.mark.slow
-STEPS, KILL_AT = 30, (5, 13, 21)
+STEPS, KILL_AT = 20, (4, 9, 14)
 
 
 def committed_steps(run_dir: Path) -> int:
