@@ -14,15 +14,15 @@ from tests.fuzz.targets import CORPUS, TARGETS, run_one
 
 ROOT = Path(__file__).resolve().parents[2]
 SECONDS_ENV = "FP8RL_FUZZ_SECONDS"
-# Per target, in every full run: 25 s keeps the five runs (with their start-up, under 3 minutes) within
+# Per target, in every full run: 15 s keeps the five runs (with their start-up, about 2 minutes) within
 # the suite's 40-minute budget and loses little: a 60 s run of the slowest target (openai, ~150 inputs a
-# second) had 341 of its 371 edges from the seeds and 365 at 40 s; the committed corpus replays in every
-# tier. Longer hunts: FP8RL_FUZZ_SECONDS.
-DEFAULT_SECONDS = 25
+# second) had 341 of its 371 edges from the seeds alone and 365 at 40 s; the committed corpus replays in
+# every tier. Longer hunts: FP8RL_FUZZ_SECONDS.
+DEFAULT_SECONDS = 15
 
 
 def fuzz_seconds() -> int:
-    """Each target's time box: ``FP8RL_FUZZ_SECONDS`` (e.g. 600 for a long hunt), else 25 s."""
+    """Each target's time box: ``FP8RL_FUZZ_SECONDS`` (e.g. 600 for a long hunt), else 15 s."""
     return int(os.environ.get(SECONDS_ENV, DEFAULT_SECONDS))
 
 

@@ -9,8 +9,8 @@ from coordinator.config import TaskConfig
 from coordinator.environments import EpisodeRunner, load_environment
 from coordinator.problems import Problem
 from coordinator.tasks import CustomReward, DatasetTask
-from fp8rl.v1 import common_pb2
 from tests.conftest import InProcessRollout
+from tests.integration.test_user_code import play_twice_each
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = (ROOT / "docs" / "rewards-and-environments.md").read_text()
@@ -39,16 +39,10 @@ def test_the_example_environment_plays_its_episodes(rollout_fp8: InProcessRollou
     assert problems == load_environment(spec, seed=0).train_problems(0, 2)  # (a replayed step: the same)
     runner = EpisodeRunner(spec, 0, None)
     try:
-        played = runner.play(
-            [(p, 2) for p in problems],
-            common_pb2.SamplingParams(temperature=1.0, max_tokens=6),
-            rollout_fp8.service.version,
-            {"replica-grpc": replica_http.removeprefix("http://")},
-            "example",
-            lambda address, exc: (_ for _ in ()).throw(exc),
-        )
+        played, failures = play_twice_each(runner, problems, rollout_fp8, replica_http, "example")
     finally:
         runner.close()
+    assert not failures
     assert len(played) == 4
     for e in played:
         assert e.failure is None and e.reward in (0.0, 0.5, 1.0)

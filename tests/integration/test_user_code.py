@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.config import TaskConfig
-from coordinator.environments import EpisodeRunner, load_environment
+from coordinator.environments import EpisodeRunner, PlayedEpisode, load_environment
 from coordinator.problems import CallFailed, Problem
 from coordinator.tasks import ArithTask, CustomReward
 from fp8rl.v1 import common_pb2
@@ -58,6 +58,23 @@ def test_a_reward_that_cannot_be_loaded_fails_the_configuration() -> None:
         CustomReward(ArithTask(seed=0), "tests.envs.faulty:missing", LIMITS)
 
 
+def play_twice_each(
+    runner: EpisodeRunner, problems: list[Problem], rollout: InProcessRollout, http: str, label: str
+) -> tuple[list[PlayedEpisode], list[Exception]]:
+    """Two episodes of each problem on the shared replica's face (at the version it holds); and what the
+    replica failed (an episode played again elsewhere)."""
+    failures: list[Exception] = []
+    played = runner.play(
+        [(p, 2) for p in problems],
+        common_pb2.SamplingParams(temperature=1.0, max_tokens=6),
+        rollout.service.version,
+        {"replica-grpc": http.removeprefix("http://")},
+        label,
+        lambda _, exc: failures.append(exc),
+    )
+    return played, failures
+
+
 @pytest.mark.parametrize(("how", "reason"), FAULTS)
 def test_an_episode_that_misbehaves_costs_only_that_episode(
     rollout_fp8: InProcessRollout, replica_http: str, how: str, reason: str
@@ -68,16 +85,8 @@ def test_an_episode_that_misbehaves_costs_only_that_episode(
     spec = f"tests.envs.faulty:{spec}"
     problems = load_environment(spec, seed=0).train_problems(0, 2)
     runner = EpisodeRunner(spec, 0, None, deadline_s=10.0, memory_mb=512)
-    failures: list[Exception] = []
     try:
-        played = runner.play(
-            [(p, 2) for p in problems],
-            common_pb2.SamplingParams(temperature=1.0, max_tokens=4),
-            rollout_fp8.service.version,
-            {"replica-grpc": replica_http.removeprefix("http://")},
-            f"faulty-{how}",
-            lambda _, exc: failures.append(exc),
-        )
+        played, failures = play_twice_each(runner, problems, rollout_fp8, replica_http, f"faulty-{how}")
         pids = runner.players.pids
     finally:
         runner.close()

@@ -1,7 +1,7 @@
 """Coverage-guided fuzzing of the code that reads untrusted bytes (tests/fuzz): the weight codec's decoder
 and part stream, the Generate and TrainStep validators. Every committed input (seeds, and each crash
 once found) replays here in seconds; the atheris runs, a time box each (FP8RL_FUZZ_SECONDS, default
-25 s), are slow tests. The OpenAI face's are in tests/integration/test_fuzz_openai.py."""
+15 s), are slow tests. The OpenAI face's are in tests/integration/test_fuzz_openai.py."""
 
 from __future__ import annotations
 
