@@ -222,7 +222,7 @@ class BatchMaker:
             "episode_samples": len(samples),
         }
         tokens = sum(sum(s.loss_mask) for s in samples)
-        failures = [e.failure.split(":", 1)[0] for e in episodes if e.failure is not None]
+        failures = [e.failure.reason for e in episodes if e.failure is not None]
         return Rollouts(samples, [e.reward for e in episodes], tokens, failures, extra=extra)
 
     def _play(self, runner: EpisodeRunner, ask: RolloutAsk) -> list[PlayedEpisode]:

@@ -89,12 +89,12 @@ def load_environment(spec: str, seed: int) -> Environment:
 @dataclass(frozen=True)
 class PlayedEpisode:
     """A finished episode: its problem, reward and the replica's recording (GET /episodes/{id}); an
-    episode the environment's code failed (``failure`` says how) scores 0, with what it had recorded."""
+    episode the environment's code failed (``failure``: how) scores 0, with what it had recorded."""
 
     problem: Problem
     reward: float
     recorded: dict[str, Any]
-    failure: str | None = None
+    failure: CallFailed | None = None
 
     @property
     def turns(self) -> int:
@@ -259,7 +259,7 @@ class EpisodeRunner:
             kind, value = self.players(problem, url, version, model, sampling)
         except CallFailed as exc:  # the environment's code: the episode scores 0 with what it recorded
             log.warning("episode %s scored 0: %s", episode_id, exc)
-            return PlayedEpisode(problem, 0.0, self._end(url), failure=f"{exc.reason}: {exc}")
+            return PlayedEpisode(problem, 0.0, self._end(url), failure=exc)
         if kind == "replica":
             self._end(url)
             raise _ReplicaError(ReplicaCallFailed(value))

@@ -95,7 +95,7 @@ def test_an_episode_that_misbehaves_costs_only_that_episode(
     good = [e for e in played if e.problem.id == problems[1].id]
     assert len(bad) == len(good) == 2
     for e in bad:
-        assert e.reward == 0.0 and e.failure is not None and e.failure.startswith(reason), e.failure
+        assert e.reward == 0.0 and e.failure is not None and e.failure.reason == reason, e.failure
         assert e.turns == 1 and len(e.recorded["samples"]) == 1  # the turn it took before the fault
     assert all(e.failure is None and e.turns == 1 for e in good)
     assert pids and all(gone(pid) for pid in pids)
