@@ -1,8 +1,11 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import tempfile
 from collections.abc import Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,14 +35,34 @@ def pytest_configure(config: pytest.Config) -> None:
 MOE_ENGINES_IN_PROCESS = ("test_moe_rollout.py", "test_moe_rollout_bf16.py")
 
 
+# The compose test runs last: its image builds in the background from the start (tests/containers.py).
+COMPOSE_TEST = "test_compose_up.py"
+CLEANUP = pytest.StashKey[ExitStack]()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: item.path.name not in MOE_ENGINES_IN_PROCESS)  # (stable: order kept)
+    def place(item: pytest.Item) -> int:
+        return 0 if item.path.name in MOE_ENGINES_IN_PROCESS else 2 if item.path.name == COMPOSE_TEST else 1
+
+    items.sort(key=place)  # (stable: the order within each group is kept)
+    if not config.option.collectonly and any(item.path.name == COMPOSE_TEST for item in items):
+        from tests.containers import IMAGE_BUILD, BackgroundBuild
+
+        stack = config.stash[CLEANUP] = ExitStack()
+        workdir = Path(tempfile.mkdtemp(prefix="fp8rl-image-build-"))
+        stack.callback(shutil.rmtree, workdir, ignore_errors=True)
+        config.stash[IMAGE_BUILD] = BackgroundBuild(workdir, stack)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (on a CUDA host: docs/gpu.md)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if CLEANUP in config.stash:
+        config.stash[CLEANUP].close()  # a build still going is ended (its process group) and reaped
 
 
 REQUIRE_TE = "FP8RL_REQUIRE_TE"

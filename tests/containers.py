@@ -21,7 +21,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,20 +81,10 @@ def container_engine(workdir: Path) -> Iterator[Engine]:
     if docker_answers():
         yield Engine("docker")
         return
-    if os.geteuid() != 0 or shutil.which("podman") is None or shutil.which("runc") is None:
+    if not podman_usable():
         pytest.skip("no Docker engine answers, and podman with runc needs root (`make test` installs them)")
-    # runc: crun fails on these VMs' cgroups. Containers get explicit limits: no higher than this
-    # process's own hard limit on open files (the engine may not raise it). An exec session's monitor
-    # (conmon) waits exit_command_delay for its caller, 5 minutes by default: it would outlive the test.
-    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-    nofile = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
-    conf = workdir / "containers.conf"
-    conf.write_text(
-        f'[containers]\ndefault_ulimits = ["nofile={nofile}:{nofile}", "nproc=4096:4096"]\n'
-        '[engine]\nruntime = "runc"\nexit_command_delay = 10\n'
-    )
     sock = workdir / "podman.sock"
-    env = {"CONTAINERS_CONF": str(conf), "DOCKER_HOST": f"unix://{sock}"}
+    env = {**podman_settings(workdir), "DOCKER_HOST": f"unix://{sock}"}
     args = ["podman", "system", "service", "--time", "0", f"unix://{sock}"]
     with child_process(args, workdir / "podman-service.log", {**os.environ, **env}) as proc:
         deadline = time.monotonic() + 60
@@ -105,6 +95,25 @@ def container_engine(workdir: Path) -> Iterator[Engine]:
         engine = Engine("podman", env)
         with health_checks(engine):
             yield engine
+
+
+def podman_usable() -> bool:
+    return os.geteuid() == 0 and shutil.which("podman") is not None and shutil.which("runc") is not None
+
+
+def podman_settings(workdir: Path) -> dict[str, str]:
+    """The environment that gives podman the settings these machines need, written under ``workdir``."""
+    # runc: crun fails on these VMs' cgroups. Containers get explicit limits: no higher than this
+    # process's own hard limit on open files (the engine may not raise it). An exec session's monitor
+    # (conmon) waits exit_command_delay for its caller, 5 minutes by default: it would outlive the test.
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    nofile = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
+    conf = workdir / "containers.conf"
+    conf.write_text(
+        f'[containers]\ndefault_ulimits = ["nofile={nofile}:{nofile}", "nproc=4096:4096"]\n'
+        '[engine]\nruntime = "runc"\nexit_command_delay = 10\n'
+    )
+    return {"CONTAINERS_CONF": str(conf)}
 
 
 @contextmanager
@@ -188,6 +197,51 @@ def build_image(engine: Engine, bases: dict[str, str], workdir: Path) -> None:
     engine.run(*args, str(ROOT), timeout=3600)
     if before and before != image_id(engine):  # the previous build and its layers: disk stays bounded
         engine.run("rmi", before, check=False)
+
+
+class BackgroundBuild:
+    """The base images and ``IMAGE`` built by a child process started as the session begins, at the
+    lowest CPU and I/O priority (``python -m tests.containers WORKDIR``): a cold build (minutes of
+    debootstrap and pip) overlaps the tests that run before the compose test, which the suite runs last
+    (tests/conftest.py). The engine's CLI builds without its API service; the test starts that itself."""
+
+    def __init__(self, workdir: Path, stack: ExitStack) -> None:
+        self.workdir, self.log = workdir, workdir / "build.log"
+        args = ["nice", "-n", "19", "ionice", "-c", "3", sys.executable, "-m", "tests.containers"]
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.getenv("PYTHONPATH")])),
+        }
+        self.proc = stack.enter_context(child_process([*args, str(workdir)], self.log, env))
+
+    def bases(self, timeout: float = 3600) -> dict[str, str]:
+        """``base_images``'s answer once the build is done (or the skip the build met)."""
+        status = self.proc.wait(timeout=timeout)
+        assert status == 0, f"the image build failed: {self.log.read_text()[-4000:]}"
+        result = json.loads((self.workdir / "result.json").read_text())
+        if "skip" in result:
+            pytest.skip(result["skip"])
+        return dict(result["bases"])
+
+
+IMAGE_BUILD = pytest.StashKey[BackgroundBuild]()  # the session's build (tests/conftest.py starts it)
+
+
+def build_in_background(workdir: Path) -> None:
+    """The child's side of ``BackgroundBuild``: build, then write result.json."""
+    try:
+        if docker_answers():
+            engine = Engine("docker")
+        elif podman_usable():
+            engine = Engine("podman", podman_settings(workdir))
+        else:
+            pytest.skip("no container engine here to build the image with")
+        bases = base_images(engine)
+        build_image(engine, bases, workdir)
+        result: dict = {"bases": bases}
+    except pytest.skip.Exception as skip:
+        result = {"skip": skip.msg}
+    (workdir / "result.json").write_text(json.dumps(result))
 
 
 def image_id(engine: Engine) -> str:
@@ -278,3 +332,7 @@ class Compose:
             out = self.engine.run(*args, "--filter", label, "--format", template, check=False)
             found += [f"{args[0]}: {name}" for name in out.stdout.split()]
         return found
+
+
+if __name__ == "__main__":
+    build_in_background(Path(sys.argv[1]))

@@ -213,27 +213,15 @@ class Network:
             healed.callback(self._unrule, spec)
         return healed
 
-    def rate_limit(self, name: str, rate: str) -> None:
-        """Cap what ``name`` sends (``tc ... tbf``, e.g. rate "2mbit") for the rest of the run."""
-        sh(
-            "ip",
-            "netns",
-            "exec",
-            self.nodes[name].ns,
-            "tc",
-            "qdisc",
-            "add",
-            "dev",
-            "eth0",
-            "root",
-            "tbf",
-            "rate",
-            rate,
-            "burst",
-            "32kbit",
-            "latency",
-            "1s",
-        )
+    @contextlib.contextmanager
+    def rate_limited(self, name: str, rate: str) -> Iterator[None]:
+        """Cap what ``name`` sends (``tc ... tbf``, e.g. rate "2mbit") while the block runs."""
+        exec_in = ("ip", "netns", "exec", self.nodes[name].ns, "tc", "qdisc")
+        sh(*exec_in, "add", "dev", "eth0", "root", "tbf", "rate", rate, "burst", "32kbit", "latency", "1s")
+        try:
+            yield
+        finally:
+            sh(*exec_in, "del", "dev", "eth0", "root")
 
     def rules(self) -> str:
         return subprocess.run(
