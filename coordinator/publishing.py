@@ -63,6 +63,7 @@ class Publishing:
             "sync_bytes": sum(r.wire_bytes for r in ok) / max(len(ok), 1),
             "sync_density": sum(r.density for r in ok) / max(len(ok), 1),
             "sync_keyframes": sum(r.encoding == "keyframe" for r in ok),
+            "sync_shared_memory": sum(r.plane == "shared-memory" for r in ok),
         }
 
     def deliver(self, version: int, held: dict[str, int]) -> list[trainer_pb2.PublishResult]:

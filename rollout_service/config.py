@@ -70,6 +70,10 @@ class RolloutConfig(BaseModel):
     """Bounds of the HTTP endpoint's episodes (/episodes/{id}/v1/...: rollout_service/episodes.py)."""
     stream_idle_s: float = Field(30.0, gt=0)
     """An UpdateWeights stream that sends nothing for this long is cancelled, freeing its thread."""
+    shared_memory_updates: bool = True
+    """Take weight updates' parts as shared memory from a trainer on this host and in this network
+    namespace (fp8rl/codec/segments.py: sealed memfds over an abstract Unix socket, from this user or
+    root only); gRPC carries the rest. False: every byte over gRPC."""
     kv_cache_gib: float = Field(1.0, gt=0)
     """KV-cache space on CPU (VLLM_CPU_KVCACHE_SPACE), GiB."""
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)

@@ -28,7 +28,8 @@ from fp8rl.codec.schema import (
     is_fp8_linear,
     scale_name,
 )
-from fp8rl.codec.stream import decode_parts
+from fp8rl.codec.segments import SegmentInbox
+from fp8rl.codec.stream import Blob, decode_parts
 from fp8rl.codec.weight_set import WeightSet
 from fp8rl.errors import InvalidRequest, Overloaded, PreconditionFailed
 from fp8rl.prometheus import Sample
@@ -260,6 +261,8 @@ class RolloutService:
             high_precision=config.fp8_plan.high_precision,
         )
         self.max_update_bytes = max_update_bytes(self.schema)
+        # Where a trainer on this host hands over updates' parts as shared memory (its name is in status).
+        self.segments = SegmentInbox() if config.shared_memory_updates else None
         model_config = read_config(config.model)
         self.num_experts = num_experts(model_config) if moe_layers(model_config) else 0
         self._update_lock = threading.Lock()
@@ -294,7 +297,7 @@ class RolloutService:
             self.num_experts if request.return_routed_experts else 0,
         )
 
-    def update_weights(self, parts: Iterable[tuple[weights_pb2.WeightHeader, bytearray]]) -> UpdateResult:
+    def update_weights(self, parts: Iterable[tuple[weights_pb2.WeightHeader, Blob]]) -> UpdateResult:
         """Verify, decode and apply one update, each part as it arrives (``fp8rl.codec.stream.receive_parts``
         checked that the parts belong together); concurrent updates are serialized.
 
@@ -317,8 +320,8 @@ class RolloutService:
     def _apply_update(
         self,
         header: weights_pb2.WeightHeader,
-        blob: bytearray,
-        stream: Iterator[tuple[weights_pb2.WeightHeader, bytearray]],
+        blob: Blob,
+        stream: Iterator[tuple[weights_pb2.WeightHeader, Blob]],
     ) -> UpdateResult:
         if header.format != self.recipe.rollout_weights:
             raise PreconditionFailed(
@@ -429,6 +432,7 @@ class RolloutService:
             registration_proof=self.registration_proof(),
             weight_epoch=self.held_epoch,
             http_address=self.http_address,
+            segment_inbox=self.segments.name if self.segments is not None else "",
         )
 
     def registration_proof(self) -> str:

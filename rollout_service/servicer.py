@@ -71,7 +71,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             chunks = idle_limited(request_iterator, context, self.service.config.stream_idle_s)
             # Each part is received (and its signature checked) while the one before it is applied; the
             # reading thread stops when this call ends, however it ends.
-            parts = receive_parts(chunks, self.service.max_update_bytes, self.service.update_public_key)
+            service = self.service
+            parts = receive_parts(
+                chunks, service.max_update_bytes, service.update_public_key, service.segments
+            )
             with contextlib.closing(read_ahead(parts)) as ahead:
                 result = self.service.update_weights(ahead)
         return weights_pb2.UpdateWeightsResponse(

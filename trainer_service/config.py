@@ -131,6 +131,10 @@ class TrainerConfig(LearnerConfig):
     security: SecurityConfig = SecurityConfig()
     """TLS, caller identities and roles (fp8rl/security.py); the same identity is shown to replicas, and
     with update_signing_key_file every update is signed."""
+    shared_memory_updates: bool = True
+    """Hand the parts of each update as shared memory to the replicas on this host and in this network
+    namespace that take them (fp8rl/codec/segments.py); gRPC carries the rest, and every byte where a
+    replica's inbox is not reachable or the hand-over fails. False: every byte over gRPC."""
     publish_to: list[str] = []
     """host:port of replicas the trainer may publish to besides those that prove they hold the run's
     registration key (their registration_proof); without a key and this list, only loopback replicas."""

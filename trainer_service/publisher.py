@@ -1,11 +1,16 @@
 """PublishWeights: quantize the master weights into the rollout's format once per version, then stream
 each target a delta against the version it holds (or a keyframe), concurrently, each part as soon as it
 is encoded. A target that refuses a delta (FAILED_PRECONDITION: it holds something else) gets a keyframe
-at once."""
+at once.
+
+A target on this host (its inbox answers: fp8rl/codec/segments.py) gets each part's bytes as shared
+memory, written once for every such target, while the stream carries the headers; where the inbox is
+not reachable, or an update over it fails, the bytes go over gRPC."""
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
@@ -18,14 +23,16 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from fp8rl.codec.encode import PART_BYTES, EncodedUpdate, changed_fraction, delta_parts, keyframe_parts
 from fp8rl.codec.schema import build_weight_set
+from fp8rl.codec.segments import hand_over, sealed_segment
 from fp8rl.codec.stream import header_of, update_to_chunks
 from fp8rl.codec.weight_set import WeightSet
 from fp8rl.recipes import WeightFormat
 from fp8rl.security import SecurityConfig
 from fp8rl.transport import channel
-from fp8rl.v1 import rollout_pb2_grpc, weights_pb2
+from fp8rl.v1 import common_pb2, rollout_pb2_grpc, weights_pb2
 
 log = logging.getLogger(__name__)
+SHARED_MEMORY, GRPC = "shared-memory", "grpc"
 UPDATE_DEADLINE_S = 600.0
 # A refused delta is followed by a keyframe, except where the target is busy, away or refuses the caller:
 # a bigger update would fare no better.
@@ -53,6 +60,7 @@ class Delivery:
     density: float
     seconds: float
     error: str = ""
+    plane: str = GRPC  # what carried the data (SHARED_MEMORY: every part)
 
 
 class Publisher:
@@ -64,17 +72,20 @@ class Publisher:
         security: SecurityConfig | None = None,
         part_bytes: int = PART_BYTES,
         high_precision: Collection[str] = frozenset(),
+        shared_memory: bool = True,
     ) -> None:
         """``part_bytes``: tensor bytes per part of a streamed update (fp8rl.codec.encode);
         ``high_precision``: the block linears (module names) an FP8 format ships in ``hp_dtype``
-        (fp8rl.architectures)."""
+        (fp8rl.architectures); ``shared_memory``: hand parts to same-host targets as shared memory."""
         self.weight_format, self.hp_dtype, self.recipe = weight_format, hp_dtype, recipe
         self.high_precision = frozenset(high_precision)
         self.part_bytes = part_bytes
         self.security = security or SecurityConfig()
         self.signer = self.security.update_signing_key()  # every update is signed with it (fp8rl.security)
         self.last: tuple[int, WeightSet] | None = None  # the one base any delta is computed against
+        self.shared_memory = shared_memory
         self._channels: dict[str, grpc.Channel] = {}
+        self._inboxes: dict[str, str] = {}  # address -> its segment inbox ("": none usable from here)
         self._channels_lock = threading.Lock()
         self._publish_lock = threading.Lock()
 
@@ -120,9 +131,10 @@ class Publisher:
     def _deliver(self, target: Target, updates: _Updates) -> Delivery:
         start = time.perf_counter()
         update = updates.for_held(target.held_version)
+        plane = GRPC
         try:
             try:
-                self._send(target.address, update)
+                plane = self._send(target.address, update)
             except grpc.RpcError as exc:
                 if update.encoding == "keyframe" or update.error is not None or exc.code() in _NOT_HEALED:
                     raise
@@ -135,7 +147,7 @@ class Publisher:
                     exc.details(),
                 )
                 update = updates.keyframe()
-                self._send(target.address, update)
+                plane = self._send(target.address, update)
         except grpc.RpcError as exc:
             if update.error is not None:  # our encoder failed, not the target: the publish fails
                 raise RuntimeError(f"encoding the {update.encoding} failed") from update.error
@@ -147,18 +159,53 @@ class Publisher:
                 0.0,
                 time.perf_counter() - start,
                 f"{exc.code().name}: {exc.details()}",
+                plane,
             )
         wire_bytes, density = update.totals()
         return Delivery(
-            target.address, True, update.encoding, wire_bytes, density, time.perf_counter() - start
+            target.address, True, update.encoding, wire_bytes, density, time.perf_counter() - start, "", plane
         )
 
-    def _send(self, address: str, update: _Streamed) -> None:
+    def _send(self, address: str, update: _Streamed) -> str:
+        """Stream ``update`` to ``address``; returns the plane that carried its data."""
+        stub = rollout_pb2_grpc.RolloutStub(self._channel(address))
+        inbox = self._inbox(address, stub)
+        if inbox:
+            carried: list[str] = []
+            try:
+                stub.UpdateWeights(update.chunks(inbox, carried), timeout=UPDATE_DEADLINE_S)
+            except grpc.RpcError as exc:
+                self._inboxes.pop(address, None)  # asked again next time
+                refused_data = exc.code() == grpc.StatusCode.INVALID_ARGUMENT and SHARED_MEMORY in carried
+                if not refused_data or update.error is not None:
+                    raise
+                # Nothing changed there (an update lands whole or not at all): the same bytes over gRPC.
+                log.warning("update to %s over shared memory failed (%s); over gRPC", address, exc.details())
+            else:
+                if SHARED_MEMORY not in carried:  # (not reachable from here: asked again next time)
+                    self._inboxes.pop(address, None)
+                return SHARED_MEMORY if set(carried) == {SHARED_MEMORY} else GRPC
+        stub.UpdateWeights(update.chunks(), timeout=UPDATE_DEADLINE_S)
+        return GRPC
+
+    def _channel(self, address: str) -> grpc.Channel:
         with self._channels_lock:
             if address not in self._channels:
                 self._channels[address] = channel(address, self.security, "rollout")
-            chan = self._channels[address]
-        rollout_pb2_grpc.RolloutStub(chan).UpdateWeights(update.chunks(), timeout=UPDATE_DEADLINE_S)
+            return self._channels[address]
+
+    def _inbox(self, address: str, stub: rollout_pb2_grpc.RolloutStub) -> str:
+        """The target's segment inbox, asked once per address (a replica that restarts names a new one:
+        the hand-over fails, and the next publish asks again)."""
+        if not self.shared_memory:
+            return ""
+        if address not in self._inboxes:
+            try:
+                status = stub.GetStatus(common_pb2.GetStatusRequest(), timeout=10)
+                self._inboxes[address] = status.segment_inbox
+            except grpc.RpcError:
+                return ""  # (the update itself says what is wrong)
+        return self._inboxes[address]
 
     def close(self) -> None:
         with self._channels_lock:
@@ -177,6 +224,8 @@ class _Streamed:
     ) -> None:
         self.encoding = encoding
         self._parts: list[tuple[EncodedUpdate, weights_pb2.WeightHeader]] = []
+        self._segments: dict[int, int] = {}  # part -> its sealed memfd, written once for every target
+        self._segments_lock = threading.Lock()
         self._done = False
         self.error: BaseException | None = None
         self._ready = threading.Condition()
@@ -187,9 +236,14 @@ class _Streamed:
         self._encoder.start()
 
     def cancel(self) -> None:
-        """Stop encoding (after the part under way) and wait for the encoder: nobody needs the rest."""
+        """Stop encoding (after the part under way) and wait for the encoder: nobody needs the rest;
+        close the segments (a replica that mapped one keeps its pages)."""
         self._cancelled.set()
         self._encoder.join()
+        with self._segments_lock:
+            for fd in self._segments.values():
+                os.close(fd)
+            self._segments.clear()
 
     def _encode(self, parts: Iterator[EncodedUpdate], epoch: int, signer: Ed25519PrivateKey | None) -> None:
         try:
@@ -208,11 +262,26 @@ class _Streamed:
                 self._done = True
                 self._ready.notify_all()
 
-    def chunks(self) -> Iterator[weights_pb2.WeightChunk]:
-        """The stream's messages, each part's as soon as it is encoded. A failed encode ends the stream
-        with an error (gRPC cancels the call, and the target puts back what it applied)."""
+    def chunks(self, inbox: str = "", carried: list[str] | None = None) -> Iterator[weights_pb2.WeightChunk]:
+        """The stream's messages, each part's as soon as it is encoded; with the target's ``inbox``, each
+        part's data as a shared segment where the inbox takes it (``carried`` gets each part's plane). A
+        failed encode ends the stream with an error (gRPC cancels the call, and the target puts back what
+        it applied)."""
         for part, header in self._signed():
-            yield from update_to_chunks(part, header=header)
+            token = hand_over(inbox, self._segment(header.part, part)) if inbox else None
+            if carried is not None:
+                carried.append(SHARED_MEMORY if token is not None else GRPC)
+            if token is None:
+                yield from update_to_chunks(part, header=header)
+            else:
+                yield weights_pb2.WeightChunk(header=header)
+                yield weights_pb2.WeightChunk(shared=weights_pb2.SharedSegment(token=token))
+
+    def _segment(self, index: int, part: EncodedUpdate) -> int:
+        with self._segments_lock:
+            if index not in self._segments:
+                self._segments[index] = sealed_segment(part.segments, part.wire_bytes)
+            return self._segments[index]
 
     def _signed(self) -> Iterator[tuple[EncodedUpdate, weights_pb2.WeightHeader]]:
         sent = 0

@@ -150,6 +150,7 @@ class TrainerService:
             self.recipe.name,
             config.security,
             high_precision=config.fp8_plan.high_precision,
+            shared_memory=config.shared_memory_updates,
         )
         self.registration_key = config.security.registration_key()  # checks replicas' proofs
         self.run_id = ""

@@ -7,6 +7,7 @@ to :mod:`fp8rl.codec.decode`.
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Callable, Iterable, Iterator
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -14,6 +15,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from fp8rl.codec.decode import Admit, DecodedUpdate, UpdateDecoder
 from fp8rl.codec.encode import EncodedUpdate
 from fp8rl.codec.layout import MAX_PARTS
+from fp8rl.codec.segments import SegmentInbox
 from fp8rl.codec.weight_set import WeightSet, bytes_digest
 from fp8rl.errors import CorruptUpdateError
 from fp8rl.security import PartHash, sign_update, verify_update
@@ -22,6 +24,9 @@ from fp8rl.v1 import weights_pb2
 # Data bytes per WeightChunk message. gRPC's default receive limit is 4 MiB per message; leave room for the
 # message framing.
 MESSAGE_BYTES = 4 * 1024 * 1024 - 4096
+# A received part, writable (decoded in place): reassembled from data chunks, or a shared segment mapped
+# copy-on-write.
+Blob = bytearray | mmap.mmap
 
 
 def header_of(
@@ -73,13 +78,16 @@ def receive_parts(
     chunks: Iterable[weights_pb2.WeightChunk],
     max_bytes: int | None = None,
     verifier: Ed25519PublicKey | None = None,
-) -> Iterator[tuple[weights_pb2.WeightHeader, bytearray]]:
+    inbox: SegmentInbox | None = None,
+) -> Iterator[tuple[weights_pb2.WeightHeader, Blob]]:
     """Reassemble a chunk stream part by part, yielding each part's header and blob (writable: it is
     decoded in place) as soon as the part is whole. Raises :class:`CorruptUpdateError` unless every part is
     one header followed by data whose total size and header digest match it, the headers number the
     parts 0, 1, ... up to their count and agree on everything else, and all parts together stay within
     ``max_bytes``; with the trainer's public key (``verifier``), :class:`~fp8rl.errors.Unauthenticated`
-    unless every part's signature verifies (each before a byte of it is yielded)."""
+    unless every part's signature verifies (each before a byte of it is yielded). A part may come as one
+    shared segment instead of data chunks, taken from ``inbox`` (none: refused) and checked the same
+    way over its mapped bytes."""
     stream = iter(chunks)
     chunk = next(stream, None)
     if chunk is None or chunk.WhichOneof("part") != "header":
@@ -104,12 +112,22 @@ def receive_parts(
             verify_update(*check, "")  # refused before a byte of data is read
         assembler = Reassembler(header.total_bytes, header.digest, budget)
         chunk = next(stream, None)
-        while chunk is not None and chunk.WhichOneof("part") == "data":
-            assembler.add(chunk.data)
+        blob: Blob
+        if chunk is not None and chunk.WhichOneof("part") == "shared":
+            if inbox is None:
+                raise CorruptUpdateError("shared: this replica takes no shared-memory segments")
+            blob = inbox.take(chunk.shared.token, header.total_bytes)
             if check is not None:
-                check[1].update(chunk.data)
+                check[1].update(memoryview(blob))
+            check_part(blob, header.digest)
             chunk = next(stream, None)
-        blob = assembler.finish()
+        else:
+            while chunk is not None and chunk.WhichOneof("part") == "data":
+                assembler.add(chunk.data)
+                if check is not None:
+                    check[1].update(chunk.data)
+                chunk = next(stream, None)
+            blob = assembler.finish()
         if check is not None:
             verify_update(*check, header.signature)
         if budget is not None:
@@ -120,7 +138,7 @@ def receive_parts(
 
 
 def decode_parts(
-    parts: Iterable[tuple[weights_pb2.WeightHeader, bytearray]],
+    parts: Iterable[tuple[weights_pb2.WeightHeader, Blob]],
     held: WeightSet | None = None,
     held_version: int | None = None,
     admit: Admit | None = None,
@@ -131,7 +149,7 @@ def decode_parts(
     received = 0
     with UpdateDecoder(held, held_version, admit) as decoder:
         for _, blob in parts:
-            decoder.add(blob)
+            decoder.add(memoryview(blob))
             received += len(blob)
         return decoder.finish(accept), received
 
@@ -160,10 +178,13 @@ class Reassembler:
         """The received update, writable, so that it is decoded in place."""
         if self._filled != self.total_bytes:
             raise CorruptUpdateError(f"truncated update: {self._filled} of {self.total_bytes} bytes")
-        header_end = 8 + int.from_bytes(self._buffer[:8], "little") if self._filled >= 8 else 0
-        if (
-            not 8 < header_end <= self._filled
-            or bytes_digest(memoryview(self._buffer)[:header_end]) != self.digest
-        ):
-            raise CorruptUpdateError("update digest mismatch (corrupted or reordered chunks)")
+        check_part(self._buffer, self.digest)
         return self._buffer
+
+
+def check_part(blob: Blob, digest: str) -> None:
+    """The part's own header (which seals every tensor's digest, checked when it is decoded) matches
+    ``digest``."""
+    header_end = 8 + int.from_bytes(blob[:8], "little") if len(blob) >= 8 else 0
+    if not 8 < header_end <= len(blob) or bytes_digest(memoryview(blob)[:header_end]) != digest:
+        raise CorruptUpdateError("update digest mismatch (corrupted or reordered chunks)")

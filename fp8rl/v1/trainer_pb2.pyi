@@ -163,7 +163,7 @@ class PublishWeightsRequest(_message.Message):
     def __init__(self, version: _Optional[int] = ..., targets: _Optional[_Iterable[_Union[PublishTarget, _Mapping]]] = ...) -> None: ...
 
 class PublishResult(_message.Message):
-    __slots__ = ("address", "ok", "encoding", "wire_bytes", "density", "seconds", "error")
+    __slots__ = ("address", "ok", "encoding", "wire_bytes", "density", "seconds", "error", "plane")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     ENCODING_FIELD_NUMBER: _ClassVar[int]
@@ -171,6 +171,7 @@ class PublishResult(_message.Message):
     DENSITY_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    PLANE_FIELD_NUMBER: _ClassVar[int]
     address: str
     ok: bool
     encoding: str
@@ -178,7 +179,8 @@ class PublishResult(_message.Message):
     density: float
     seconds: float
     error: str
-    def __init__(self, address: _Optional[str] = ..., ok: _Optional[bool] = ..., encoding: _Optional[str] = ..., wire_bytes: _Optional[int] = ..., density: _Optional[float] = ..., seconds: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
+    plane: str
+    def __init__(self, address: _Optional[str] = ..., ok: _Optional[bool] = ..., encoding: _Optional[str] = ..., wire_bytes: _Optional[int] = ..., density: _Optional[float] = ..., seconds: _Optional[float] = ..., error: _Optional[str] = ..., plane: _Optional[str] = ...) -> None: ...
 
 class PublishWeightsResponse(_message.Message):
     __slots__ = ("version", "results")

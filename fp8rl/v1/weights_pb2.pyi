@@ -31,13 +31,21 @@ class WeightHeader(_message.Message):
     parts: int
     def __init__(self, version: _Optional[int] = ..., base_version: _Optional[int] = ..., encoding: _Optional[str] = ..., total_bytes: _Optional[int] = ..., digest: _Optional[str] = ..., format: _Optional[str] = ..., recipe: _Optional[str] = ..., epoch: _Optional[int] = ..., signature: _Optional[str] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ...) -> None: ...
 
+class SharedSegment(_message.Message):
+    __slots__ = ("token",)
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    token: bytes
+    def __init__(self, token: _Optional[bytes] = ...) -> None: ...
+
 class WeightChunk(_message.Message):
-    __slots__ = ("header", "data")
+    __slots__ = ("header", "data", "shared")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
     header: WeightHeader
     data: bytes
-    def __init__(self, header: _Optional[_Union[WeightHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    shared: SharedSegment
+    def __init__(self, header: _Optional[_Union[WeightHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., shared: _Optional[_Union[SharedSegment, _Mapping]] = ...) -> None: ...
 
 class UpdateWeightsResponse(_message.Message):
     __slots__ = ("version", "encoding", "bytes_received", "tensors_updated", "apply_s")

@@ -144,6 +144,7 @@ def test_embedded_run_writes_metrics_and_leaves_no_child(tiny_model_dir_f32: Pat
     assert "summary:" in proc.stdout and (run_dir / "token_mult_prob_error.png").exists()
     assert "failed" not in proc.stdout + proc.stderr
     assert all(r["sync_keyframes"] == 0 for r in recs[1:])  # every step's weights travel as a delta
+    assert all(r["sync_shared_memory"] == 1 for r in recs[1:])  # its bytes as shared memory (one host)
     scalars = tensorboard_scalars(run_dir)
     assert [s for s, _ in scalars["token_mult_prob_error"]] == [1, 2, 3]
     assert [s for s, _ in scalars["val_accuracy"]] == [0, 3]

@@ -312,6 +312,7 @@ def test_an_update_streamed_in_parts_is_applied_whole_or_not_at_all(rollout_fp8:
         publisher.close()
         raise
     assert delivery.ok and delivery.encoding == "delta", delivery.error
+    assert delivery.plane == "shared-memory"  # (the replica is on this host: its parts by memfd)
     assert 0 < delivery.wire_bytes < newer.nbytes and 0 < delivery.density <= 1
     assert_engine_holds(rollout_fp8, newer)
 
@@ -326,6 +327,38 @@ def test_an_update_streamed_in_parts_is_applied_whole_or_not_at_all(rollout_fp8:
     assert_engine_holds(rollout_fp8, newer)
     assert stub.UpdateWeights(parts_to_chunks(delta_parts(new, newer, 43, 42)), timeout=60).version == 43
     assert_engine_holds(rollout_fp8, new)
+
+
+def test_same_host_updates_go_as_shared_memory_unless_off_or_out_of_reach(
+    rollout_fp8: InProcessRollout,
+) -> None:
+    """The publisher finds the replica's inbox (GetStatus) and hands it each part as shared memory: a
+    keyframe, then a delta, reach the engine bit for bit. Turned off, or with an inbox it cannot reach
+    (another host or network namespace), the same updates go over gRPC."""
+    address, model_dir = rollout_fp8.server.address, rollout_fp8.model_dir
+    assert rollout_fp8.stub.GetStatus(common_pb2.GetStatusRequest()).segment_inbox.startswith(
+        "fp8rl-segments-"
+    )
+    sets = [build_weight_set(random_state(model_dir, seed), FP8, hp_dtype=torch.float32) for seed in range(4)]
+    publishers = {
+        "on": Publisher(FP8, torch.float32, "fp8", part_bytes=64 * 1024),
+        "off": Publisher(FP8, torch.float32, "fp8", shared_memory=False),
+        "out of reach": Publisher(FP8, torch.float32, "fp8"),
+    }
+    publishers["out of reach"]._inboxes[address] = "fp8rl-segments-elsewhere"
+    try:
+        held = -1
+        for version, (name, publisher) in enumerate([("on", publishers["on"]), *publishers.items()], 60):
+            weights = sets[version - 60]
+            publisher.last = (held, sets[held - 60]) if held >= 60 else None
+            [delivery] = publisher.publish(version, dict, [Target(address, held)], built=weights)
+            expected = ("keyframe" if held < 0 else "delta", "shared-memory" if name == "on" else "grpc")
+            assert delivery.ok and (delivery.encoding, delivery.plane) == expected, (name, delivery)
+            assert_engine_holds(rollout_fp8, weights)
+            held = version
+    finally:
+        for publisher in publishers.values():
+            publisher.close()
 
 
 def test_no_completion_mixes_weight_versions(rollout_fp8: InProcessRollout) -> None:
