@@ -236,8 +236,16 @@ def fill_disk(path: Path, leave: int, ballast: str = ".ballast") -> int:
     size = stats.f_bavail * stats.f_frsize - leave
     if size < 0:
         raise ValueError(f"{path} has only {stats.f_bavail * stats.f_frsize} bytes free, not {leave}")
-    written, block = 0, b"\0" * (1 << 20)  # (written, not sparse: a tmpfs counts only pages holding data)
+    # Allocated at once (a tmpfs counts allocated pages as used; no sparse file), so that a run a few
+    # steps a second meets the full disk at once; where allocation fails (others wrote meanwhile, or the
+    # filesystem cannot), written block by block until full.
     with open(target, "wb", buffering=0) as f:
+        try:
+            os.posix_fallocate(f.fileno(), 0, size)
+            return size
+        except OSError:
+            pass
+        written, block = 0, b"\0" * (1 << 20)
         try:
             while written < size:
                 written += f.write(block[: size - written])

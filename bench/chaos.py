@@ -1,0 +1,347 @@
+"""Chaos: an embedded training run on the tiny model while faults come at random, several at once, from
+a seed that is printed (``--seed`` replays the same schedule):
+
+- kill -9 of a child (the trainer, the replica, redis-server) or of the coordinator itself;
+- a partition of one service's port (iptables DROP both ways on loopback), or latency and loss on every
+  link (netem on loopback), for seconds;
+- a Generate flood (valid and invalid requests, as fast as the replica answers) for seconds;
+- a full run directory (its filesystem filled to the last byte) for seconds.
+
+The seed fixes the sequence of faults and their lengths (their moments follow the machine's speed).
+The run lives in a network and mount namespace of its own (``unshare``, as root): the rules, the
+latency and the small tmpfs that holds the run directory touch nothing outside. Whenever the
+coordinator ends without finishing (killed, its Redis gone, its disk full), it is started again on the
+same run, as a user would. Printed at the end, and written to ``--out``/report.json:
+
+- every step committed exactly once, in order (the metrics), and the trainer's newest checkpoint is the
+  last step (its own counter);
+- every version a reader was served was one the trainer had published by then;
+- faults by kind, the coordinator's restarts of its children, reruns, heals, and the longest stall
+  (seconds between two commits);
+- the final validation accuracy, and with ``--clean`` that of the same run without faults.
+
+Exit status 1 if a check fails. Needs root (namespaces, iptables, tc).
+
+    python bench/chaos.py [--steps 400] [--seed N] [--clean] [--out runs/chaos]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import grpc
+
+from coordinator.metrics import read_metrics
+from fp8rl.run_secrets import security_for
+from fp8rl.transport import channel
+from fp8rl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+
+RUN_ID = "chaos"
+FAST = ["--prompts-per-step", "4", "--group-size", "4", "--max-tokens", "4", "--val-every", "0"]
+FAST += ["--set", "val_size=64", "--set", "max_restarts=100000", "--compute-dtype", "float32"]
+FAST += ["--progress", "plain"]
+KINDS = ("kill", "partition", "latency", "flood", "full-disk")
+
+
+def sh(*args: str) -> None:
+    subprocess.run(args, check=True, capture_output=True)
+
+
+class Run:
+    """The run directory and what the bench watches in it."""
+
+    def __init__(self, run_dir: Path, steps: int, seed: int) -> None:
+        self.run_dir, self.steps, self.seed = run_dir, steps, seed
+        self.served: list[tuple[int, int]] = []  # (version served to a reader, steps committed by then)
+        self.commits: list[float] = []  # when each step's record appeared
+        self.pids: set[int] = set()  # every child the coordinators started (ended at the end, by PID)
+        self.lock = threading.Lock()
+
+    def committed(self) -> int:
+        path = self.run_dir / "metrics.jsonl"
+        try:
+            return len(path.read_text().splitlines()) - 1 if path.exists() else -1
+        except OSError:
+            return -1
+
+    def info(self) -> dict:
+        try:
+            return json.loads((self.run_dir / "run.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def command(self) -> list[str]:
+        args = ["start", "--recipe", "fp8", "--steps", str(self.steps), "--run-id", RUN_ID, "--seed"]
+        args += [str(self.seed), "--run-dir", str(self.run_dir), *FAST]
+        return [sys.executable, "-m", "coordinator.cli", *args]
+
+
+def flood(run: Run, until: float, counts: Counter[str]) -> None:
+    """Valid and invalid Generate requests to the current replica until ``until``; each version a
+    completion reports is recorded with the steps committed when it came back."""
+    bad = rollout_pb2.GenerateRequest(
+        prompts=[rollout_pb2.Prompt(token_ids=rollout_pb2.TokenIds(ids=[5]))], n=0
+    )
+    good = rollout_pb2.GenerateRequest(
+        prompts=[rollout_pb2.Prompt(text="12+34=")], sampling=common_pb2.SamplingParams(max_tokens=4)
+    )
+    rng = random.Random(until)
+    while time.monotonic() < until:
+        rollouts = run.info().get("rollouts") or []
+        if not rollouts or not (run.run_dir / "secrets").exists():
+            time.sleep(0.2)
+            continue
+        with channel(
+            rollouts[0], security_for(run.run_dir / "secrets", "reader", tls=False), "rollout"
+        ) as chan:
+            stub = rollout_pb2_grpc.RolloutStub(chan)
+            while time.monotonic() < until:
+                try:
+                    reply = stub.Generate(good if rng.random() < 0.7 else bad, timeout=30)
+                except grpc.RpcError as err:
+                    counts[err.code().name] += 1
+                    if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                        time.sleep(0.2)
+                        break  # (a new replica, perhaps: look again)
+                    continue
+                counts["OK"] += 1
+                with run.lock:
+                    run.served += [(c.weight_version, run.committed()) for c in reply.completions]
+
+
+class Faults:
+    """The seeded schedule: a fault every few seconds, each in a thread of its own (one of a kind at a
+    time), until ``stop``."""
+
+    def __init__(self, run: Run, rng: random.Random, coordinator: list[subprocess.Popen]) -> None:
+        self.run, self.rng, self.coordinator = run, rng, coordinator
+        self.counts: Counter[str] = Counter()
+        self.requests: Counter[str] = Counter()
+        self.active: set[str] = set()
+        self.stop = threading.Event()
+        self.log: list[str] = []
+
+    def loop(self) -> None:
+        while not self.stop.wait(self.rng.uniform(3, 15)):
+            kind = self.rng.choice(KINDS)
+            seconds = self.rng.uniform(2, 12)
+            if kind in self.active or not self.run.info():
+                continue
+            self.active.add(kind)
+            threading.Thread(target=self._apply, args=(kind, seconds, self.rng.random()), daemon=True).start()
+
+    def _apply(self, kind: str, seconds: float, pick: float) -> None:
+        try:
+            what = getattr(self, "_" + kind.replace("-", "_"))(seconds, pick)
+            if what:
+                self.counts[kind] += 1
+                self.log.append(f"{time.strftime('%H:%M:%S')} step {self.run.committed()}: {kind} {what}")
+                print(self.log[-1], flush=True)
+        except Exception as exc:  # a fault that could not be applied (a process just gone): skipped
+            self.log.append(f"{kind}: not applied ({exc})")
+        finally:
+            self.active.discard(kind)
+
+    def _kill(self, seconds: float, pick: float) -> str:
+        children = self.run.info().get("children") or {}
+        victims = [*sorted(children), "coordinator"]
+        victim = victims[int(pick * len(victims))]
+        pid = self.coordinator[-1].pid if victim == "coordinator" else children[victim]
+        os.kill(pid, signal.SIGKILL)
+        return victim
+
+    def _partition(self, seconds: float, pick: float) -> str:
+        info = self.run.info()
+        ports = {"trainer": info["trainer"], "rollout": info["rollouts"][0], "redis": info["redis_url"]}
+        name = sorted(ports)[int(pick * len(ports))]
+        port = re.findall(r":(\d+)", ports[name])[-1]
+        rules = [
+            ["INPUT", "-i", "lo", "-p", "tcp", "--dport", port],
+            ["OUTPUT", "-o", "lo", "-p", "tcp", "--sport", port],
+        ]
+        for rule in rules:
+            sh("iptables", "-A", *rule, "-j", "DROP")
+        try:
+            time.sleep(seconds)
+        finally:
+            for rule in rules:
+                sh("iptables", "-D", *rule, "-j", "DROP")
+        return f"{name} for {seconds:.0f} s"
+
+    def _latency(self, seconds: float, pick: float) -> str:
+        delay = 5 + int(pick * 45)
+        sh("tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay", f"{delay}ms", "loss", "1%")
+        try:
+            time.sleep(seconds)
+        finally:
+            sh("tc", "qdisc", "del", "dev", "lo", "root")
+        return f"{delay} ms and 1% loss for {seconds:.0f} s"
+
+    def _flood(self, seconds: float, pick: float) -> str:
+        flood(self.run, time.monotonic() + seconds, self.requests)
+        return f"for {seconds:.0f} s"
+
+    def _full_disk(self, seconds: float, pick: float) -> str:
+        filler = self.run.run_dir.parent / "filler"
+        block = b"\0" * (4 << 20)
+        with open(filler, "wb", buffering=0) as out, contextlib.suppress(OSError):  # to the last byte
+            while True:
+                out.write(block)
+        try:
+            time.sleep(seconds)
+        finally:
+            filler.unlink()
+        return f"for {seconds:.0f} s"
+
+
+def run_to_the_end(run: Run, faults: Faults | None, reruns: Counter[str]) -> str:
+    """Start the coordinator on the run until it finishes; every start but the first resumes."""
+    output = []
+    for attempt in range(1000):
+        log = run.run_dir.parent / f"coordinator-{attempt}.log"
+        with open(log, "w") as out:
+            proc = subprocess.Popen(
+                run.command(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        if faults is not None:
+            faults.coordinator.append(proc)
+        while proc.poll() is None:
+            run.pids.update((run.info().get("children") or {}).values())
+            committed = run.committed()
+            while len(run.commits) < committed + 1:
+                run.commits.append(time.monotonic())
+            time.sleep(0.5)
+        output.append(log.read_text(errors="replace"))
+        if proc.returncode == 0:
+            return "\n".join(output)
+        reruns[f"exit {proc.returncode}"] += 1
+        time.sleep(1)
+    raise RuntimeError("the run did not finish in 1000 starts")
+
+
+def check(run: Run, out: str, faults: Faults | None) -> dict:
+    records = read_metrics(run.run_dir)
+    steps = [r["step"] for r in records]
+    checkpoints = sorted(
+        p.name for p in (run.run_dir / "checkpoints").iterdir() if p.name.startswith("step-")
+    )
+    future = [(v, c) for v, c in run.served if v > c + 1]  # a version not yet published when served
+    gaps = [b - a for a, b in zip(run.commits, run.commits[1:], strict=False)]
+    events = Counter(e for e in re.findall(r"recovery: |restarting \(", out))
+    return {
+        "every_step_once": steps == list(range(run.steps + 1)),
+        "trainer_at_last_step": bool(checkpoints) and checkpoints[-1] == f"step-{run.steps:08d}",
+        "served_only_published": not future,
+        "served": len(run.served),
+        "served_versions": sorted({v for v, _ in run.served}),
+        "future_versions": future[:10],
+        "faults": dict(faults.counts) if faults else {},
+        "requests": dict(faults.requests) if faults else {},
+        "restarts": events["restarting ("],
+        "heals": events["recovery: "],
+        "longest_stall_s": round(max(gaps, default=0.0), 1),
+        "final_val_accuracy": records[-1].get("val_accuracy") if records else None,
+    }
+
+
+def end_children(pids: set[int]) -> None:
+    """Kill what is left of the coordinators' children (one killed with -9 may leave some for a moment)."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def namespaced(args: argparse.Namespace) -> int:
+    """Inside the namespaces: loopback up, the run on a small tmpfs, the faults, the report."""
+    sh("ip", "link", "set", "lo", "up")
+    out = Path(args.out).resolve()
+    reports = {}
+    for label, with_faults in ([("clean", False)] if args.clean else []) + [("chaos", True)]:
+        disk = out / label / "disk"
+        disk.mkdir(parents=True, exist_ok=True)
+        sh("mount", "-t", "tmpfs", "-o", f"size={args.disk_mb}m,mode=0700", "tmpfs", str(disk))
+        run = Run(disk / "run", args.steps, args.seed)
+        rng = random.Random(args.seed)
+        reruns: Counter[str] = Counter()
+        faults = Faults(run, rng, []) if with_faults else None
+        scheduler = threading.Thread(target=faults.loop, daemon=True) if faults else None
+        started = time.monotonic()
+        try:
+            if scheduler:
+                scheduler.start()
+            text = run_to_the_end(run, faults, reruns)
+        finally:
+            if faults:
+                faults.stop.set()
+        end_children(run.pids)
+        report = check(run, text, faults) | {
+            "reruns": dict(reruns),
+            "wall_s": round(time.monotonic() - started),
+        }
+        shutil.copytree(
+            run.run_dir, out / label / "run", dirs_exist_ok=True, ignore=shutil.ignore_patterns("checkpoints")
+        )
+        if faults:
+            (out / label / "faults.log").write_text("\n".join(faults.log) + "\n")
+        sh("umount", "-l", str(disk))
+        reports[label] = report
+        print(f"{label}: {json.dumps(report)}", flush=True)
+    (out / "report.json").write_text(
+        json.dumps({"seed": args.seed, "steps": args.steps, **reports}, indent=1)
+    )
+    chaos = reports["chaos"]
+    ok = chaos["every_step_once"] and chaos["trainer_at_last_step"] and chaos["served_only_published"]
+    if args.clean:
+        clean = reports["clean"]["final_val_accuracy"]
+        print(f"final val accuracy: chaos {chaos['final_val_accuracy']}, clean {clean}")
+    print("PASS" if ok else "FAIL", flush=True)
+    return 0 if ok else 1
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--steps", type=int, default=400, help="the run's length (the tiny model: ~1 s a step)"
+    )
+    parser.add_argument("--seed", type=int, default=None, help="the faults' and the run's seed (printed)")
+    parser.add_argument("--clean", action="store_true", help="first the same run without faults")
+    parser.add_argument("--out", default="runs/chaos", help="where the report and the runs' records go")
+    parser.add_argument("--disk-mb", type=int, default=512, help="the run directory's tmpfs")
+    parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.inside:
+        sys.exit(namespaced(args))
+    if os.geteuid() != 0:
+        sys.exit("bench/chaos.py needs root: network and mount namespaces, iptables, tc")
+    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
+    print(f"chaos seed {seed} (--seed {seed} replays the faults' schedule)", flush=True)
+    inner = [
+        "unshare",
+        "--net",
+        "--mount",
+        "--fork",
+        sys.executable,
+        __file__,
+        "--inside",
+        "--seed",
+        str(seed),
+    ]
+    inner += ["--steps", str(args.steps), "--out", args.out, "--disk-mb", str(args.disk_mb)]
+    sys.exit(subprocess.run([*inner, *(["--clean"] if args.clean else [])]).returncode)
+
+
+if __name__ == "__main__":
+    main()
