@@ -78,10 +78,6 @@ def serve(config: RolloutConfig) -> None:
     from rollout_service.service import RolloutService
     from rollout_service.servicer import SERVICE_NAME, RolloutServicer
 
-    if config.shared_memory_updates:
-        from fp8rl.codec.segments import raise_open_file_limit
-
-        raise_open_file_limit()
     servicer = RolloutServicer(
         generate_slots=config.max_concurrent_generate, run_slots=config.run_generate_slots
     )

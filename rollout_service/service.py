@@ -29,7 +29,7 @@ from fp8rl.codec.schema import (
     scale_name,
 )
 from fp8rl.codec.segments import SegmentInbox
-from fp8rl.codec.stream import Blob, decode_parts
+from fp8rl.codec.stream import decode_parts
 from fp8rl.codec.weight_set import WeightSet
 from fp8rl.errors import InvalidRequest, Overloaded, PreconditionFailed
 from fp8rl.prometheus import Sample
@@ -297,7 +297,7 @@ class RolloutService:
             self.num_experts if request.return_routed_experts else 0,
         )
 
-    def update_weights(self, parts: Iterable[tuple[weights_pb2.WeightHeader, Blob]]) -> UpdateResult:
+    def update_weights(self, parts: Iterable[tuple[weights_pb2.WeightHeader, bytearray]]) -> UpdateResult:
         """Verify, decode and apply one update, each part as it arrives (``fp8rl.codec.stream.receive_parts``
         checked that the parts belong together); concurrent updates are serialized.
 
@@ -320,8 +320,8 @@ class RolloutService:
     def _apply_update(
         self,
         header: weights_pb2.WeightHeader,
-        blob: Blob,
-        stream: Iterator[tuple[weights_pb2.WeightHeader, Blob]],
+        blob: bytearray,
+        stream: Iterator[tuple[weights_pb2.WeightHeader, bytearray]],
     ) -> UpdateResult:
         if header.format != self.recipe.rollout_weights:
             raise PreconditionFailed(

@@ -107,6 +107,10 @@ def serve(config: TrainerConfig, ranks: Ranks | None = None) -> None:
     from trainer_service.service import TrainerService
     from trainer_service.servicer import SERVICE_NAME, TrainerServicer
 
+    if config.shared_memory_updates:
+        from fp8rl.codec.segments import raise_open_file_limit
+
+        raise_open_file_limit()  # a publish holds a shared-memory segment per part of the update
     servicer = TrainerServicer(threads=TRAINER_THREADS)
     loaded: list[TrainerService] = []  # bound now, so a taken port fails before the model loads
     metrics = serving.metrics_server(

@@ -134,7 +134,7 @@ class Publisher:
         plane = GRPC
         try:
             try:
-                plane = self._send(target.address, update)
+                plane = self._send(target.address, update, fresh=target.held_version < 0)
             except grpc.RpcError as exc:
                 if update.encoding == "keyframe" or update.error is not None or exc.code() in _NOT_HEALED:
                     raise
@@ -166,24 +166,27 @@ class Publisher:
             target.address, True, update.encoding, wire_bytes, density, time.perf_counter() - start, "", plane
         )
 
-    def _send(self, address: str, update: _Streamed) -> str:
+    def _send(self, address: str, update: _Streamed, fresh: bool = False) -> str:
         """Stream ``update`` to ``address``; returns the plane that carried its data."""
         stub = rollout_pb2_grpc.RolloutStub(self._channel(address))
-        inbox = self._inbox(address, stub)
+        inbox = self._inbox(address, stub, fresh)
         if inbox:
             carried: list[str] = []
             try:
                 stub.UpdateWeights(update.chunks(inbox, carried), timeout=UPDATE_DEADLINE_S)
             except grpc.RpcError as exc:
                 self._inboxes.pop(address, None)  # asked again next time
-                refused_data = exc.code() == grpc.StatusCode.INVALID_ARGUMENT and SHARED_MEMORY in carried
-                if not refused_data or update.error is not None:
+                # The plane itself failed (a segment the replica could not take): nothing changed there
+                # (an update lands whole or not at all), and the same bytes go over gRPC.
+                plane_failed = exc.code() == grpc.StatusCode.INVALID_ARGUMENT and "shared" in (
+                    exc.details() or ""
+                )
+                if not plane_failed or update.error is not None:
                     raise
-                # Nothing changed there (an update lands whole or not at all): the same bytes over gRPC.
                 log.warning("update to %s over shared memory failed (%s); over gRPC", address, exc.details())
             else:
-                if SHARED_MEMORY not in carried:  # (not reachable from here: asked again next time)
-                    self._inboxes.pop(address, None)
+                if SHARED_MEMORY not in carried:  # out of reach from here: not asked again
+                    self._inboxes[address] = ""
                 return SHARED_MEMORY if set(carried) == {SHARED_MEMORY} else GRPC
         stub.UpdateWeights(update.chunks(), timeout=UPDATE_DEADLINE_S)
         return GRPC
@@ -194,12 +197,12 @@ class Publisher:
                 self._channels[address] = channel(address, self.security, "rollout")
             return self._channels[address]
 
-    def _inbox(self, address: str, stub: rollout_pb2_grpc.RolloutStub) -> str:
-        """The target's segment inbox, asked once per address (a replica that restarts names a new one:
-        the hand-over fails, and the next publish asks again)."""
+    def _inbox(self, address: str, stub: rollout_pb2_grpc.RolloutStub, fresh: bool) -> str:
+        """The target's segment inbox, asked once per address, and again when the target holds nothing
+        (``fresh``: a replica that restarted names a new inbox) or an update to it failed."""
         if not self.shared_memory:
             return ""
-        if address not in self._inboxes:
+        if fresh or address not in self._inboxes:
             try:
                 status = stub.GetStatus(common_pb2.GetStatusRequest(), timeout=10)
                 self._inboxes[address] = status.segment_inbox
@@ -226,6 +229,7 @@ class _Streamed:
         self._parts: list[tuple[EncodedUpdate, weights_pb2.WeightHeader]] = []
         self._segments: dict[int, int] = {}  # part -> its sealed memfd, written once for every target
         self._segments_lock = threading.Lock()
+        self._segments_closed = False
         self._done = False
         self.error: BaseException | None = None
         self._ready = threading.Condition()
@@ -241,6 +245,7 @@ class _Streamed:
         self._cancelled.set()
         self._encoder.join()
         with self._segments_lock:
+            self._segments_closed = True  # (a stream still asking gets none)
             for fd in self._segments.values():
                 os.close(fd)
             self._segments.clear()
@@ -268,7 +273,9 @@ class _Streamed:
         failed encode ends the stream with an error (gRPC cancels the call, and the target puts back what
         it applied)."""
         for part, header in self._signed():
-            token = hand_over(inbox, self._segment(header.part, part)) if inbox else None
+            token = self._hand_over(inbox, header.part, part) if inbox else None
+            if token is None:
+                inbox = ""  # (one hand-over failed: the rest of this stream goes over gRPC)
             if carried is not None:
                 carried.append(SHARED_MEMORY if token is not None else GRPC)
             if token is None:
@@ -277,11 +284,30 @@ class _Streamed:
                 yield weights_pb2.WeightChunk(header=header)
                 yield weights_pb2.WeightChunk(shared=weights_pb2.SharedSegment(token=token))
 
-    def _segment(self, index: int, part: EncodedUpdate) -> int:
+    def _hand_over(self, inbox: str, index: int, part: EncodedUpdate) -> bytes | None:
+        """The token under which ``inbox`` took part ``index``; None where it did not (its segment could
+        not be made either: out of memory or descriptors)."""
         with self._segments_lock:
-            if index not in self._segments:
-                self._segments[index] = sealed_segment(part.segments, part.wire_bytes)
-            return self._segments[index]
+            known = index in self._segments
+        if not known:
+            try:
+                made = sealed_segment(part.segments, part.wire_bytes)  # (written outside the lock)
+            except OSError as exc:
+                log.warning("no shared-memory segment for part %d (%s): over gRPC", index, exc)
+                return None
+            with self._segments_lock:
+                if self._segments_closed or index in self._segments:  # (another target's stream won)
+                    os.close(made)
+                else:
+                    self._segments[index] = made
+        with self._segments_lock:  # our own descriptor: cancel() may close the shared one meanwhile
+            if self._segments_closed:
+                return None
+            fd = os.dup(self._segments[index])
+        try:
+            return hand_over(inbox, fd)
+        finally:
+            os.close(fd)
 
     def _signed(self) -> Iterator[tuple[EncodedUpdate, weights_pb2.WeightHeader]]:
         sent = 0

@@ -7,7 +7,6 @@ to :mod:`fp8rl.codec.decode`.
 
 from __future__ import annotations
 
-import mmap
 from collections.abc import Callable, Iterable, Iterator
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -24,9 +23,6 @@ from fp8rl.v1 import weights_pb2
 # Data bytes per WeightChunk message. gRPC's default receive limit is 4 MiB per message; leave room for the
 # message framing.
 MESSAGE_BYTES = 4 * 1024 * 1024 - 4096
-# A received part, writable (decoded in place): reassembled from data chunks, or a shared segment mapped
-# copy-on-write.
-Blob = bytearray | mmap.mmap
 
 
 def header_of(
@@ -79,7 +75,7 @@ def receive_parts(
     max_bytes: int | None = None,
     verifier: Ed25519PublicKey | None = None,
     inbox: SegmentInbox | None = None,
-) -> Iterator[tuple[weights_pb2.WeightHeader, Blob]]:
+) -> Iterator[tuple[weights_pb2.WeightHeader, bytearray]]:
     """Reassemble a chunk stream part by part, yielding each part's header and blob (writable: it is
     decoded in place) as soon as the part is whole. Raises :class:`CorruptUpdateError` unless every part is
     one header followed by data whose total size and header digest match it, the headers number the
@@ -112,7 +108,7 @@ def receive_parts(
             verify_update(*check, "")  # refused before a byte of data is read
         assembler = Reassembler(header.total_bytes, header.digest, budget)
         chunk = next(stream, None)
-        blob: Blob
+        blob: bytearray
         if chunk is not None and chunk.WhichOneof("part") == "shared":
             if inbox is None:
                 raise CorruptUpdateError("shared: this replica takes no shared-memory segments")
@@ -138,7 +134,7 @@ def receive_parts(
 
 
 def decode_parts(
-    parts: Iterable[tuple[weights_pb2.WeightHeader, Blob]],
+    parts: Iterable[tuple[weights_pb2.WeightHeader, bytearray]],
     held: WeightSet | None = None,
     held_version: int | None = None,
     admit: Admit | None = None,
@@ -149,7 +145,7 @@ def decode_parts(
     received = 0
     with UpdateDecoder(held, held_version, admit) as decoder:
         for _, blob in parts:
-            decoder.add(memoryview(blob))
+            decoder.add(blob)
             received += len(blob)
         return decoder.finish(accept), received
 
@@ -182,7 +178,7 @@ class Reassembler:
         return self._buffer
 
 
-def check_part(blob: Blob, digest: str) -> None:
+def check_part(blob: bytearray, digest: str) -> None:
     """The part's own header (which seals every tensor's digest, checked when it is decoded) matches
     ``digest``."""
     header_end = 8 + int.from_bytes(blob[:8], "little") if len(blob) >= 8 else 0

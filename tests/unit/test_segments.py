@@ -5,7 +5,6 @@ refused; a trainer killed after the hand-over leaves nothing once the inbox lets
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 import signal
 import subprocess
@@ -77,12 +76,7 @@ def test_signed_parts_in_shared_memory_decode_to_the_set(inbox: SegmentInbox, ge
     assert decoded.weights.tensors.keys() == over_grpc.weights.tensors.keys()
     for name, tensor in decoded.weights.tensors.items():
         assert torch.equal(tensor.view(torch.uint8), over_grpc.weights.tensors[name].view(torch.uint8)), name
-    # Every segment taken; each mapping keeps a descriptor (Python's mmap holds one) while the set's
-    # tensors are views of it, and none outlives the set.
-    assert inbox.held() == 0 and memfds() == len(parts)
-    del decoded, shared, tensor
-    gc.collect()
-    assert memfds() == 0
+    assert inbox.held() == 0 and memfds() == 0  # every segment taken, read, and let go
 
 
 def _data_chunks(part: EncodedUpdate, header: weights_pb2.WeightHeader) -> Iterator[weights_pb2.WeightChunk]:
@@ -118,7 +112,6 @@ def test_an_altered_unsealed_or_unknown_segment_is_refused(inbox: SegmentInbox, 
         next(receive_parts(iter(unknown), inbox=inbox))
     with pytest.raises(CorruptUpdateError, match="shared: this replica takes no shared-memory segments"):
         next(receive_parts(iter(unknown)))
-    gc.collect()  # (the refused parts' mappings live as long as the errors' tracebacks)
     # Left: the part after the refused one, handed over as the replica read one part ahead, until its
     # time to live.
     assert memfds() == inbox.held() == 1
@@ -133,6 +126,43 @@ def test_a_full_inbox_refuses_and_one_in_another_namespace_is_not_reached(inbox:
     finally:
         os.close(fd)
     assert inbox.held() == inbox.capacity
+
+
+NOBODY = 65534
+
+
+def as_nobody(code: str) -> subprocess.Popen:
+    """``code`` in a child that becomes user nobody once its imports are done (its output piped)."""
+    preamble = "import os, socket, time\nfrom fp8rl.codec.segments import hand_over, sealed_segment\n"
+    preamble += f"os.setgid({NOBODY}); os.setuid({NOBODY})\n"
+    return subprocess.Popen([sys.executable, "-c", preamble + code], stdout=subprocess.PIPE, text=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to run a process as another user")
+def test_another_user_can_neither_hand_over_nor_pose_as_an_inbox(inbox: SegmentInbox) -> None:
+    """The inbox drops another user's connection before reading from it; and a trainer does not hand
+    its segment to a socket another user bound under a replica's name (abstract names are public)."""
+    offer = f"print(hand_over({inbox.name!r}, sealed_segment([b'12345678'], 8)))\n"
+    intruder = as_nobody(offer)
+    out, _ = intruder.communicate(timeout=60)
+    assert out.strip() == "None" and inbox.held() == 0
+    squat = (  # (it would take the segment, and say so)
+        "s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)\n"
+        "s.bind('\\0fp8rl-segments-squatted'); s.listen(1); print('bound', flush=True)\n"
+        "c, _ = s.accept(); c.settimeout(10)\n"
+        "c.recvmsg(64, 64); c.send(b'+'); time.sleep(1)\n"
+    )
+    squatter = as_nobody(squat)
+    try:
+        assert squatter.stdout is not None and squatter.stdout.readline().strip() == "bound"
+        fd = sealed_segment([b"12345678"], 8)
+        try:
+            assert hand_over("fp8rl-segments-squatted", fd) is None
+        finally:
+            os.close(fd)
+    finally:
+        squatter.kill()
+        squatter.wait()
 
 
 def test_a_trainer_killed_after_the_hand_over_leaves_no_segment() -> None:
