@@ -258,10 +258,14 @@ def check(run: Run, out: str, faults: Faults | None) -> dict:
 
 
 def end_children(pids: set[int]) -> None:
-    """Kill what is left of the coordinators' children (one killed with -9 may leave some for a moment)."""
+    """Kill what is left of the coordinators' children (one killed with -9 may leave some for a moment):
+    only those still in this network namespace, which is the bench's alone (a PID the kernel gave to
+    another process since is never touched)."""
+    ours = os.readlink("/proc/self/ns/net")
     for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/{pid}/ns/net") == ours:
+                os.kill(pid, signal.SIGKILL)
 
 
 def namespaced(args: argparse.Namespace) -> int:
