@@ -2,8 +2,8 @@
 a seed that is printed (``--seed`` replays the same schedule):
 
 - kill -9 of a child (the trainer, the replica, redis-server) or of the coordinator itself;
-- a partition of one service's port (iptables DROP both ways on loopback), or latency and loss on every
-  link (netem on loopback), for seconds;
+- a partition of one service's port (iptables DROP both ways on loopback), or random loss on every
+  link (iptables' statistic match: these machines' kernels have no netem for latency), for seconds;
 - a Generate flood (valid and invalid requests, as fast as the replica answers) for seconds;
 - a full run directory (its filesystem filled to the last byte) for seconds.
 
@@ -53,7 +53,7 @@ RUN_ID = "chaos"
 FAST = ["--prompts-per-step", "4", "--group-size", "4", "--max-tokens", "4", "--val-every", "0"]
 FAST += ["--set", "val_size=64", "--set", "max_restarts=100000", "--compute-dtype", "float32"]
 FAST += ["--progress", "plain"]
-KINDS = ("kill", "partition", "latency", "flood", "full-disk")
+KINDS = ("kill", "partition", "loss", "flood", "full-disk")
 
 
 def sh(*args: str) -> None:
@@ -156,11 +156,11 @@ class Faults:
             self.active.discard(kind)
 
     def _kill(self, seconds: float, pick: float) -> str:
-        children = self.run.info().get("children") or {}
+        coordinator = self.coordinator[-1].pid
+        children = children_of(coordinator)  # (run.json names the first ones; restarts make new ones)
         victims = [*sorted(children), "coordinator"]
         victim = victims[int(pick * len(victims))]
-        pid = self.coordinator[-1].pid if victim == "coordinator" else children[victim]
-        os.kill(pid, signal.SIGKILL)
+        os.kill(coordinator if victim == "coordinator" else children[victim], signal.SIGKILL)
         return victim
 
     def _partition(self, seconds: float, pick: float) -> str:
@@ -181,14 +181,25 @@ class Faults:
                 sh("iptables", "-D", *rule, "-j", "DROP")
         return f"{name} for {seconds:.0f} s"
 
-    def _latency(self, seconds: float, pick: float) -> str:
-        delay = 5 + int(pick * 45)
-        sh("tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay", f"{delay}ms", "loss", "1%")
+    def _loss(self, seconds: float, pick: float) -> str:
+        percent = 1 + int(pick * 9)  # (iptables' statistic match: these kernels lack netem for latency)
+        rule = [
+            "INPUT",
+            "-i",
+            "lo",
+            "-m",
+            "statistic",
+            "--mode",
+            "random",
+            "--probability",
+            f"{percent / 100}",
+        ]
+        sh("iptables", "-A", *rule, "-j", "DROP")
         try:
             time.sleep(seconds)
         finally:
-            sh("tc", "qdisc", "del", "dev", "lo", "root")
-        return f"{delay} ms and 1% loss for {seconds:.0f} s"
+            sh("iptables", "-D", *rule, "-j", "DROP")
+        return f"{percent}% of packets on every link for {seconds:.0f} s"
 
     def _flood(self, seconds: float, pick: float) -> str:
         flood(self.run, time.monotonic() + seconds, self.requests)
@@ -219,7 +230,7 @@ def run_to_the_end(run: Run, faults: Faults | None, reruns: Counter[str]) -> str
         if faults is not None:
             faults.coordinator.append(proc)
         while proc.poll() is None:
-            run.pids.update((run.info().get("children") or {}).values())
+            run.pids.update(children_of(proc.pid).values())
             committed = run.committed()
             while len(run.commits) < committed + 1:
                 run.commits.append(time.monotonic())
@@ -255,6 +266,27 @@ def check(run: Run, out: str, faults: Faults | None) -> dict:
         "longest_stall_s": round(max(gaps, default=0.0), 1),
         "final_val_accuracy": records[-1].get("val_accuracy") if records else None,
     }
+
+
+SERVICES = {
+    "trainer_service.cli": "trainer",
+    "rollout_service.cli": "rollout",
+    "redis-server": "redis-server",
+}
+
+
+def children_of(pid: int) -> dict[str, int]:
+    """The coordinator's running services by name, from the kernel's list of its children."""
+    found = {}
+    with contextlib.suppress(OSError):
+        for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+            cmdline = (
+                Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            )
+            for needle, name in SERVICES.items():
+                if needle in cmdline:
+                    found[name] = int(child)
+    return found
 
 
 def end_children(pids: set[int]) -> None:
