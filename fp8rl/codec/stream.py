@@ -82,8 +82,8 @@ def receive_parts(
     parts 0, 1, ... up to their count and agree on everything else, and all parts together stay within
     ``max_bytes``; with the trainer's public key (``verifier``), :class:`~fp8rl.errors.Unauthenticated`
     unless every part's signature verifies (each before a byte of it is yielded). A part may come as one
-    shared segment instead of data chunks, taken from ``inbox`` (none: refused) and checked the same
-    way over its mapped bytes."""
+    shared segment instead of data chunks, read from ``inbox`` (none: refused) and checked the same
+    way over the bytes read."""
     stream = iter(chunks)
     chunk = next(stream, None)
     if chunk is None or chunk.WhichOneof("part") != "header":
@@ -106,9 +106,8 @@ def receive_parts(
         check = (verifier, PartHash(header)) if verifier is not None else None
         if check is not None and not header.signature:
             verify_update(*check, "")  # refused before a byte of data is read
-        assembler = Reassembler(header.total_bytes, header.digest, budget)
+        assembler = Reassembler(header.total_bytes, header.digest, budget)  # (bounds total_bytes)
         chunk = next(stream, None)
-        blob: bytearray
         if chunk is not None and chunk.WhichOneof("part") == "shared":
             if inbox is None:
                 raise CorruptUpdateError("shared: this replica takes no shared-memory segments")
