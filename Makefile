@@ -52,8 +52,9 @@ check: setup
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
+# Two lanes side by side, the end-to-end tier and the rest (tests/lanes.py); `$(BIN)/pytest` runs one session.
 test: check container-tools
-	$(BIN)/pytest
+	$(BIN)/python -m tests.lanes
 
 # The unit tier alone: pure code, no servers, under a minute (`make test` runs every tier).
 test-unit: setup

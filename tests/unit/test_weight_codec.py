@@ -600,12 +600,14 @@ def test_every_bit_of_the_header_is_covered(gen: torch.Generator) -> None:
     v1 = build_weight_set(adam_like_step(sd, gen, 1e-2), "fp8-block128")
     for blob, held in ((to_bytes(encode_keyframe(v1, 1)), None), (to_bytes(encode_delta(v1, v0, 1, 0)), v0)):
         header_end = 8 + int.from_bytes(blob[:8], "little")
+        corrupted = bytearray(blob)  # (one buffer, each bit flipped and restored: no copy per flip)
         for pos in range(header_end):
             for bit in range(8):
-                corrupted = bytearray(blob)
                 corrupted[pos] ^= 1 << bit
                 with pytest.raises(WeightCodecError):
-                    decode_update(bytes(corrupted), held, held_version=0)
+                    decode_update(corrupted, held, held_version=0)
+                corrupted[pos] ^= 1 << bit
+        assert corrupted == blob
 
 
 def test_chunks_reassemble_and_reject_truncation_and_reordering(gen: torch.Generator) -> None:

@@ -1,0 +1,123 @@
+"""``make test``'s runner: the suite as two pytest sessions side by side, each line prefixed with its lane.
+
+On a 2-core machine the sequential suite kept about one core busy (1.06 of 2): the end-to-end tests wait
+(on child processes starting, heartbeats, leases, links), while the component tests compute. So the
+end-to-end tier runs in one lane and everything else in the other, each in its own temporary root and
+pytest cache (pytest keeps only its last three roots: two sessions sharing one would remove each other's
+files). ``python -m tests.lanes [pytest options]`` passes the options to both. It exits 0 only if both
+lanes pass (a lane that a selection leaves empty counts as passed, unless both are). Ctrl-C or SIGTERM
+reaches both sessions (their own cleanup runs); one that has not ended a minute later is killed with its
+process group. Plain ``pytest`` still runs one session."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+ROOT = Path(__file__).resolve().parent.parent
+GRACE_S = 60.0
+NO_TESTS = 5  # (pytest's exit status when a selection leaves a lane nothing to run)
+
+
+@dataclass(frozen=True)
+class Lane:
+    name: str
+    selection: tuple[str, ...]
+    """pytest arguments that choose the lane's tests; together the lanes cover ``testpaths`` once."""
+
+
+LANES = (
+    Lane("e2e", ("tests/e2e",)),
+    Lane("rest", ("tests", "--ignore=tests/e2e")),
+)
+
+
+def command(lane: Lane, root: Path, extra: list[str]) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "pytest",
+        *lane.selection,
+        f"--basetemp={root / lane.name}",
+        "-o",
+        f"cache_dir=.pytest_cache/{lane.name}",
+        "-v",  # (one line per test: the lanes' progress interleaves readably)
+        *extra,
+    ]
+
+
+def relay(lane: Lane, stream: IO[str], lock: threading.Lock) -> None:
+    width = max(len(lane.name) for lane in LANES)
+    for line in stream:
+        with lock:
+            sys.stdout.write(f"[{lane.name:<{width}}] {line}")
+            sys.stdout.flush()
+
+
+def end(procs: list[subprocess.Popen[str]], sig: int) -> None:
+    """``sig`` to every session still running (its process group), SIGKILL after ``GRACE_S``."""
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, sig)
+    deadline = time.monotonic() + GRACE_S
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def run(extra: list[str]) -> int:
+    root = Path(tempfile.mkdtemp(prefix="fp8rl-tests-"))
+    lock = threading.Lock()
+    procs: list[subprocess.Popen[str]] = []
+    relays = []
+    started = time.monotonic()
+
+    def stop(signum: int, _frame: object) -> None:
+        end(procs, signal.SIGINT)  # (pytest's own KeyboardInterrupt path: fixtures tear down)
+        sys.exit(128 + signum)
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        for lane in LANES:
+            proc = subprocess.Popen(
+                command(lane, root, extra),
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,  # (its own group: a signal reaches the session and its children)
+            )
+            procs.append(proc)
+            assert proc.stdout is not None
+            relays.append(threading.Thread(target=relay, args=(lane, proc.stdout, lock), daemon=True))
+            relays[-1].start()
+        codes = [proc.wait() for proc in procs]
+        for thread in relays:
+            thread.join()
+    finally:
+        end(procs, signal.SIGTERM)
+    minutes = (time.monotonic() - started) / 60
+    summary = ", ".join(f"{lane.name} exit {code}" for lane, code in zip(LANES, codes, strict=True))
+    if any(code not in (0, NO_TESTS) for code in codes) or all(code == NO_TESTS for code in codes):
+        print(f"lanes: {summary} in {minutes:.1f} min; their files stay in {root}")
+        return 1
+    shutil.rmtree(root, ignore_errors=True)
+    print(f"lanes: {summary} in {minutes:.1f} min")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run(sys.argv[1:]))
