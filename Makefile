@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.setup-done
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup redis-server network-tools container-tools demo test test-unit check protos bench clean smollm2
+.PHONY: setup redis-server network-tools container-tools demo test test-lanes test-unit check protos bench clean smollm2
 
 setup: $(STAMP) redis-server network-tools
 
@@ -52,8 +52,12 @@ check: setup
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-# Two lanes side by side, the end-to-end tier and the rest (tests/lanes.py); `$(BIN)/pytest` runs one session.
 test: check container-tools
+	$(BIN)/pytest
+
+# The same suite as two sessions side by side (tests/lanes.py): not yet reliable on 2 cores (measured: the
+# CPU-bound tests beside each other ran up to 4x slower, and the base-model builder's 400 s deadline passed).
+test-lanes: check container-tools
 	$(BIN)/python -m tests.lanes
 
 # The unit tier alone: pure code, no servers, under a minute (`make test` runs every tier).

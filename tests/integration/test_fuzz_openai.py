@@ -109,8 +109,16 @@ def test_a_request_past_the_replicas_sample_limit_is_a_429() -> None:
         # Found by schemathesis: too many alternatives were refused as gRPC's top_logprobs, which these
         # completions call logprobs.
         ("/v1/completions", {"prompt": "1+2=", "logprobs": 300}, "logprobs"),
+        # Found by schemathesis: 2**31 did not fit the wire's int32 (a ValueError, an HTTP 500).
+        ("/v1/completions", {"prompt": "#", "logprobs": 2**31}, "logprobs"),
     ],
-    ids=["text-part-not-text", "tool-call-not-an-object", "surrogate-role", "logprobs-past-the-limit"],
+    ids=[
+        "text-part-not-text",
+        "tool-call-not-an-object",
+        "surrogate-role",
+        "logprobs-past-the-limit",
+        "logprobs-past-int32",
+    ],
 )
 def test_a_refusal_names_the_field_of_the_openai_request(
     path: str, body: dict[str, object], param: str
