@@ -56,7 +56,7 @@ test: check container-tools
 	$(BIN)/pytest
 
 # The same suite as two sessions side by side (tests/lanes.py): not yet reliable on 2 cores (measured: the
-# CPU-bound tests beside each other ran up to 4x slower, and the base-model builder's 400 s deadline passed).
+# base-model builder, CPU-bound beside the engine tests, passed its 400 s deadline: 91 s alone).
 test-lanes: check container-tools
 	$(BIN)/python -m tests.lanes
 
