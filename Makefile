@@ -4,6 +4,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.setup-done
 export PYTHONUNBUFFERED := 1
+# Large mallocs in huge pages, for the processes make starts too (fp8rl.devices.prefer_huge_pages: the
+# services set it for their children; glibc reads it only at a process's start).
+GLIBC_TUNABLES ?= glibc.malloc.hugetlb=1
+export GLIBC_TUNABLES
 
 .PHONY: setup redis-server network-tools container-tools demo test test-lanes test-unit check protos bench clean smollm2
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -23,6 +24,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -63,9 +65,16 @@ def command(lane: Lane, root: Path, extra: list[str]) -> list[str]:
     ]
 
 
-def relay(lane: Lane, stream: IO[str], lock: threading.Lock) -> None:
+SUMMARY = re.compile(r"^=+ (.+) in [\d.]+s")  # pytest's closing line: "== 3 passed, 1 skipped in 2.1s =="
+
+
+def relay(lane: Lane, stream: IO[str], lock: threading.Lock, counts: Counter[str]) -> None:
+    """Copies the session's lines, prefixed, and adds its closing line's counts to ``counts``."""
     width = max(len(lane.name) for lane in LANES)
     for line in stream:
+        if summary := SUMMARY.match(line):
+            for number, outcome in re.findall(r"(\d+) (\w+)", summary.group(1)):
+                counts[outcome] += int(number)
         with lock:
             sys.stdout.write(f"[{lane.name:<{width}}] {line}")
             sys.stdout.flush()
@@ -95,6 +104,7 @@ def run(extra: list[str]) -> int:
     lock = threading.Lock()
     procs: list[subprocess.Popen[str]] = []
     relays = []
+    counts: Counter[str] = Counter()
     started = time.monotonic()
 
     interrupted: list[int] = []
@@ -125,7 +135,7 @@ def run(extra: list[str]) -> int:
             )
             procs.append(proc)
             assert proc.stdout is not None
-            relays.append(threading.Thread(target=relay, args=(lane, proc.stdout, lock), daemon=True))
+            relays.append(threading.Thread(target=relay, args=(lane, proc.stdout, lock, counts), daemon=True))
             relays[-1].start()
         codes = [proc.wait() for proc in procs]
         for thread in relays:
@@ -137,6 +147,9 @@ def run(extra: list[str]) -> int:
         return 128 + interrupted[0]
     minutes = (time.monotonic() - started) / 60
     summary = ", ".join(f"{lane.name} exit {code}" for lane, code in zip(LANES, codes, strict=True))
+    # (both sessions' counts on one plain line, as a reader of the output expects a runner to end)
+    failed = counts["failed"] + counts["error"] + counts["errors"]
+    print(f"lanes: {counts['passed']} passed, {failed} failed, {counts['skipped']} skipped")
     if any(code not in (0, NO_TESTS) for code in codes) or all(code == NO_TESTS for code in codes):
         print(f"lanes: {summary} in {minutes:.1f} min; their files stay in {root}")
         return 1

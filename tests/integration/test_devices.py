@@ -6,12 +6,14 @@ answers True."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from fp8rl.devices import DEVICE_ENV, resolve_device
+from fp8rl.devices import DEVICE_ENV, HUGE_PAGES_ENV, prefer_huge_pages, resolve_device
 
 
 @pytest.fixture
@@ -23,6 +25,37 @@ def cuda_host(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
 
 def test_the_suite_computes_on_the_cpu() -> None:
     assert os.environ[DEVICE_ENV] == "cpu"  # (tests/conftest.py, inherited by the processes it starts)
+
+
+def test_huge_pages_are_asked_for_unless_told_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(HUGE_PAGES_ENV, raising=False)
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
+    prefer_huge_pages()
+    assert os.environ[HUGE_PAGES_ENV] == "1"
+    assert os.environ["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+    monkeypatch.setenv(HUGE_PAGES_ENV, "0")
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=0")
+    prefer_huge_pages()  # (a user's choice stands)
+    assert (os.environ[HUGE_PAGES_ENV], os.environ["GLIBC_TUNABLES"]) == ("0", "glibc.malloc.hugetlb=0")
+
+
+# A child that maps 64 MiB five times over, as a tensor and as a buffer, and prints its page faults.
+FAULTS = """
+import resource, torch
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(5):
+    torch.empty(64 << 20, dtype=torch.uint8).fill_(1)
+    bytearray(64 << 20)[::4096] = bytes(16384)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def test_the_processes_the_suite_starts_fault_large_allocations_in_huge_pages() -> None:
+    if "[never]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text():
+        pytest.skip("transparent huge pages are off on this host (transparent_hugepage/enabled: never)")
+    faults = int(subprocess.run([sys.executable, "-c", FAULTS], capture_output=True, check=True).stdout)
+    small_pages = 2 * 5 * (64 << 20) // 4096  # (163840 in 4 KiB pages)
+    assert faults < small_pages // 4, f"{faults} page faults for {small_pages} pages of 4 KiB"
 
 
 def test_auto_follows_the_variable_then_the_hardware(cuda_host: pytest.MonkeyPatch) -> None:
