@@ -9,7 +9,7 @@ export PYTHONUNBUFFERED := 1
 GLIBC_TUNABLES ?= glibc.malloc.hugetlb=1
 export GLIBC_TUNABLES
 
-.PHONY: setup redis-server network-tools container-tools demo test test-lanes test-unit check protos bench clean smollm2
+.PHONY: setup redis-server network-tools container-tools demo test test-one-session test-unit check protos bench clean smollm2
 
 setup: $(STAMP) redis-server network-tools
 
@@ -56,13 +56,14 @@ check: setup
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
+# Two pytest sessions side by side, the end-to-end tier beside the rest (tests/lanes.py): one session
+# kept one of the two cores busy.
 test: check container-tools
-	$(BIN)/pytest
-
-# The same suite as two sessions side by side (tests/lanes.py): not yet reliable on 2 cores (measured: the
-# base-model builder, CPU-bound beside the engine tests, passed its 400 s deadline: 91 s alone).
-test-lanes: check container-tools
 	$(BIN)/python -m tests.lanes
+
+# The same suite as one pytest session: slower, one stream of output.
+test-one-session: check container-tools
+	$(BIN)/pytest
 
 # The unit tier alone: pure code, no servers, under a minute (`make test` runs every tier).
 test-unit: setup

@@ -1,16 +1,16 @@
 """``make test``'s runner: the suite as two pytest sessions side by side, each line prefixed with its lane.
 
-On a 2-core machine the sequential suite kept about one core busy (1.06 of 2): the end-to-end tests wait
-(on child processes starting, heartbeats, leases, links), while the component tests compute. So the
-end-to-end tier runs in one lane and everything else in the other, each in its own temporary root and
-pytest cache (pytest keeps only its last three roots: two sessions sharing one would remove each other's
-files), and each with one OpenMP thread per process: two sessions of 2-thread OpenMP on 2 cores spin
-against each other at every barrier (measured: the base-model builder, 91 s alone, passed its 400 s
-deadline beside the engine tests). ``python -m tests.lanes [pytest options]`` passes the options to
-both. It exits 0 only if both lanes pass (a lane that a selection leaves empty counts as passed, unless
-both are). Ctrl-C or SIGTERM reaches both sessions (their own cleanup runs); one that has not ended a
-minute later is killed with its process group, and the runner exits 128 + the signal. Plain ``pytest``
-still runs one session."""
+On a 2-core machine one session kept about one core busy (1.06 of 2): the end-to-end tests wait (on child
+processes starting, heartbeats, leases, links), while the component tests compute. So the end-to-end
+tier runs in one lane and everything else in the other, each in its own temporary root and pytest cache
+(pytest keeps only its last three roots: two sessions sharing one would remove each other's files), and
+each with one OpenMP thread per process: two sessions of 2-thread OpenMP on 2 cores spin against each
+other at every barrier (measured: the base-model builder, 91 s alone, passed its 400 s deadline beside
+the engine tests). ``python -m tests.lanes [pytest options]`` passes the options to both. It exits 0
+only if both lanes pass (a lane that a selection leaves empty counts as passed, unless both are), and
+ends with one line of both sessions' counts. Ctrl-C or SIGTERM reaches both sessions (their own cleanup
+runs); one that has not ended a minute later is killed with its process group, and the runner exits
+128 + the signal. Plain ``pytest`` (``make test-one-session``) runs one session."""
 
 from __future__ import annotations
 
@@ -41,13 +41,7 @@ class Lane:
     """pytest arguments that choose the lane's tests; together the lanes cover ``testpaths`` once."""
 
 
-# (The builder test, CPU-bound, rides with the component tests: the end-to-end lane also carries the
-# compose image's build, in the background from its start.)
-DEMO = "tests/e2e/test_demo.py"
-LANES = (
-    Lane("e2e", ("tests/e2e", f"--ignore={DEMO}")),
-    Lane("rest", ("tests", "--ignore=tests/e2e", DEMO)),
-)
+LANES = (Lane("e2e", ("tests/e2e",)), Lane("rest", ("tests", "--ignore=tests/e2e")))
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
