@@ -41,11 +41,25 @@ def trainer_config(model: Path, recipe: str = "fp8", **fields: Any) -> TrainerCo
     )
 
 
+SHORT_RUN = (
+    *("--prompts-per-step", "4", "--group-size", "4", "--max-tokens", "4"),
+    *("--val-every", "0", "--set", "val_size=8"),
+)
+"""The shape of the short end-to-end runs: steps of 4 prompts x 4 samples of 4 tokens, validated on 8
+problems before the first step and after the last only."""
+
+
+def coordinator(*args: str) -> list[str]:
+    """The command line of ``coordinator ARGS`` (any of its commands)."""
+    return [sys.executable, "-m", "coordinator.cli", *args]
+
+
 def coordinator_start(run_dir: Path, *args: str) -> list[str]:
     """The command line of an embedded test run: `coordinator start` into ``run_dir`` with float32
     compute (the default on CPU, said aloud) and plain progress lines, then ``args``."""
-    fixed = ["--run-dir", str(run_dir), "--compute-dtype", "float32", "--progress", "plain"]
-    return [sys.executable, "-m", "coordinator.cli", "start", *fixed, *args]
+    return coordinator(
+        "start", "--run-dir", str(run_dir), "--compute-dtype", "float32", "--progress", "plain", *args
+    )
 
 
 @contextmanager

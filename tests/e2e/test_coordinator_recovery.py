@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from contextlib import AbstractContextManager, ExitStack
 from pathlib import Path
@@ -16,7 +15,7 @@ import redis
 
 from coordinator.state import RunStore
 from fp8rl.run_secrets import security_for
-from tests.support import free_port, redis_server, service_process
+from tests.support import SHORT_RUN, coordinator, free_port, redis_server, service_process
 
 pytestmark = pytest.mark.slow
 
@@ -59,11 +58,10 @@ def serve_rollout(model: Path, port: int, redis_url: str, log: Path) -> Abstract
 
 
 def run_coordinator(redis_url: str, trainer: str, steps: int, log: Path) -> subprocess.CompletedProcess[str]:
-    args = [sys.executable, "-m", "coordinator.cli", "start", "--redis-url", redis_url, "--trainer", trainer]
+    args = coordinator("start", "--redis-url", redis_url, "--trainer", trainer)
     args += secured(log.parent / "secrets", "coordinator")
     args += ["--run-id", "dist", "--run-dir", str(log.parent / "run"), "--steps", str(steps)]
-    args += ["--prompts-per-step", "4", "--group-size", "4", "--max-tokens", "4", "--val-every", "0"]
-    args += ["--set", "val_size=8", "--progress", "plain"]
+    args += [*SHORT_RUN, "--progress", "plain"]
     return subprocess.run(args, capture_output=True, text=True, timeout=600)
 
 

@@ -9,7 +9,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,35 +16,15 @@ import pytest
 import redis
 
 from coordinator.metrics import read_metrics
-from tests.support import child_process, wait_for_line
+from tests.support import SHORT_RUN, child_process, coordinator, coordinator_start, wait_for_line
 
 pytestmark = pytest.mark.slow
-FAST = [
-    "--prompts-per-step",
-    "4",
-    "--group-size",
-    "4",
-    "--max-tokens",
-    "4",
-    "--val-every",
-    "0",
-    "--set",
-    "val_size=8",
-    "--compute-dtype",
-    "float32",
-    "--progress",
-    "plain",
-]
-
-
-def coordinator(*args: str) -> list[str]:
-    return [sys.executable, "-m", "coordinator.cli", *args]
 
 
 def start_fp8(model: Path, steps: int, run_id: str, run_dir: Path, *extra: str) -> list[str]:
-    """`coordinator start` of a short fp8 run of ``model`` with the FAST settings."""
-    args = ["--model", str(model), "--steps", str(steps), "--run-id", run_id, "--run-dir", str(run_dir)]
-    return coordinator("start", "--recipe", "fp8", *args, *extra, *FAST)
+    """`coordinator start` of a short fp8 run of ``model`` (SHORT_RUN)."""
+    args = ["--model", str(model), "--steps", str(steps), "--run-id", run_id]
+    return coordinator_start(run_dir, "--recipe", "fp8", *args, *extra, *SHORT_RUN)
 
 
 def assert_children_gone(run_dir: Path) -> None:
@@ -282,7 +261,8 @@ def test_compare_runs_each_recipe_and_writes_the_table(tiny_model_dir_f32: Path,
     """bf16 against fp8-pow2: the pow2 run only trains if the trainer ships power-of-two scales (the
     replica refuses others) and stays consistent with the rollout."""
     out = tmp_path / "compare"
-    sets = [arg for pair in zip(FAST[::2], FAST[1::2], strict=True) for arg in _as_set(*pair)]
+    short = (*SHORT_RUN, "--compute-dtype", "float32", "--progress", "plain")
+    sets = [arg for pair in zip(short[::2], short[1::2], strict=True) for arg in _as_set(*pair)]
     proc = subprocess.run(
         coordinator(
             "compare",

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.metrics import read_metrics
-from tests.e2e.test_coordinator_run import FAST, coordinator
+from tests.support import SHORT_RUN, coordinator_start
 
 pytestmark = pytest.mark.slow
 
@@ -21,9 +21,12 @@ def test_every_step_of_an_exact_run_records_zero_divergence(
 ) -> None:
     run_dir = tmp_path / "run"
     args = ["--model", str(tiny_model_dir_f32), "--steps", "3", "--run-id", "exact"]
-    args += ["--run-dir", str(run_dir), "--group-size", "8", "--max-tokens", "8", "--consistency", "exact"]
+    args += ["--group-size", "8", "--max-tokens", "8", "--consistency", "exact"]
     proc = subprocess.run(
-        coordinator("start", "--recipe", recipe, *FAST, *args), capture_output=True, text=True, timeout=900
+        coordinator_start(run_dir, "--recipe", recipe, *SHORT_RUN, *args),
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     trained = [r for r in read_metrics(run_dir) if "gen_kl_error" in r]

@@ -23,7 +23,8 @@ from fp8rl.credentials import redis_url_with_password
 from fp8rl.run_secrets import security_for
 from fp8rl.transport import channel
 from fp8rl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
-from tests.e2e.test_coordinator_run import FAST, assert_children_gone, coordinator
+from tests.e2e.test_coordinator_run import assert_children_gone
+from tests.support import SHORT_RUN, coordinator_start
 
 pytestmark = pytest.mark.slow
 STEPS, KILL_AT = 20, (4, 9, 14)
@@ -114,11 +115,9 @@ def test_a_run_survives_random_kills_and_a_flood(tiny_model_dir_f32: Path, tmp_p
         str(STEPS),
         "--run-id",
         "soak",
-        "--run-dir",
-        str(run_dir),
     ]
     proc = subprocess.Popen(
-        coordinator("start", "--recipe", "fp8", *args, "--set", "max_restarts=5", *FAST),
+        coordinator_start(run_dir, "--recipe", "fp8", *args, "--set", "max_restarts=5", *SHORT_RUN),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
