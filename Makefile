@@ -4,10 +4,13 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.setup-done
 export PYTHONUNBUFFERED := 1
-# Large mallocs in huge pages, for the processes make starts too (fp8rl.devices.prefer_huge_pages: the
-# services set it for their children; glibc reads it only at a process's start).
-GLIBC_TUNABLES ?= glibc.malloc.hugetlb=1
-export GLIBC_TUNABLES
+# Large allocations in huge pages in the processes make starts too, as fp8rl.devices.prefer_huge_pages
+# asks for them (glibc reads its tunables only at a process's start); a setting of your own stands.
+ifeq (,$(findstring glibc.malloc.hugetlb,$(GLIBC_TUNABLES)))
+GLIBC_TUNABLES := $(if $(GLIBC_TUNABLES),$(GLIBC_TUNABLES):)glibc.malloc.hugetlb=1
+endif
+THP_MEM_ALLOC_ENABLE ?= 1
+export GLIBC_TUNABLES THP_MEM_ALLOC_ENABLE
 
 .PHONY: setup redis-server network-tools container-tools demo test test-one-session test-unit check protos bench clean smollm2
 

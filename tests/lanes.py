@@ -66,10 +66,10 @@ def relay(lane: Lane, stream: IO[str], lock: threading.Lock, counts: Counter[str
     """Copies the session's lines, prefixed, and adds its closing line's counts to ``counts``."""
     width = max(len(lane.name) for lane in LANES)
     for line in stream:
-        if summary := SUMMARY.match(line):
-            for number, outcome in re.findall(r"(\d+) (\w+)", summary.group(1)):
-                counts[outcome] += int(number)
         with lock:
+            if summary := SUMMARY.match(line):
+                for number, outcome in re.findall(r"(\d+) (\w+)", summary.group(1)):
+                    counts[outcome] += int(number)
             sys.stdout.write(f"[{lane.name:<{width}}] {line}")
             sys.stdout.flush()
 
@@ -112,16 +112,20 @@ def run(extra: list[str]) -> int:
             killer = threading.Timer(GRACE_S, signal_all, (procs, signal.SIGKILL))
             killer.daemon = True
             killer.start()
+        else:  # (asked again: at once)
+            signal_all(procs, signal.SIGKILL)
         interrupted.append(signum)
 
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
     try:
         for lane in LANES:
+            if interrupted:  # (before the second lane started: it never starts)
+                break
             proc = subprocess.Popen(
                 command(lane, root, extra),
                 cwd=ROOT,
-                env={**os.environ, **ONE_THREAD},
+                env={**ONE_THREAD, **os.environ},  # (a thread count set by hand stands)
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,
@@ -143,6 +147,7 @@ def run(extra: list[str]) -> int:
     summary = ", ".join(f"{lane.name} exit {code}" for lane, code in zip(LANES, codes, strict=True))
     # (both sessions' counts on one plain line, as a reader of the output expects a runner to end)
     failed = counts["failed"] + counts["error"] + counts["errors"]
+    failed = max(failed, sum(code not in (0, NO_TESTS) for code in codes))  # (a session that died unsummed)
     print(f"lanes: {counts['passed']} passed, {failed} failed, {counts['skipped']} skipped")
     if any(code not in (0, NO_TESTS) for code in codes) or all(code == NO_TESTS for code in codes):
         print(f"lanes: {summary} in {minutes:.1f} min; their files stay in {root}")

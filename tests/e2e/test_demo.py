@@ -21,12 +21,15 @@ pytestmark = pytest.mark.slow
 def build_base_model(out: Path) -> dict:
     """Builds on the shipped model's kernels where this CPU has them (its ATen path and thread count;
     OpenMP's threads sleep rather than spin while they wait, for whatever else runs beside)."""
+    import torch
+
     shipped = models.read_manifest(models.TINY_ARITH)["built_on"]
-    kernels = {
-        "ATEN_CPU_CAPABILITY": shipped["aten_cpu_capability"].lower(),
-        "OMP_NUM_THREADS": str(shipped["threads"]),
-        "OMP_WAIT_POLICY": "PASSIVE",
-    }
+    kernels = {"OMP_NUM_THREADS": str(shipped["threads"]), "OMP_WAIT_POLICY": "PASSIVE"}
+    # (torch takes any x86 level it is told, and a CPU without it dies of SIGILL: only one it has)
+    levels = ("DEFAULT", "AVX2", "AVX512")
+    wanted, here = shipped["aten_cpu_capability"], torch.backends.cpu.get_cpu_capability()
+    if wanted in levels and here in levels and levels.index(wanted) <= levels.index(here):
+        kernels["ATEN_CPU_CAPABILITY"] = wanted.lower()
     proc = subprocess.run(
         [sys.executable, "-m", "fp8rl.tiny", "--out", str(out), "--trained"],
         capture_output=True,
