@@ -146,10 +146,10 @@ def run(extra: list[str]) -> int:
     minutes = (time.monotonic() - started) / 60
     summary = ", ".join(f"{lane.name} exit {code}" for lane, code in zip(LANES, codes, strict=True))
     # (both sessions' counts on one plain line, as a reader of the output expects a runner to end)
-    failed = counts["failed"] + counts["error"] + counts["errors"]
-    failed = max(failed, sum(code not in (0, NO_TESTS) for code in codes))  # (a session that died unsummed)
+    failing = sum(code not in (0, NO_TESTS) for code in codes)
+    failed = max(counts["failed"] + counts["error"] + counts["errors"], failing)  # (one died unsummed)
     print(f"lanes: {counts['passed']} passed, {failed} failed, {counts['skipped']} skipped")
-    if any(code not in (0, NO_TESTS) for code in codes) or all(code == NO_TESTS for code in codes):
+    if failing or all(code == NO_TESTS for code in codes):
         print(f"lanes: {summary} in {minutes:.1f} min; their files stay in {root}")
         return 1
     shutil.rmtree(root, ignore_errors=True)
