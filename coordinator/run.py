@@ -198,7 +198,8 @@ class Supervisor:
         )
         from coordinator.driver import Driver, TrainingRefused
         from coordinator.metrics import MetricsSink, summarize
-        from coordinator.state import ConfigMismatch, LeaseLost, RunStore, connect
+        from coordinator.state import ConfigMismatch, LeaseLost, RunStore
+        from fp8rl.redis_link import connect
         from fp8rl.registry import live_replicas
 
         config, run_id, run_dir = self.config, self.run_id, self.run_dir
@@ -219,7 +220,7 @@ class Supervisor:
         info["consistency"] = config.run.precision.consistency
         write_private(run_dir / "run.json", json.dumps(info))
         # Embedded, a Redis that stops answering has died, and the supervisor restarts it: fail at once.
-        # Distributed, ride out an outage (a restart, a partition: coordinator/state.py, connect).
+        # Distributed, ride out an outage (a restart, a partition: fp8rl/redis_link.py).
         client = redis.Redis.from_url(redis_url) if embedded else connect(redis_url)
         store = RunStore(client, run_id)
         try:

@@ -195,28 +195,6 @@ return 0
 """
 
 
-REDIS_TIMEOUT_S = 5.0
-"""A Redis call (or connection) that has not answered in this long failed; it is tried again."""
-REDIS_RETRIES = 12
-"""Tries after the first (waits of 0.25 s doubling up to 4 s, each try up to REDIS_TIMEOUT_S): a Redis
-outage of a minute or so (a restart, a partition) is ridden out. A write sent again after a lost reply
-applies once (the scripts see it done); after an outage longer than the lease, the fence refuses it."""
-
-
-def connect(url: str) -> redis.Redis:
-    """The coordinator's client of ``url`` (password included), with the deadlines and retries above."""
-    from redis.backoff import ExponentialBackoff
-    from redis.retry import Retry
-
-    return redis.Redis.from_url(
-        url,
-        socket_timeout=REDIS_TIMEOUT_S,
-        socket_connect_timeout=REDIS_TIMEOUT_S,
-        retry=Retry(ExponentialBackoff(cap=4.0, base=0.25), REDIS_RETRIES),
-        retry_on_error=[redis.ConnectionError, redis.TimeoutError],
-    )
-
-
 class ConfigMismatch(ValueError):
     """The run exists with a different config."""
 

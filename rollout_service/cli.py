@@ -101,15 +101,17 @@ def serve(config: RolloutConfig) -> None:
         loaded.append(service)
         heartbeat = None
         if config.redis_url:
-            import redis
-
+            from fp8rl.redis_link import connect
             from fp8rl.registry import Heartbeat
 
             # (No registration proof here: one expires within minutes; GetStatus makes a fresh one.)
             info = {"model": str(config.model), "recipe": config.recipe}
             from fp8rl.credentials import redis_url_with_password
 
-            client = redis.Redis.from_url(redis_url_with_password(config.redis_url))
+            # Each beat fails within one interval rather than hang on a Redis that vanished without a
+            # word (a killed container), and the next beat dials again.
+            url = redis_url_with_password(config.redis_url)
+            client = connect(url, timeout_s=config.heartbeat_s, retries=0)
             heartbeat = Heartbeat(client, str(config.advertise), info, config.heartbeat_s)
         if http:
             from rollout_service.openai_face import build_app

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from coordinator import state
+from fp8rl import redis_link
 from coordinator.driver import coordinator_is_dead
 from coordinator.state import ConfigMismatch, LeaseLost, RunState, RunStore
 from tests.support import redis_server
@@ -114,7 +114,7 @@ def test_transitions_are_compare_and_set(redis_client: redis.Redis) -> None:
 
 
 def test_a_write_sent_again_after_a_lost_reply_applies_once(redis_client: redis.Redis) -> None:
-    """The coordinator's client (state.connect) sends a call again when its reply did not come (a
+    """The coordinator's client (redis_link.connect) sends a call again when its reply did not come (a
     partition, a timeout): the call may have run. Transitions and commits see themselves done."""
     s = store(redis_client, "resent")
     s.init_config({}, "h")
@@ -131,10 +131,10 @@ def test_the_coordinators_client_rides_out_a_redis_that_stops_answering(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Found by the network-fault tests: a coordinator cut off from Redis for a few seconds crashed with
-    redis' TimeoutError (a traceback, exit 1). Its client now tries again (connect)."""
-    monkeypatch.setattr(state, "REDIS_TIMEOUT_S", 0.3)
+    redis' TimeoutError (a traceback, exit 1). Its client now tries again (redis_link.connect)."""
+    monkeypatch.setattr(redis_link, "REDIS_TIMEOUT_S", 0.3)
     with redis_server(tmp_path) as url:
-        s = RunStore(state.connect(url), "paused")
+        s = RunStore(redis_link.connect(url), "paused")
         s.init_config({}, "h")
         s.acquire("me", ttl_s=30)
         redis.Redis.from_url(url).client_pause(2000)  # nothing is answered for 2 s
