@@ -4,7 +4,9 @@ a seed that is printed (``--seed`` replays the same schedule):
 - kill -9 of a child (the trainer, the replica, redis-server) or of the coordinator itself;
 - a partition of one service's port (iptables DROP both ways on loopback), or random loss on every
   link (iptables' statistic match: these machines' kernels have no netem for latency), for seconds;
-- a Generate flood (valid and invalid requests, as fast as the replica answers) for seconds;
+- a Generate flood (valid and invalid requests, as fast as the replicas answer) for seconds;
+- a replica added (started by hand with the run's Redis URL and secrets, as a user adds one: it
+  registers, the coordinator finds it and sends it a keyframe) or removed (SIGTERM or kill -9);
 - a full run directory (its filesystem filled to the last byte) for seconds.
 
 The seed fixes the sequence of faults and their lengths (their moments follow the machine's speed).
@@ -53,7 +55,8 @@ RUN_ID = "chaos"
 FAST = ["--prompts-per-step", "4", "--group-size", "4", "--max-tokens", "4", "--val-every", "0"]
 FAST += ["--set", "val_size=64", "--set", "max_restarts=100000", "--compute-dtype", "float32"]
 FAST += ["--progress", "plain"]
-KINDS = ("kill", "partition", "loss", "flood", "full-disk")
+KINDS = ("kill", "partition", "loss", "flood", "full-disk", "replica")
+EXTRA_REPLICAS = 2  # at most this many added replicas at once (each is a vLLM engine on the same cores)
 
 
 def sh(*args: str) -> None:
@@ -68,6 +71,8 @@ class Run:
         self.served: list[tuple[int, int]] = []  # (version served to a reader, steps committed by then)
         self.commits: list[float] = []  # when each step's record appeared
         self.pids: set[int] = set()  # every child the coordinators started (ended at the end, by PID)
+        self.added: dict[str, subprocess.Popen] = {}  # address -> a replica the bench added
+        self.logs = run_dir.parent  # where added replicas log (kept after the run's tmpfs goes)
         self.lock = threading.Lock()
 
     def committed(self) -> int:
@@ -100,12 +105,12 @@ def flood(run: Run, until: float, counts: Counter[str]) -> None:
     )
     rng = random.Random(until)
     while time.monotonic() < until:
-        rollouts = run.info().get("rollouts") or []
+        rollouts = (run.info().get("rollouts") or []) + sorted(run.added)
         if not rollouts or not (run.run_dir / "secrets").exists():
             time.sleep(0.2)
             continue
         with channel(
-            rollouts[0], security_for(run.run_dir / "secrets", "reader", tls=False), "rollout"
+            rng.choice(rollouts), security_for(run.run_dir / "secrets", "reader", tls=False), "rollout"
         ) as chan:
             stub = rollout_pb2_grpc.RolloutStub(chan)
             while time.monotonic() < until:
@@ -123,8 +128,8 @@ def flood(run: Run, until: float, counts: Counter[str]) -> None:
 
 
 class Faults:
-    """The seeded schedule: a fault every few seconds, each in a thread of its own (one of a kind at a
-    time), until ``stop``."""
+    """The seeded schedule: a fault every 3-15 s, each in a thread of its own (one of a kind at a time),
+    until ``stop``; the first of each kind come first, in a seeded order."""
 
     def __init__(self, run: Run, rng: random.Random, coordinator: list[subprocess.Popen]) -> None:
         self.run, self.rng, self.coordinator = run, rng, coordinator
@@ -133,13 +138,17 @@ class Faults:
         self.active: set[str] = set()
         self.stop = threading.Event()
         self.log: list[str] = []
+        self.departed: list[dict] = []  # each added replica's status as it was removed (or at the end)
 
     def loop(self) -> None:
+        first = self.rng.sample(KINDS, len(KINDS))  # each kind once, then at random: a short run meets all
         while not self.stop.wait(self.rng.uniform(3, 15)):
-            kind = self.rng.choice(KINDS)
+            kind = first[0] if first else self.rng.choice(KINDS)
             seconds = self.rng.uniform(2, 12)
             if kind in self.active or not self.run.info():
                 continue
+            if first:
+                first.pop(0)
             self.active.add(kind)
             threading.Thread(target=self._apply, args=(kind, seconds, self.rng.random()), daemon=True).start()
 
@@ -205,6 +214,27 @@ class Faults:
         flood(self.run, time.monotonic() + seconds, self.requests)
         return f"for {seconds:.0f} s"
 
+    def _replica(self, seconds: float, pick: float) -> str:
+        """Add a replica (below EXTRA_REPLICAS, or on a coin's throw) or remove one the bench added."""
+        run = self.run
+        if run.added and (pick < 0.5 or len(run.added) >= EXTRA_REPLICAS):
+            address = sorted(run.added)[int(pick * 2 * len(run.added)) % len(run.added)]
+            proc = run.added.pop(address)
+            self.departed.append(status_of(run, address) | {"at": f"step {run.committed()}"})
+            how = signal.SIGTERM if pick < 0.25 else signal.SIGKILL
+            with contextlib.suppress(OSError):
+                os.killpg(proc.pid, how)
+            if how == signal.SIGTERM:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=30)
+            with contextlib.suppress(OSError):
+                os.killpg(proc.pid, signal.SIGKILL)  # (its engine core too)
+            proc.wait()
+            return f"removed {address} ({how.name})"
+        proc, address = add_replica(run, self.coordinator[-1].pid)
+        run.added[address] = proc
+        return f"added {address}"
+
     def _full_disk(self, seconds: float, pick: float) -> str:
         filler = self.run.run_dir.parent / "filler"
         block = b"\0" * (4 << 20)
@@ -216,6 +246,39 @@ class Faults:
         finally:
             filler.unlink()
         return f"for {seconds:.0f} s"
+
+
+def status_of(run: Run, address: str) -> dict:
+    """What a replica says of itself (the version it holds, the tokens it made), or why it did not."""
+    try:
+        with channel(address, security_for(run.run_dir / "secrets", "reader", tls=False), "rollout") as chan:
+            status = rollout_pb2_grpc.RolloutStub(chan).GetStatus(common_pb2.GetStatusRequest(), timeout=5)
+    except grpc.RpcError as err:
+        return {"address": address, "unreachable": err.code().name}
+    return {"address": address, "version": status.weight_version, "tokens": status.tokens_generated}
+
+
+def add_replica(run: Run, coordinator: int) -> tuple[subprocess.Popen, str]:
+    """One more replica of the run: the embedded replica's own command line (model, recipe, secrets) on
+    a port of its own, registered in the run's Redis, as a user adds one by hand."""
+    from coordinator.processes import free_port
+    from fp8rl.credentials import PASSWORD_FILE_ENV
+
+    info, rollout = run.info(), children_of(coordinator).get("rollout")
+    if not info or rollout is None:
+        raise RuntimeError("no embedded replica to copy")
+    args = Path(f"/proc/{rollout}/cmdline").read_bytes().decode().split("\0")[:-1]
+    port = free_port()
+    args[args.index("--port") + 1] = str(port)
+    address = f"127.0.0.1:{port}"
+    args += ["--set", f"redis_url={info['redis_url']}", "--set", f"advertise={address}"]
+    args += ["--set", "heartbeat_s=1"]
+    log = open(run.logs / f"replica-{port}.log", "w")  # noqa: SIM115 (the child holds it)
+    env = {**os.environ, PASSWORD_FILE_ENV: info["redis_password_file"]}
+    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    log.close()
+    run.pids.add(proc.pid)
+    return proc, address
 
 
 def run_to_the_end(run: Run, faults: Faults | None, reruns: Counter[str]) -> str:
@@ -261,6 +324,8 @@ def check(run: Run, out: str, faults: Faults | None) -> dict:
         "future_versions": future[:10],
         "faults": dict(faults.counts) if faults else {},
         "requests": dict(faults.requests) if faults else {},
+        "replicas_added": sum(": replica added" in line for line in faults.log) if faults else 0,
+        "added_replicas": [*faults.departed] if faults else [],
         "restarts": events["restarting ("],
         "heals": events["recovery: "],
         "longest_stall_s": round(max(gaps, default=0.0), 1),
@@ -310,6 +375,7 @@ def namespaced(args: argparse.Namespace) -> int:
         disk.mkdir(parents=True, exist_ok=True)
         sh("mount", "-t", "tmpfs", "-o", f"size={args.disk_mb}m,mode=0700", "tmpfs", str(disk))
         run = Run(disk / "run", args.steps, args.seed)
+        run.logs = out / label
         rng = random.Random(args.seed)
         reruns: Counter[str] = Counter()
         faults = Faults(run, rng, []) if with_faults else None
@@ -322,6 +388,12 @@ def namespaced(args: argparse.Namespace) -> int:
         finally:
             if faults:
                 faults.stop.set()
+            if faults:
+                faults.departed += [status_of(run, address) | {"at": "the end"} for address in run.added]
+            for proc in run.added.values():  # (each in a session of its own, its engine core with it)
+                with contextlib.suppress(OSError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
         end_children(run.pids)
         report = check(run, text, faults) | {
             "reruns": dict(reruns),

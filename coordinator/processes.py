@@ -28,9 +28,14 @@ log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 
 
-def free_port() -> int:
+def free_port(preferred: int | None = None) -> int:
+    """A port free on loopback: ``preferred`` if it is (as a server binds it, reusing TIME_WAIT)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", preferred or 0))
+        except OSError:
+            s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 

@@ -13,7 +13,7 @@ import os
 import signal
 import sys
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -229,8 +229,13 @@ class Supervisor:
             raise RunExit(2, str(exc)) from None
         while self.unrecorded:
             store.event("restart", self.unrecorded.pop(0), store.read().step)
+        # Given replicas, or those registered in Redis; an embedded run takes both, so a replica started
+        # by hand with the run's Redis URL and secrets joins it (and leaves when it stops).
         rollouts = services.rollouts
-        addresses = (lambda: rollouts) if rollouts else (lambda: sorted(live_replicas(client)))
+        if embedded:
+            addresses = lambda: sorted({*rollouts, *live_replicas(client)})  # noqa: E731
+        else:
+            addresses = (lambda: rollouts) if rollouts else (lambda: sorted(live_replicas(client)))
         wait_s = EMBEDDED_UNAVAILABLE_WAIT_S if embedded else UNAVAILABLE_WAIT_S
         trainer = TrainerClient(services.trainer, services.security, wait_s)
         pool = RolloutPool(addresses, services.security, wait_s)
@@ -351,7 +356,7 @@ class EmbeddedProcesses:
 
     def start(self) -> Services:
         """Start redis-server, the trainer and one rollout replica; their addresses once all are healthy."""
-        from coordinator.processes import Child, python_module, start_redis, wait_healthy
+        from coordinator.processes import Child, free_port, python_module, start_redis, wait_healthy
         from fp8rl.serving import PARENT_ENV
 
         config, run_dir, stack = self.config, self.run_dir, self.stack
@@ -372,13 +377,20 @@ class EmbeddedProcesses:
         password_file = redis_password_file(run_dir)
         if not password_file.exists():
             write_private(password_file, new_password())
+        # Redis keeps its port across restarts while it is free, so a replica added by hand with the run's
+        # Redis URL (run.json) finds it again.
+        port_file = run_dir / "redis" / "port"
+        port = free_port(int(port_file.read_text()) if port_file.exists() else None)
         redis_url, self.pids["redis-server"] = start_redis(
             stack,
             run_dir / "redis",
             logs / "redis.log",
+            port=port,
             watch=self.watched,
             password=password_file.read_text(),
         )
+        with suppress(OSError):  # (a full disk: a new port next time)
+            port_file.write_text(str(port))
         # The run's secrets (written here, first): tokens and the update keys always, a CA with certificates
         # with --tls; other local users can reach loopback ports too.
         me = security_for(secrets_dir(run_dir), "coordinator", config.embedded.tls)
