@@ -23,8 +23,12 @@ not hold, an oversized prompt, an oversized request, too many samples, no token,
 
 Exit status 1 on any failure.
 
-    python bench/sustained_load.py [--minutes 10] [--clean-minutes 2] [--clients 12] [--model DIR]
-        [--recipe fp8]
+The clients run in a child process: on the run's cores (the default), or with --clients-idle under
+SCHED_IDLE, where they take only CPU the run leaves, as clients on other machines would; on a machine of
+few cores that separates what the replica pays for a flood from what the flooding clients themselves use.
+
+    python bench/sustained_load.py [--minutes 10] [--clean-minutes 2] [--clients 12] [--clients-idle]
+        [--model DIR] [--recipe fp8]
 """
 
 from __future__ import annotations
@@ -32,7 +36,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -154,6 +160,50 @@ def client(
         except grpc.RpcError as exc:
             code = exc.code().name
         tally.record(kind, code, time.perf_counter() - started)
+
+
+def flood_process(args: argparse.Namespace) -> int:
+    """``--flood-only ADDRESS``: the clients, in a process of their own, until SIGTERM; then what they saw,
+    as JSON on stdout."""
+    tally, stop = Tally(Counter(), [], Counter(), threading.Lock()), threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    finish = flood(args.flood_only, Path(args.secrets), args.clients, tally, stop)
+    while not stop.wait(0.5):
+        pass
+    finish()
+    counts = {name: [[*key, n] for key, n in getattr(tally, name).items()] for name in ("codes", "failures")}
+    print(json.dumps(counts | {"latencies": tally.latencies}))
+    return 0
+
+
+class FloodProcess:
+    """:func:`flood`'s clients in a child process (:func:`flood_process`). ``idle``: under SCHED_IDLE,
+    gRPC's own threads included, so they take only CPU the run leaves (as clients on other machines
+    would); otherwise they compete with the run on the same cores."""
+
+    def __init__(self, address: str, secrets: Path, clients: int, idle: bool) -> None:
+        command = [sys.executable, __file__, "--flood-only", address, "--secrets", str(secrets)]
+        command += ["--clients", str(clients)]
+        idle_policy = lambda: os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # noqa: E731
+        self.proc = subprocess.Popen(
+            command, stdout=subprocess.PIPE, text=True, preexec_fn=idle_policy if idle else None
+        )
+
+    def finish(self) -> Tally:
+        """Stop the clients (each ends its call in flight) and read what they saw."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        out, _ = self.proc.communicate(timeout=DEADLINE_S + 60)
+        if not out.strip():
+            raise SystemExit(f"the flooding process ended with status {self.proc.returncode} and no tally")
+        seen = json.loads(out)
+        codes, failures = (Counter({(k, c): n for k, c, n in seen[name]}) for name in ("codes", "failures"))
+        return Tally(codes, seen["latencies"], failures, threading.Lock())
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def flood(
@@ -289,17 +339,26 @@ def main() -> int:
     parser.add_argument("--sample-s", type=float, default=2.0, help="seconds between RSS samples")
     parser.add_argument("--max-growth", type=float, default=1.10)
     parser.add_argument("--max-growth-mib", type=float, default=16.0)
+    parser.add_argument(
+        "--clients-idle",
+        action="store_true",
+        help="run the clients under SCHED_IDLE: the CPU they take is then only what the run leaves, as "
+        "with clients on other machines (on one machine, they otherwise compete for the same cores)",
+    )
+    parser.add_argument("--flood-only", metavar="ADDRESS", help=argparse.SUPPRESS)
+    parser.add_argument("--secrets", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.flood_only:
+        return flood_process(args)
     work = Path(tempfile.mkdtemp(prefix="fp8rl-load-"))
     run_dir, log = work / "run", work / "coordinator.log"
     coordinator = [sys.executable, "-m", "coordinator.cli"]
     command = [*coordinator, "start", "--recipe", args.recipe, "--steps", "1000000", "--run-id", "load"]
     command += ["--run-dir", str(run_dir), "--val-every", "0", "--progress", "plain"]
     command += ["--model", str(args.model)] if args.model else []
-    tally = Tally(Counter(), [], Counter(), threading.Lock())
     samples: list[tuple[float, dict[str, int]]] = []
-    stop_clients, stop_memory = threading.Event(), threading.Event()
-    finish_clients: Callable[[], None] = lambda: None  # noqa: E731
+    stop_memory = threading.Event()
+    flooding: FloodProcess | None = None
     with log.open("wb") as sink:
         proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
     try:
@@ -309,22 +368,21 @@ def main() -> int:
         address = json.loads((run_dir / "run.json").read_text())["rollouts"][0]
         watcher = threading.Thread(target=watch_memory, args=(proc.pid, args.sample_s, samples, stop_memory))
         watcher.start()
-        finish_clients = flood(address, run_dir / "secrets", args.clients, tally, stop_clients)
+        flooding = FloodProcess(address, run_dir / "secrets", args.clients, args.clients_idle)
         started, first_step = time.monotonic(), committed(run_dir)[-1]
         while time.monotonic() - started < args.minutes * 60 and proc.poll() is None:
             time.sleep(1)
-        stop_clients.set()
         stop_memory.set()
         load_s = time.monotonic() - started
-        finish_clients()
+        tally = flooding.finish()
         if proc.poll() is None:
             subprocess.run([*coordinator, "stop", "--run-id", "load", "--run-dir", str(run_dir)], check=True)
         status = proc.wait(timeout=600)
         watcher.join()
     finally:
-        stop_clients.set()
         stop_memory.set()
-        finish_clients()
+        if flooding:
+            flooding.kill()
         if proc.poll() is None:
             proc.terminate()
             proc.wait()
@@ -357,7 +415,8 @@ def report(
         failed += [] if ratio <= args.max_slowdown else [f"steps {ratio:.2f}x slower under the flood"]
     else:
         failed.append(f"too few steps to compare: {len(clean)} clean, {len(loaded)} under the flood")
-    print(f"load: {load_s / 60:.1f} min, {args.clients} clients, recipe {args.recipe}; log {log}")
+    where = "under SCHED_IDLE" if args.clients_idle else "on the same cores as the run"
+    print(f"load: {load_s / 60:.1f} min, {args.clients} clients ({where}), recipe {args.recipe}; log {log}")
     lat = sorted(tally.latencies)
     if lat:
         p50, p99 = lat[len(lat) // 2], lat[min(len(lat) - 1, int(0.99 * len(lat)))]

@@ -16,6 +16,7 @@ import pytest
 import redis
 
 from coordinator.metrics import read_metrics
+from fp8rl.credentials import redis_url_with_password
 from tests.support import SHORT_RUN, child_process, coordinator, coordinator_start, wait_for_line
 
 pytestmark = pytest.mark.slow
@@ -36,6 +37,31 @@ def assert_children_gone(run_dir: Path) -> None:
         while _alive(pid):
             assert time.monotonic() < deadline, f"{name} (pid {pid}) outlived the coordinator"
             time.sleep(0.2)
+
+
+def assert_secrets_kept(run_dir: Path) -> None:
+    """The embedded redis-server's password is in its 0600 file only: not in run.json (itself 0600), not
+    in any child's command line; without it Redis refuses."""
+    info_path, password_file = run_dir / "run.json", run_dir / "redis" / "password"
+    info = json.loads(info_path.read_text())
+    password = password_file.read_text()
+    assert len(password) >= 24 and password not in info_path.read_text()
+    assert info_path.stat().st_mode & 0o777 == 0o600 and password_file.stat().st_mode & 0o777 == 0o600
+    names = ("update-signing.key", "registration.key", "trainer.token")
+    secrets = [(run_dir / "secrets" / name).read_text().strip() for name in names]
+    for pid in info["children"].values():
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        assert all(secret.encode() not in cmdline for secret in (password, *secrets))
+    for path in (run_dir / "secrets").iterdir():
+        assert path.stat().st_mode & 0o777 == 0o600, path
+    assert all(secret not in info_path.read_text() for secret in secrets)
+    import redis
+
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis.from_url(info["redis_url"]).set("x", 1)
+    assert redis.Redis.from_url(
+        redis_url_with_password(info["redis_url"], {"REDIS_PASSWORD": password})
+    ).ping()
 
 
 def tensorboard_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
@@ -152,6 +178,7 @@ def test_kill_9_mid_step_then_resume(tiny_model_dir_f32: Path, tmp_path: Path) -
     log = tmp_path / "first.log"
     with child_process(args, log) as proc:
         wait_for_line(proc, log, r"step 2/4", timeout=600)
+        assert_secrets_kept(run_dir)  # (while the children run: their command lines are read)
         os.kill(proc.pid, signal.SIGKILL)  # mid-step 3
         proc.wait()
     assert_children_gone(run_dir)  # they die with the coordinator, even on SIGKILL

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from fp8rl import redis_link
 from coordinator.driver import coordinator_is_dead
 from coordinator.state import ConfigMismatch, LeaseLost, RunState, RunStore
+from fp8rl import redis_link
 from tests.support import redis_server
 
 
