@@ -144,6 +144,9 @@ def serve(config: RolloutConfig) -> None:
         load,
         max_receive_bytes=64 * 1024 * 1024,
         security=config.security,
+        # One connection never holds more Generate calls than outside callers have slots: a flood over it
+        # waits on the client's side instead of spinning through refusals here.
+        calls_per_connection=config.max_concurrent_generate - config.run_generate_slots,
     )
 
 

@@ -61,11 +61,11 @@ class RolloutConfig(BaseModel):
     run_generate_slots: int = Field(2, ge=0)
     """Of max_concurrent_generate, the calls kept for the run's own callers (the coordinator, the trainer,
     known by their tokens or certificates): outside readers get the others."""
-    outside_samples_during_run: int = Field(8, ge=1)
+    outside_samples_during_run: int = Field(8, ge=0)
     """While the run's own samples are queued or generating, outside readers' samples join the engine's
     batch only up to this many at once (the rest wait their turn): a flood of readers cannot slow a
     training step by more than this many extra sequences. With no run samples in flight, readers get the
-    whole engine."""
+    whole engine. 0: readers wait while the run generates."""
     episodes: EpisodeLimits = EpisodeLimits()
     """Bounds of the HTTP endpoint's episodes (/episodes/{id}/v1/...: rollout_service/episodes.py)."""
     stream_idle_s: float = Field(30.0, gt=0)

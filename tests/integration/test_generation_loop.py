@@ -208,12 +208,13 @@ def test_stopping_releases_an_update_that_never_ran() -> None:
     assert not updater.is_alive() and isinstance(outcome[0], NotReady)
 
 
-def test_the_runs_requests_go_first_and_outside_ones_wait_past_their_share() -> None:
+@pytest.mark.parametrize("share", [2, 0])
+def test_the_runs_requests_go_first_and_outside_ones_wait_past_their_share(share: int) -> None:
     """While the run's samples are in flight, outside samples join the engine only up to
-    ``outside_during_run`` at once (the rest wait in the loop, not in the engine's batch); with none of
-    the run's in flight, outside requests take the engine whole."""
+    ``outside_during_run`` at once (the rest wait in the loop, not in the engine's batch; 0: none join);
+    with none of the run's in flight, outside requests take the engine whole."""
     engine = ScriptedEngine(steps=4)
-    loop = GenerationLoop(engine, outside_during_run=2)
+    loop = GenerationLoop(engine, outside_during_run=share)
     try:
         outside = loop.submit([engine_request(f"o{i}") for i in range(3)], -1)  # no run in flight: all in
         while len(engine.events) < 3:
@@ -223,8 +224,8 @@ def test_the_runs_requests_go_first_and_outside_ones_wait_past_their_share() -> 
         assert len(list(run)) == 4 and len(list(outside)) == 3 and len(list(late)) == 4
         adds = [e.removeprefix("add ") for e in engine.events if e.startswith("add")]
         assert adds[:3] == ["o0", "o1", "o2"] and set(adds[3:7]) == {"r0", "r1", "r2", "r3"}
-        # The late outside requests joined only once the engine held fewer than 2 outside ones, or the
-        # run had none in flight: never more than 2 outside beside the run's.
+        # The late outside requests joined only once the engine held fewer than ``share`` outside ones, or
+        # the run had none in flight: never more than ``share`` outside beside the run's.
         most = 0
         running_outside: set[str] = set()
         run_left = {"r0", "r1", "r2", "r3"}
@@ -237,7 +238,7 @@ def test_the_runs_requests_go_first_and_outside_ones_wait_past_their_share() -> 
             elif kind == "finish":
                 running_outside.discard(rid)
                 run_left.discard(rid)
-        assert most <= 2, engine.events
+        assert most <= share, engine.events
     finally:
         loop.stop()
 
