@@ -345,14 +345,20 @@ def serve(
     max_receive_bytes: int = 4 * 1024 * 1024,
     security: SecurityConfig | None = None,
     calls_per_connection: int | None = None,
+    health_port: int | None = None,
 ) -> None:
     """The life of a service process. Bind first ("PROG bound to HOST:PORT", which a parent reads to learn
     a port-0 choice; health NOT_SERVING), then ``load(port)`` the engine and attach it (returning a line to
     print and a cleanup), then serve ("PROG serving on ...") until SIGINT/SIGTERM or the parent process is
-    gone, and stop within a deadline."""
+    gone, and stop within a deadline. ``health_port``: the same health statuses also in plaintext there
+    (:func:`health_server`)."""
     running = start_server(
         register, service_names, host, port, max_workers, max_receive_bytes, security, calls_per_connection
     )
+    probes = None
+    if health_port is not None:
+        probes, bound = health_server(running.health, host, health_port)
+        print(f"{prog} health probes (plaintext) on {host}:{bound}", flush=True)
     print(f"{prog} bound to {host}:{running.port}; loading", flush=True)
     stop = shutdown_event()  # a signal while loading stops the process once loading is done
     try:
@@ -365,7 +371,28 @@ def serve(
         exit_deadline()
     finally:
         running.stop(grace=5)
+        if probes is not None:
+            probes.stop(None)
     cleanup()
+
+
+def health_server(servicer: health.HealthServicer, host: str, port: int) -> tuple[grpc.Server, int]:
+    """A plaintext server answering gRPC health alone, with ``servicer``'s statuses (the main server's),
+    for probes that speak no TLS, such as Kubernetes' native gRPC probes. Nothing else is served there and
+    no identity is asked: whether a service is SERVING is all it tells. Returns it and its port."""
+    from fp8rl.transport import SERVER_KEEPALIVE
+
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=2),
+        options=[("grpc.max_receive_message_length", 4096), *SERVER_KEEPALIVE],
+        maximum_concurrent_rpcs=8,  # (Watch streams hold a call each: bounded)
+    )
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind the health server to {host}:{port}")
+    server.start()
+    return server, bound
 
 
 def metrics_server(

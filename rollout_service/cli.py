@@ -147,6 +147,7 @@ def serve(config: RolloutConfig) -> None:
         # One connection never holds more Generate calls than outside callers have slots: a flood over it
         # waits on the client's side instead of spinning through refusals here.
         calls_per_connection=config.max_concurrent_generate - config.run_generate_slots,
+        health_port=config.health_port,
     )
 
 

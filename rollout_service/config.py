@@ -42,6 +42,9 @@ class RolloutConfig(BaseModel):
     host:http_port; 0 picks a free port (printed at start-up); unset: off."""
     metrics_port: int | None = Field(None, ge=0, le=65535)
     """Serve Prometheus /metrics on host:metrics_port (0: a free port, printed at start-up); unset: off."""
+    health_port: int | None = Field(None, ge=0, le=65535)
+    """Also answer gRPC health (alone, in plaintext, no identity asked) on host:health_port, for probes
+    that speak no TLS, such as Kubernetes' native gRPC probes (0: a free port, printed at start-up)."""
     served_model_name: str | None = None
     """The model name the HTTP endpoint serves and expects in requests; default: the model directory's."""
     default_max_tokens: int = Field(16, ge=1)

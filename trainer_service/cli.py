@@ -142,6 +142,7 @@ def serve(config: TrainerConfig, ranks: Ranks | None = None) -> None:
         max_workers=TRAINER_THREADS,
         max_receive_bytes=256 * 1024 * 1024,  # TrainStep batches may exceed 4 MiB; the handler checks them
         security=config.security,
+        health_port=config.health_port,
     )
 
 

@@ -128,6 +128,9 @@ class TrainerConfig(LearnerConfig):
     """Seeds torch at start-up."""
     metrics_port: int | None = Field(None, ge=0, le=65535)
     """Serve Prometheus /metrics on host:metrics_port (0: a free port, printed at start-up); unset: off."""
+    health_port: int | None = Field(None, ge=0, le=65535)
+    """Also answer gRPC health (alone, in plaintext, no identity asked) on host:health_port, for probes
+    that speak no TLS, such as Kubernetes' native gRPC probes (0: a free port, printed at start-up)."""
     security: SecurityConfig = SecurityConfig()
     """TLS, caller identities and roles (fp8rl/security.py); the same identity is shown to replicas, and
     with update_signing_key_file every update is signed."""

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
+import pytest
 
 from fp8rl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from tests.integration.test_rollout_cli import scrape
@@ -102,3 +103,39 @@ def test_kill_and_resume_is_bit_identical(tiny_model_dir_f32: Path, tmp_path: Pa
         assert without_timing(resumed) == without_timing(expected)
         assert stub.ComputeLogprobs(PROBE, timeout=60) == expected_logprobs
     assert "skipping incomplete checkpoint" in (tmp_path / "c.log").read_text()
+
+
+def test_a_plaintext_health_port_answers_probes_beside_a_mutual_tls_server(
+    tiny_model_dir_f32: Path, tmp_path: Path
+) -> None:
+    """Kubernetes' native gRPC probes speak no TLS: with ``health_port`` the trainer answers gRPC health
+    there in plaintext, with the main server's statuses, and nothing else; its own port stays mutual TLS."""
+    import yaml
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from fp8rl.run_secrets import security_for, write_run_secrets
+
+    write_run_secrets(tmp_path / "secrets", tls=True)
+    security = security_for(tmp_path / "secrets", "trainer", tls=True).model_dump(mode="json")
+    config = tmp_path / "trainer.yaml"
+    config.write_text(yaml.safe_dump({"security": security, "compute_dtype": "float32"}))
+    port, health_port = free_port(), free_port()
+    args = [sys.executable, "-m", "trainer_service.cli", "serve", "--model", str(tiny_model_dir_f32)]
+    args += ["--config", str(config), "--port", str(port), "--set", f"health_port={health_port}"]
+    log = tmp_path / "trainer.log"
+    with (
+        child_process(args, log) as proc,
+        grpc.insecure_channel(f"127.0.0.1:{health_port}") as probes,
+        grpc.insecure_channel(f"127.0.0.1:{port}") as plaintext,
+    ):
+        wait_for_line(proc, log, r"serving on", timeout=120)
+        check = health_pb2_grpc.HealthStub(probes).Check
+        for service in ("", "fp8rl.v1.Trainer"):
+            reply = check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as only_health:
+            trainer_pb2_grpc.TrainerStub(probes).GetStatus(common_pb2.GetStatusRequest(), timeout=10)
+        assert only_health.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        with pytest.raises(grpc.RpcError) as refused:
+            health_pb2_grpc.HealthStub(plaintext).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
