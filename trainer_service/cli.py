@@ -92,10 +92,26 @@ def launched_by_torchrun() -> bool:
 
 
 def follow_root(config: TrainerConfig, ranks: Ranks) -> None:
-    """A rank > 0: load and shard the model with the others, then run rank 0's commands until it stops."""
+    """A rank > 0: load and shard the model with the others, then run rank 0's commands until it stops.
+    With ``health_port``, the first rank of each machine answers gRPC health there meanwhile (SERVING
+    once loaded: its pod's probes); torchrun numbers a machine's ranks by LOCAL_RANK."""
     from trainer_service.service import TrainerService
 
-    TrainerService(config, ranks=ranks).follow()
+    service = TrainerService(config, ranks=ranks)
+    probes = None
+    if config.health_port is not None and os.environ.get("LOCAL_RANK", "0") == "0":
+        from grpc_health.v1 import health, health_pb2
+
+        from fp8rl.serving import health_server
+
+        status = health.HealthServicer()
+        status.set("", health_pb2.HealthCheckResponse.SERVING)
+        probes, _ = health_server(status, config.host, config.health_port)
+    try:
+        service.follow()
+    finally:
+        if probes is not None:
+            probes.stop(None)
 
 
 TRAINER_THREADS = 8  # calls wait for one model anyway; 4 of them stay with health and status

@@ -332,3 +332,33 @@ def test_two_ranks_resume_the_checkpoint_of_one_process(
         assert replica.held is not None and replica.held.digest == saved  # resharded, bit for bit
         assert stub.TrainStep(step_request(0), timeout=60).replayed
         assert stub.TrainStep(step_request(1), timeout=300).weight_version == 2
+
+
+def test_two_machines_form_one_trainer_and_each_answers_its_probes(
+    tiny_model_dir_f32: Path, tmp_path: Path
+) -> None:
+    """The layout of deploy/kubernetes' trainer: one torchrun per machine (pod), node i of a static
+    rendezvous at node 0, each with a plaintext health port for its pod's probes. Rank 0 serves gRPC; the
+    other machine's rank answers health once it has joined and loaded its shard."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    port, master = free_port(), free_port()
+    health_ports = [free_port(), free_port()]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with contextlib.ExitStack() as stack:
+        procs = []
+        for node in (0, 1):
+            args = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1"]
+            args += [f"--node-rank={node}", "--master-addr=127.0.0.1", f"--master-port={master}"]
+            args += ["--module", "trainer_service.cli", "serve", "--model", str(tiny_model_dir_f32)]
+            args += ["--compute-dtype", "float32", "--port", str(port), "--set", "micro_batch_size=3"]
+            args += ["--set", f"health_port={health_ports[node]}"]
+            log = tmp_path / f"node{node}.log"
+            procs.append((stack.enter_context(child_process(args, log, env)), log))
+        wait_for_line(*procs[0], "serving on", timeout=300)
+        stub = trainer_pb2_grpc.TrainerStub(stack.enter_context(grpc.insecure_channel(f"127.0.0.1:{port}")))
+        assert stub.TrainStep(step_request(0), timeout=300).weight_version == 1  # both ranks took part
+        for health_port in health_ports:
+            probes = stack.enter_context(grpc.insecure_channel(f"127.0.0.1:{health_port}"))
+            reply = health_pb2_grpc.HealthStub(probes).Check(health_pb2.HealthCheckRequest(), timeout=30)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
