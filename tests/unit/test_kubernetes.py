@@ -1,0 +1,120 @@
+"""deploy/kubernetes, offline: both overlays rendered (tests/kustomize.py) and every object validated
+against Kubernetes' own schemas (kubernetes-validate, strict: an unknown field fails), then the things a
+schema cannot see: the FP8 recipe's processes wired as compose wires them, probes on the health ports the
+services open, secrets only by reference, and every file a service's config names in its role's bundle."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from fp8rl.run_secrets import BUNDLES
+from tests.kustomize import containers, render
+
+ROOT = Path(__file__).resolve().parents[2]
+OVERLAYS = ROOT / "deploy" / "kubernetes" / "overlays"
+# The oldest release whose features the manifests use (the pod-index label: 1.28), and the newest known.
+VERSIONS = ["1.28.0", kubernetes_validate.latest_version()]
+CONFIGS = {"cpu": ROOT / "deploy" / "config", "gpu": ROOT / "deploy" / "config-gpu"}
+ROLES = {"trainer": "trainer", "rollout": "replica", "coordinator": "coordinator", "redis": "redis"}
+
+
+def objects(overlay: str) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(o["kind"], o["metadata"]["name"]): o for o in render(OVERLAYS / overlay)}
+
+
+def pod(o: dict[str, Any]) -> dict[str, Any]:
+    return o["spec"]["template"]["spec"]
+
+
+def flag(args: list[str], name: str) -> str:
+    """The value of ``--name=VALUE`` or ``--set name=VALUE`` in ``args``."""
+    for i, arg in enumerate(args):
+        if arg.startswith(f"--{name}="):
+            return arg.split("=", 1)[1]
+        if arg == "--set" and args[i + 1].startswith(f"{name}="):
+            return args[i + 1].split("=", 1)[1]
+    raise KeyError(name)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("overlay", ["cpu", "gpu"], ids=["cpu-overlay", "gpu-overlay"])  # (not the gpu mark)
+def test_every_object_validates_against_kubernetes_schemas(overlay: str, version: str) -> None:
+    for key, o in objects(overlay).items():
+        try:
+            kubernetes_validate.validate(o, version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(f"{overlay} {key} against Kubernetes {version}: {exc.message}")
+
+
+@pytest.mark.parametrize("overlay", ["cpu", "gpu"], ids=["cpu-overlay", "gpu-overlay"])  # (not the gpu mark)
+def test_secrets_are_referenced_never_written(overlay: str) -> None:
+    rendered = objects(overlay)
+    assert not [k for k in rendered if k[0] in ("Secret", "ConfigMap")]  # made by the documented commands
+    for container in containers(list(rendered.values())):
+        for env in container.get("env", []):
+            if "PASSWORD" in env["name"]:
+                assert "value" not in env and "secretKeyRef" in env["valueFrom"], env
+
+
+@pytest.mark.parametrize("overlay", ["cpu", "gpu"], ids=["cpu-overlay", "gpu-overlay"])  # (not the gpu mark)
+def test_each_services_config_finds_its_files_in_its_roles_bundle(overlay: str) -> None:
+    """The Secret `fp8rl-<role>` holds `python -m fp8rl.run_secrets --export ROLE=...`'s files: every
+    /secrets/ path a service's config (or command) names is one of them."""
+    rendered = objects(overlay)
+    for (kind, name), o in rendered.items():
+        if kind not in ("StatefulSet", "Deployment", "Job"):
+            continue
+        role = ROLES[name]
+        secret = next(v["secret"]["secretName"] for v in pod(o)["volumes"] if "secret" in v)
+        assert secret == f"fp8rl-{role}"
+        (container,) = pod(o)["containers"]
+        texts = [" ".join(container.get("command", []) + container.get("args", []))]
+        config = CONFIGS[overlay] / f"{name}.yaml"
+        if config.exists():
+            texts.append(config.read_text())
+        named = {m for text in texts for m in re.findall(r"/secrets/([\w.-]+)", text)}
+        assert named and named <= set(BUNDLES[role]), (name, named - set(BUNDLES[role]))
+
+
+@pytest.mark.parametrize("overlay", ["cpu", "gpu"], ids=["cpu-overlay", "gpu-overlay"])  # (not the gpu mark)
+def test_the_processes_are_wired_as_compose_wires_them(overlay: str) -> None:
+    rendered = objects(overlay)
+    redis = pod(rendered["StatefulSet", "redis"])["containers"][0]
+    assert "--appendfsync always" in redis["command"][-1]  # every acknowledged write on disk
+    trainer = rendered["StatefulSet", "trainer"]
+    args = pod(trainer)["containers"][0]["args"]
+    assert int(flag(args, "nnodes")) == trainer["spec"]["replicas"]  # a rank per pod
+    assert flag(args, "master-addr") == f"trainer-0.{trainer['spec']['serviceName']}"
+    assert rendered["Service", "trainer-ranks"]["spec"]["clusterIP"] == "None"
+    assert (
+        rendered["Service", "trainer"]["spec"]["selector"]["statefulset.kubernetes.io/pod-name"]
+        == "trainer-0"
+    )
+    coordinator = pod(rendered["Job", "coordinator"])["containers"][0]["args"]
+    assert flag(coordinator, "trainer") == "trainer:50052"
+    for kind, name in (("StatefulSet", "trainer"), ("Deployment", "rollout")):
+        (container,) = pod(rendered[kind, name])["containers"]
+        health = int(flag(container["args"], "health_port"))
+        probes = [container[p] for p in ("startupProbe", "readinessProbe", "livenessProbe")]
+        assert all(p["grpc"]["port"] == health for p in probes), name  # native gRPC probes, plaintext port
+        assert any(m["mountPath"] == "/config" for m in container["volumeMounts"])
+
+
+def test_the_gpu_overlay_gives_each_rank_and_replica_a_gpu_and_the_cpu_one_none() -> None:
+    for overlay, gpus in (("cpu", None), ("gpu", 1)):
+        rendered = objects(overlay)
+        for kind, name in (("StatefulSet", "trainer"), ("Deployment", "rollout")):
+            (container,) = pod(rendered[kind, name])["containers"]
+            assert container["resources"].get("limits", {}).get("nvidia.com/gpu") == gpus
+    images = {c["image"] for c in containers(list(objects("gpu").values())) if c["name"] != "redis"}
+    assert images == {"fp8rl:trainer-gpu", "fp8rl:rollout-gpu"}
+    assert {c["image"] for c in containers(list(objects("cpu").values())) if c["name"] != "redis"} == {
+        "fp8rl:cpu"
+    }
+    assert all(yaml.safe_load((CONFIGS[o] / "trainer.yaml").read_text()) for o in CONFIGS)
