@@ -24,7 +24,9 @@ same run, as a user would. Printed at the end, and written to ``--out``/report.j
 
 Exit status 1 if a check fails. Needs root (namespaces, iptables, tc).
 
-    python bench/chaos.py [--steps 400] [--seed N] [--clean] [--out runs/chaos]
+    python bench/chaos.py [--steps 400] [--minutes M] [--seed N] [--clean] [--out runs/chaos]
+
+The hour-long form: ``--minutes 60 --steps 100000 --clean``.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ class Run:
         self.pids: set[int] = set()  # every child the coordinators started (ended at the end, by PID)
         self.added: dict[str, subprocess.Popen] = {}  # address -> a replica the bench added
         self.logs = run_dir.parent  # where added replicas log (kept after the run's tmpfs goes)
+        self.stopped = threading.Event()  # asked to stop at a step boundary (--minutes)
         self.lock = threading.Lock()
 
     def committed(self) -> int:
@@ -281,6 +284,31 @@ def add_replica(run: Run, coordinator: int) -> tuple[subprocess.Popen, str]:
     return proc, address
 
 
+def stop_after(run: Run, faults: Faults, seconds: float, finished: threading.Event) -> None:
+    """--minutes: after ``seconds``, no new faults; once those in progress are over, ask the coordinator
+    to stop at its next step boundary (`coordinator stop`), again while it restarts, until it has. (The
+    bench then runs one more step without faults, the run's last, whose validation it reports.)"""
+    if finished.wait(seconds):
+        return
+    faults.stop.set()
+    deadline = time.monotonic() + 120
+    while faults.active and time.monotonic() < deadline:
+        time.sleep(0.5)
+    run.stopped.set()
+    stop = [
+        sys.executable,
+        "-m",
+        "coordinator.cli",
+        "stop",
+        "--run-id",
+        RUN_ID,
+        "--run-dir",
+        str(run.run_dir),
+    ]
+    while not finished.wait(5):
+        subprocess.run(stop, capture_output=True)
+
+
 def run_to_the_end(run: Run, faults: Faults | None, reruns: Counter[str]) -> str:
     """Start the coordinator on the run until it finishes; every start but the first resumes."""
     output = []
@@ -316,8 +344,10 @@ def check(run: Run, out: str, faults: Faults | None) -> dict:
     gaps = [b - a for a, b in zip(run.commits, run.commits[1:], strict=False)]
     events = Counter(e for e in re.findall(r"recovery: |restarting \(", out))
     return {
-        "every_step_once": steps == list(range(run.steps + 1)),
-        "trainer_at_last_step": bool(checkpoints) and checkpoints[-1] == f"step-{run.steps:08d}",
+        "steps": steps[-1] if steps else -1,
+        "every_step_once": steps == list(range(len(steps)))
+        and (len(steps) == run.steps + 1 or run.stopped.is_set()),
+        "trainer_at_last_step": bool(checkpoints) and checkpoints[-1] == f"step-{len(steps) - 1:08d}",
         "served_only_published": not future,
         "served": len(run.served),
         "served_versions": sorted({v for v, _ in run.served}),
@@ -369,26 +399,39 @@ def namespaced(args: argparse.Namespace) -> int:
     """Inside the namespaces: loopback up, the run on a small tmpfs, the faults, the report."""
     sh("ip", "link", "set", "lo", "up")
     out = Path(args.out).resolve()
-    reports = {}
-    for label, with_faults in ([("clean", False)] if args.clean else []) + [("chaos", True)]:
+    reports: dict[str, dict] = {}
+    # With --minutes the chaos run comes first: the clean one then runs as many steps as it reached.
+    order = [("chaos", True)] + ([("clean", False)] if args.clean else [])
+    if args.clean and not args.minutes:
+        order.reverse()
+    for label, with_faults in order:
         disk = out / label / "disk"
         disk.mkdir(parents=True, exist_ok=True)
         sh("mount", "-t", "tmpfs", "-o", f"size={args.disk_mb}m,mode=0700", "tmpfs", str(disk))
-        run = Run(disk / "run", args.steps, args.seed)
+        steps = reports["chaos"]["steps"] if args.minutes and not with_faults else args.steps
+        run = Run(disk / "run", steps, args.seed)
         run.logs = out / label
         rng = random.Random(args.seed)
         reruns: Counter[str] = Counter()
         faults = Faults(run, rng, []) if with_faults else None
         scheduler = threading.Thread(target=faults.loop, daemon=True) if faults else None
+        finished = threading.Event()
         started = time.monotonic()
         try:
             if scheduler:
                 scheduler.start()
+            if faults and args.minutes:
+                timer = (run, faults, args.minutes * 60, finished)
+                threading.Thread(target=stop_after, args=timer, daemon=True).start()
             text = run_to_the_end(run, faults, reruns)
+            finished.set()
+            if run.stopped.is_set():  # one more step, without faults: the run's last, which is validated
+                run.steps = run.committed() + 1
+                text += "\n" + run_to_the_end(run, None, reruns)
         finally:
+            finished.set()
             if faults:
                 faults.stop.set()
-            if faults:
                 faults.departed += [status_of(run, address) | {"at": "the end"} for address in run.added]
             for proc in run.added.values():  # (each in a session of its own, its engine core with it)
                 with contextlib.suppress(OSError):
@@ -408,7 +451,7 @@ def namespaced(args: argparse.Namespace) -> int:
         reports[label] = report
         print(f"{label}: {json.dumps(report)}", flush=True)
     (out / "report.json").write_text(
-        json.dumps({"seed": args.seed, "steps": args.steps, **reports}, indent=1)
+        json.dumps({"seed": args.seed, "steps": args.steps, "minutes": args.minutes, **reports}, indent=1)
     )
     chaos = reports["chaos"]
     ok = chaos["every_step_once"] and chaos["trainer_at_last_step"] and chaos["served_only_published"]
@@ -425,7 +468,13 @@ def main() -> None:
         "--steps", type=int, default=400, help="the run's length (the tiny model: ~1 s a step)"
     )
     parser.add_argument("--seed", type=int, default=None, help="the faults' and the run's seed (printed)")
-    parser.add_argument("--clean", action="store_true", help="first the same run without faults")
+    parser.add_argument(
+        "--minutes",
+        type=float,
+        help="end the faults after this long, stop the run at its next step boundary and train one "
+        "more step, the last (--steps is then a ceiling; the clean run, after it, goes as far)",
+    )
+    parser.add_argument("--clean", action="store_true", help="also the same run without faults")
     parser.add_argument("--out", default="runs/chaos", help="where the report and the runs' records go")
     parser.add_argument("--disk-mb", type=int, default=512, help="the run directory's tmpfs")
     parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
@@ -448,6 +497,7 @@ def main() -> None:
         str(seed),
     ]
     inner += ["--steps", str(args.steps), "--out", args.out, "--disk-mb", str(args.disk_mb)]
+    inner += ["--minutes", str(args.minutes)] if args.minutes else []
     sys.exit(subprocess.run([*inner, *(["--clean"] if args.clean else [])]).returncode)
 
 
