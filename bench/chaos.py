@@ -142,16 +142,16 @@ class Faults:
         self.stop = threading.Event()
         self.log: list[str] = []
         self.departed: list[dict] = []  # each added replica's status as it was removed (or at the end)
+        self.first: list[str] = []  # the kinds not applied yet, in the seeded order they come first
 
     def loop(self) -> None:
-        first = self.rng.sample(KINDS, len(KINDS))  # each kind once, then at random: a short run meets all
+        # Each kind until it has been applied once, then any at random: a short run meets all.
+        self.first = self.rng.sample(KINDS, len(KINDS))
         while not self.stop.wait(self.rng.uniform(3, 15)):
-            kind = first[0] if first else self.rng.choice(KINDS)
+            kind = self.first[0] if self.first else self.rng.choice(KINDS)
             seconds = self.rng.uniform(2, 12)
             if kind in self.active or not self.run.info():
                 continue
-            if first:
-                first.pop(0)
             self.active.add(kind)
             threading.Thread(target=self._apply, args=(kind, seconds, self.rng.random()), daemon=True).start()
 
@@ -160,6 +160,8 @@ class Faults:
             what = getattr(self, "_" + kind.replace("-", "_"))(seconds, pick)
             if what:
                 self.counts[kind] += 1
+                with contextlib.suppress(ValueError):
+                    self.first.remove(kind)
                 self.log.append(f"{time.strftime('%H:%M:%S')} step {self.run.committed()}: {kind} {what}")
                 print(self.log[-1], flush=True)
         except Exception as exc:  # a fault that could not be applied (a process just gone): skipped

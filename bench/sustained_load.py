@@ -167,6 +167,8 @@ def flood_process(args: argparse.Namespace) -> int:
     as JSON on stdout."""
     tally, stop = Tally(Counter(), [], Counter(), threading.Lock()), threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    if args.clients_idle:  # before any thread starts: gRPC's threads and the clients' inherit it
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     finish = flood(args.flood_only, Path(args.secrets), args.clients, tally, stop)
     while not stop.wait(0.5):
         pass
@@ -183,11 +185,8 @@ class FloodProcess:
 
     def __init__(self, address: str, secrets: Path, clients: int, idle: bool) -> None:
         command = [sys.executable, __file__, "--flood-only", address, "--secrets", str(secrets)]
-        command += ["--clients", str(clients)]
-        idle_policy = lambda: os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # noqa: E731
-        self.proc = subprocess.Popen(
-            command, stdout=subprocess.PIPE, text=True, preexec_fn=idle_policy if idle else None
-        )
+        command += ["--clients", str(clients), *(["--clients-idle"] if idle else [])]
+        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
 
     def finish(self) -> Tally:
         """Stop the clients (each ends its call in flight) and read what they saw."""

@@ -30,6 +30,7 @@ from fp8rl.credentials import (
     redacted,
     redis_url_with_password,
     write_private,
+    write_private_atomic,
 )
 from fp8rl.run_secrets import security_for
 from fp8rl.security import SecurityConfig
@@ -334,6 +335,15 @@ def embedded_trainer(config: CoordinatorConfig, model: Path, dtype: str, run_dir
     )
 
 
+def kept_port(path: Path) -> int | None:
+    """The port in ``path``, if there is one that reads as a port."""
+    with suppress(OSError, ValueError):
+        port = int(path.read_text())
+        if 0 < port < 65536:
+            return port
+    return None
+
+
 class EmbeddedProcesses:
     """An embedded run's child processes (redis-server, the trainer and one rollout replica), started by
     :meth:`start` and stopped by ``stack``."""
@@ -380,7 +390,7 @@ class EmbeddedProcesses:
         # Redis keeps its port across restarts while it is free, so a replica added by hand with the run's
         # Redis URL (run.json) finds it again.
         port_file = run_dir / "redis" / "port"
-        port = free_port(int(port_file.read_text()) if port_file.exists() else None)
+        port = free_port(kept_port(port_file))
         redis_url, self.pids["redis-server"] = start_redis(
             stack,
             run_dir / "redis",
@@ -389,8 +399,8 @@ class EmbeddedProcesses:
             watch=self.watched,
             password=password_file.read_text(),
         )
-        with suppress(OSError):  # (a full disk: a new port next time)
-            port_file.write_text(str(port))
+        with suppress(OSError):  # (a full disk: the file keeps the port before, or there is none)
+            write_private_atomic(port_file, str(port))
         # The run's secrets (written here, first): tokens and the update keys always, a CA with certificates
         # with --tls; other local users can reach loopback ports too.
         me = security_for(secrets_dir(run_dir), "coordinator", config.embedded.tls)

@@ -376,18 +376,33 @@ def serve(
     cleanup()
 
 
+class _CheckOnly(health_pb2_grpc.HealthServicer):
+    """Health's Check, answered from another servicer's statuses; no Watch (a stream per caller, and a
+    status kept for every name asked about: not for callers nobody identified)."""
+
+    def __init__(self, statuses: health.HealthServicer) -> None:
+        self.statuses = statuses
+
+    def Check(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return self.statuses.Check(request, context)
+
+    def Watch(self, request: Any, context: grpc.ServicerContext) -> Any:
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, "this port answers Check only")
+
+
 def health_server(servicer: health.HealthServicer, host: str, port: int) -> tuple[grpc.Server, int]:
-    """A plaintext server answering gRPC health alone, with ``servicer``'s statuses (the main server's),
-    for probes that speak no TLS, such as Kubernetes' native gRPC probes. Nothing else is served there and
-    no identity is asked: whether a service is SERVING is all it tells. Returns it and its port."""
+    """A plaintext server answering gRPC health's Check alone, with ``servicer``'s statuses (the main
+    server's), for probes that speak no TLS, such as Kubernetes' native gRPC probes. Nothing else is
+    served there and no identity is asked: whether a service is SERVING is all it tells. Returns it and
+    its port."""
     from fp8rl.transport import SERVER_KEEPALIVE
 
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=2),
+        futures.ThreadPoolExecutor(max_workers=4),
         options=[("grpc.max_receive_message_length", 4096), *SERVER_KEEPALIVE],
-        maximum_concurrent_rpcs=8,  # (Watch streams hold a call each: bounded)
+        maximum_concurrent_rpcs=64,  # past that a caller is refused at once; a Check takes microseconds
     )
-    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(_CheckOnly(servicer), server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot bind the health server to {host}:{port}")

@@ -106,7 +106,11 @@ def follow_root(config: TrainerConfig, ranks: Ranks) -> None:
 
         status = health.HealthServicer()
         status.set("", health_pb2.HealthCheckResponse.SERVING)
-        probes, _ = health_server(status, config.host, config.health_port)
+        probes, bound = health_server(status, config.host, config.health_port)
+        print(
+            f"trainer-service rank {ranks.rank} health probes (plaintext) on {config.host}:{bound}",
+            flush=True,
+        )
     try:
         service.follow()
     finally:

@@ -81,7 +81,7 @@ class ComposeRun:
     refused: dict[str, bool]  # what a plaintext client from the host network got
     accepted: bool  # the same trainer, with the coordinator's certificate
     killed_at: int  # steps committed when the trainer was killed
-    redis_killed_at: int  # steps committed when Redis was back
+    redis_killed_at: int  # steps committed just before Redis was killed
     stopped: dict[str, int]  # container -> exit code after `compose stop`
     timings: dict[str, float]
     leftovers: list[str]  # what `down -v` left
@@ -212,9 +212,9 @@ def observe(compose: Compose, password: str, up: tuple[str, ...], timings: dict,
     wait_until(
         lambda: committed_steps(compose) >= KILL_REDIS_AFTER_STEP, 600, f"step {KILL_REDIS_AFTER_STEP}"
     )
+    redis_killed_at = committed_steps(compose)  # (read just before: fewer than all, or no test)
     compose("kill", "--signal", "SIGKILL", "redis")
     compose(*up, "--no-recreate")
-    redis_killed_at = committed_steps(compose)  # (by the time it was back: fewer than all, or no test)
     coordinator = compose.containers("coordinator")[0]["ID"]
     waited = compose.engine.run("wait", coordinator, timeout=900)
     assert waited.stdout.strip() == "0", compose("logs", "coordinator", check=False).stdout[-4000:]

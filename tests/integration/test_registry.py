@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -54,3 +55,45 @@ def test_the_heartbeat_rides_out_a_redis_that_vanishes_without_a_word(
         assert wait_for(lambda: list(live_replicas(observer)) == ["replica:1"])
         beat.stop()
         assert live_replicas(observer) == {}
+
+
+def test_an_embedded_runs_kept_redis_port_never_stops_it_from_starting(tmp_path: Path) -> None:
+    """Found in review: the port file, torn by a full disk (empty) or damaged, made every later start of
+    the run fail on int(''). A port that does not read as one is no port; a taken one gives way to a new
+    one (free_port)."""
+    from coordinator.processes import free_port
+    from coordinator.run import kept_port
+
+    port_file = tmp_path / "port"
+    assert kept_port(port_file) is None
+    for damaged in ("", "x", "-1", "70000"):
+        port_file.write_text(damaged)
+        assert kept_port(port_file) is None
+    port_file.write_text("41234")
+    assert kept_port(port_file) == 41234
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        assert free_port(busy) != busy
+
+
+def test_a_replica_registers_once_redis_answers_though_it_did_not_at_first(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found in review: the first beat was sent in line and its error ended the replica's start, so a
+    Redis restarting just as a replica finished loading (minutes of vLLM) cost the replica."""
+    from coordinator.processes import free_port
+
+    caplog.set_level(logging.WARNING, logger="fp8rl.registry")
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    beat = Heartbeat(connect(url, timeout_s=BEAT_S, retries=0), "replica:2", {}, BEAT_S)
+    try:
+        assert "heartbeat to redis failed" in caplog.text
+        with ExitStack() as stack:
+            start_redis(stack, tmp_path / "redis", tmp_path / "redis.log", port=port, aof=False)
+            assert wait_for(lambda: list(live_replicas(connect(url))) == ["replica:2"])
+            beat.stop()
+    finally:
+        beat.stop()

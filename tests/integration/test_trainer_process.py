@@ -133,6 +133,13 @@ def test_a_plaintext_health_port_answers_probes_beside_a_mutual_tls_server(
         for service in ("", "fp8rl.v1.Trainer"):
             reply = check(health_pb2.HealthCheckRequest(service=service), timeout=10)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as no_watch:  # (a stream and a kept status per name asked)
+            next(
+                health_pb2_grpc.HealthStub(probes).Watch(
+                    health_pb2.HealthCheckRequest(service="x"), timeout=5
+                )
+            )
+        assert no_watch.value.code() == grpc.StatusCode.UNIMPLEMENTED
         with pytest.raises(grpc.RpcError) as only_health:
             trainer_pb2_grpc.TrainerStub(probes).GetStatus(common_pb2.GetStatusRequest(), timeout=10)
         assert only_health.value.code() == grpc.StatusCode.UNIMPLEMENTED

@@ -6,6 +6,7 @@ services open, secrets only by reference, and every file a service's config name
 from __future__ import annotations
 
 import re
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,12 @@ def objects(overlay: str) -> dict[tuple[str, str], dict[str, Any]]:
 
 def pod(o: dict[str, Any]) -> dict[str, Any]:
     return o["spec"]["template"]["spec"]
+
+
+def command_line(container: dict[str, Any]) -> list[str]:
+    """A container's command line as words (a ``sh -c`` script split as the shell would, roughly)."""
+    words = container.get("command", []) + container.get("args", [])
+    return shlex.split(words[2]) if words[:2] == ["sh", "-c"] else words
 
 
 def flag(args: list[str], name: str) -> str:
@@ -74,7 +81,7 @@ def test_each_services_config_finds_its_files_in_its_roles_bundle(overlay: str) 
         secret = next(v["secret"]["secretName"] for v in pod(o)["volumes"] if "secret" in v)
         assert secret == f"fp8rl-{role}"
         (container,) = pod(o)["containers"]
-        texts = [" ".join(container.get("command", []) + container.get("args", []))]
+        texts = [" ".join(command_line(container))]
         config = CONFIGS[overlay] / f"{name}.yaml"
         if config.exists():
             texts.append(config.read_text())
@@ -88,19 +95,23 @@ def test_the_processes_are_wired_as_compose_wires_them(overlay: str) -> None:
     redis = pod(rendered["StatefulSet", "redis"])["containers"][0]
     assert "--appendfsync always" in redis["command"][-1]  # every acknowledged write on disk
     trainer = rendered["StatefulSet", "trainer"]
-    args = pod(trainer)["containers"][0]["args"]
+    args = command_line(pod(trainer)["containers"][0])
     assert int(flag(args, "nnodes")) == trainer["spec"]["replicas"]  # a rank per pod
+    assert flag(args, "node-rank") == "${HOSTNAME##*-}"  # the pod's ordinal
     assert flag(args, "master-addr") == f"trainer-0.{trainer['spec']['serviceName']}"
+    assert trainer["spec"]["updateStrategy"]["type"] == "OnDelete"  # a group is replaced whole
     assert rendered["Service", "trainer-ranks"]["spec"]["clusterIP"] == "None"
     assert (
         rendered["Service", "trainer"]["spec"]["selector"]["statefulset.kubernetes.io/pod-name"]
         == "trainer-0"
     )
-    coordinator = pod(rendered["Job", "coordinator"])["containers"][0]["args"]
-    assert flag(coordinator, "trainer") == "trainer:50052"
+    job = rendered["Job", "coordinator"]
+    assert flag(command_line(pod(job)["containers"][0]), "trainer") == "trainer:50052"
+    (fail_at_once,) = job["spec"]["podFailurePolicy"]["rules"]  # a config error or a fenced-out exit
+    assert fail_at_once["action"] == "FailJob" and fail_at_once["onExitCodes"]["values"] == [2, 3]
     for kind, name in (("StatefulSet", "trainer"), ("Deployment", "rollout")):
         (container,) = pod(rendered[kind, name])["containers"]
-        health = int(flag(container["args"], "health_port"))
+        health = int(flag(command_line(container), "health_port"))
         probes = [container[p] for p in ("startupProbe", "readinessProbe", "livenessProbe")]
         assert all(p["grpc"]["port"] == health for p in probes), name  # native gRPC probes, plaintext port
         assert any(m["mountPath"] == "/config" for m in container["volumeMounts"])
