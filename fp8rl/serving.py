@@ -284,7 +284,6 @@ def start_server(
     max_workers: int = SERVER_THREADS,
     max_receive_bytes: int = 4 * 1024 * 1024,
     security: SecurityConfig | None = None,
-    calls_per_connection: int | None = None,
 ) -> RunningServer:
     """Start a server with ``register(server)``'s servicers plus health and reflection, behind
     ``security`` (TLS, caller identities and roles: :mod:`fp8rl.security`; none: loopback only).
@@ -292,10 +291,6 @@ def start_server(
     Health starts as NOT_SERVING: the caller flips it once its engine is ready. A server that wants to
     answer oversized messages itself (INVALID_ARGUMENT naming the field, instead of gRPC's
     RESOURCE_EXHAUSTED) raises ``max_receive_bytes`` and checks sizes in its handlers.
-
-    ``calls_per_connection`` caps the calls one connection has open at once (HTTP/2's
-    MAX_CONCURRENT_STREAMS): the client's further calls wait on its side, costing this server nothing,
-    where a refusal would cost it a handler's work per retry.
     """
     from fp8rl.security import (
         AccessControl,
@@ -310,8 +305,6 @@ def start_server(
     if problem:
         raise InsecureBinding(problem)
     options = [("grpc.max_receive_message_length", max_receive_bytes), *SERVER_KEEPALIVE]
-    if calls_per_connection is not None:
-        options.append(("grpc.max_concurrent_streams", calls_per_connection))
     # Calls beyond the threads wait in gRPC's queue, up to a bound; past it gRPC answers RESOURCE_EXHAUSTED.
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
@@ -344,7 +337,6 @@ def serve(
     max_workers: int = SERVER_THREADS,
     max_receive_bytes: int = 4 * 1024 * 1024,
     security: SecurityConfig | None = None,
-    calls_per_connection: int | None = None,
     health_port: int | None = None,
 ) -> None:
     """The life of a service process. Bind first ("PROG bound to HOST:PORT", which a parent reads to learn
@@ -352,9 +344,7 @@ def serve(
     print and a cleanup), then serve ("PROG serving on ...") until SIGINT/SIGTERM or the parent process is
     gone, and stop within a deadline. ``health_port``: the same health statuses also in plaintext there
     (:func:`health_server`)."""
-    running = start_server(
-        register, service_names, host, port, max_workers, max_receive_bytes, security, calls_per_connection
-    )
+    running = start_server(register, service_names, host, port, max_workers, max_receive_bytes, security)
     probes = None
     if health_port is not None:
         probes, bound = health_server(running.health, host, health_port)

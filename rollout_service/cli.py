@@ -144,12 +144,6 @@ def serve(config: RolloutConfig) -> None:
         load,
         max_receive_bytes=64 * 1024 * 1024,
         security=config.security,
-        # One connection holds no more calls than outside callers have Generate slots: a flood over it
-        # waits on the client's side instead of spinning through refusals here. (Never fewer than the
-        # run's own slots and two more: the coordinator's status calls go beside its Generate calls.)
-        calls_per_connection=max(
-            config.max_concurrent_generate - config.run_generate_slots, config.run_generate_slots + 2
-        ),
         health_port=config.health_port,
     )
 
