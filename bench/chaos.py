@@ -227,14 +227,7 @@ class Faults:
             proc = run.added.pop(address)
             self.departed.append(status_of(run, address) | {"at": f"step {run.committed()}"})
             how = signal.SIGTERM if pick < 0.25 else signal.SIGKILL
-            with contextlib.suppress(OSError):
-                os.killpg(proc.pid, how)
-            if how == signal.SIGTERM:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(timeout=30)
-            with contextlib.suppress(OSError):
-                os.killpg(proc.pid, signal.SIGKILL)  # (its engine core too)
-            proc.wait()
+            end_replica(proc, how)
             return f"removed {address} ({how.name})"
         proc, address = add_replica(run, self.coordinator[-1].pid)
         run.added[address] = proc
@@ -261,6 +254,19 @@ def status_of(run: Run, address: str) -> dict:
     except grpc.RpcError as err:
         return {"address": address, "unreachable": err.code().name}
     return {"address": address, "version": status.weight_version, "tokens": status.tokens_generated}
+
+
+def end_replica(proc: subprocess.Popen, how: signal.Signals = signal.SIGKILL) -> None:
+    """Send ``how`` to an added replica's session (it and its engine core); after SIGTERM, wait for it up
+    to 30 s; then kill what is left and reap it."""
+    with contextlib.suppress(OSError):
+        os.killpg(proc.pid, how)
+    if how == signal.SIGTERM:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=30)
+    with contextlib.suppress(OSError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 def add_replica(run: Run, coordinator: int) -> tuple[subprocess.Popen, str]:
@@ -435,10 +441,8 @@ def namespaced(args: argparse.Namespace) -> int:
             if faults:
                 faults.stop.set()
                 faults.departed += [status_of(run, address) | {"at": "the end"} for address in run.added]
-            for proc in run.added.values():  # (each in a session of its own, its engine core with it)
-                with contextlib.suppress(OSError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            for proc in run.added.values():
+                end_replica(proc)
         end_children(run.pids)
         report = check(run, text, faults) | {
             "reruns": dict(reruns),
