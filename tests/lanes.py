@@ -1,16 +1,16 @@
 """``make test``'s runner: the suite as two pytest sessions side by side, each line prefixed with its lane.
 
 On a 2-core machine one session kept about one core busy (1.06 of 2): the end-to-end tests wait (on child
-processes starting, heartbeats, leases, links), while the component tests compute. So the end-to-end
-tier runs in one lane and everything else in the other, each in its own temporary root and pytest cache
-(pytest keeps only its last three roots: two sessions sharing one would remove each other's files), and
-each with one OpenMP thread per process: two sessions of 2-thread OpenMP on 2 cores spin against each
-other at every barrier (measured: the base-model builder, 91 s alone, passed its 400 s deadline beside
-the engine tests). ``python -m tests.lanes [pytest options]`` passes the options to both. It exits 0
-only if both lanes pass (a lane that a selection leaves empty counts as passed, unless both are), and
-ends with one line of both sessions' counts. Ctrl-C or SIGTERM reaches both sessions (their own cleanup
-runs); one that has not ended a minute later is killed with its process group, and the runner exits
-128 + the signal. Plain ``pytest`` (``make test-one-session``) runs one session."""
+processes starting, heartbeats, leases, links), while the component tests compute. So the end-to-end tier
+runs in one lane and everything else in the other, each in its own temporary root and pytest cache (pytest
+keeps only its last three roots: two sessions sharing one would remove each other's files), and each with
+one OpenMP thread per process: two sessions of 2-thread OpenMP on 2 cores spin against each other at every
+barrier (measured: the base-model builder, 91 s alone, passed its 400 s deadline beside the engine tests).
+``python -m tests.lanes [pytest options]`` passes the options to both. It exits 0 only if both lanes pass
+(a lane that a selection leaves empty counts as passed, unless both are), and ends with the failed tests'
+summary lines and one line of both sessions' counts. Ctrl-C or SIGTERM reaches both sessions (their own
+cleanup runs); one that has not ended a minute later is killed with its process group, and the runner
+exits 128 + the signal. Plain ``pytest`` (``make test-one-session``) runs one session."""
 
 from __future__ import annotations
 
@@ -60,17 +60,24 @@ def command(lane: Lane, root: Path, extra: list[str]) -> list[str]:
 
 
 SUMMARY = re.compile(r"^=+ (.+) in [\d.]+s")  # pytest's closing line: "== 3 passed, 1 skipped in 2.1s =="
+FAILURE = re.compile(r"^(FAILED|ERROR) ")  # pytest's short summary: "FAILED tests/x.py::test - why"
 
 
-def relay(lane: Lane, stream: IO[str], lock: threading.Lock, counts: Counter[str]) -> None:
-    """Copies the session's lines, prefixed, and adds its closing line's counts to ``counts``."""
+def relay(
+    lane: Lane, stream: IO[str], lock: threading.Lock, counts: Counter[str], failures: list[str]
+) -> None:
+    """Copies the session's lines, prefixed; adds its closing line's counts to ``counts`` and its
+    short-summary lines of failed tests to ``failures``."""
     width = max(len(lane.name) for lane in LANES)
     for line in stream:
+        prefixed = f"[{lane.name:<{width}}] {line}"
         with lock:
             if summary := SUMMARY.match(line):
                 for number, outcome in re.findall(r"(\d+) (\w+)", summary.group(1)):
                     counts[outcome] += int(number)
-            sys.stdout.write(f"[{lane.name:<{width}}] {line}")
+            if FAILURE.match(line):
+                failures.append(prefixed.rstrip("\n"))
+            sys.stdout.write(prefixed)
             sys.stdout.flush()
 
 
@@ -99,6 +106,7 @@ def run(extra: list[str]) -> int:
     procs: list[subprocess.Popen[str]] = []
     relays = []
     counts: Counter[str] = Counter()
+    failures: list[str] = []
     started = time.monotonic()
 
     interrupted: list[int] = []
@@ -133,7 +141,9 @@ def run(extra: list[str]) -> int:
             )
             procs.append(proc)
             assert proc.stdout is not None
-            relays.append(threading.Thread(target=relay, args=(lane, proc.stdout, lock, counts), daemon=True))
+            relays.append(
+                threading.Thread(target=relay, args=(lane, proc.stdout, lock, counts, failures), daemon=True)
+            )
             relays[-1].start()
         codes = [proc.wait() for proc in procs]
         for thread in relays:
@@ -148,6 +158,10 @@ def run(extra: list[str]) -> int:
     # (both sessions' counts on one plain line, as a reader of the output expects a runner to end)
     failing = sum(code not in (0, NO_TESTS) for code in codes)
     failed = max(counts["failed"] + counts["error"] + counts["errors"], failing)  # (one died unsummed)
+    # (the failed tests again at the very end: a log read from its tail, as CI's is, must name them; the
+    # other lane's output can bury a lane's own summary)
+    for failure in failures:
+        print(f"lanes: {failure}")
     print(f"lanes: {counts['passed']} passed, {failed} failed, {counts['skipped']} skipped")
     if failing or all(code == NO_TESTS for code in codes):
         print(f"lanes: {summary} in {minutes:.1f} min; their files stay in {root}")

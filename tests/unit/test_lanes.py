@@ -1,0 +1,33 @@
+"""``make test``'s runner reads each session's output: its counts, and the failed tests it names again
+at the end (a log read from its tail must show them)."""
+
+from __future__ import annotations
+
+import io
+import threading
+from collections import Counter
+
+from tests.lanes import LANES, relay
+
+SESSION = """\
+tests/unit/test_a.py::test_one PASSED                                    [ 50%]
+tests/unit/test_a.py::test_two FAILED                                    [100%]
+=========================== short test summary info ============================
+FAILED tests/unit/test_a.py::test_two - AssertionError: assert 1 == 2
+ERROR tests/unit/test_b.py::test_three - RuntimeError: no server
+============== 1 failed, 1 passed, 1 skipped, 1 error in 2.50s ===============
+"""
+
+
+def test_relay_counts_the_closing_line_and_keeps_the_failed_tests(capsys) -> None:
+    counts: Counter[str] = Counter()
+    failures: list[str] = []
+    relay(LANES[1], io.StringIO(SESSION), threading.Lock(), counts, failures)
+
+    assert counts == Counter(failed=1, passed=1, skipped=1, error=1)
+    assert failures == [
+        "[rest] FAILED tests/unit/test_a.py::test_two - AssertionError: assert 1 == 2",
+        "[rest] ERROR tests/unit/test_b.py::test_three - RuntimeError: no server",
+    ]
+    copied = capsys.readouterr().out.splitlines()
+    assert copied == [f"[rest] {line}" for line in SESSION.splitlines()]
