@@ -27,8 +27,12 @@ The clients run in a child process: on the run's cores (the default), or with --
 SCHED_IDLE, where they take only CPU the run leaves, as clients on other machines would; on a machine of
 few cores that separates what the replica pays for a flood from what the flooding clients themselves use.
 
+With --pin-replica the replica runs on a CPU of its own and the rest of the run on the others (clean
+steps and flooded alike), as a replica on its own accelerator host would. The CPU each process of the run
+used per step, clean and under the flood, is printed too: where the flood's cost lands.
+
     python bench/sustained_load.py [--minutes 10] [--clean-minutes 2] [--clients 12] [--clients-idle]
-        [--model DIR] [--recipe fp8]
+        [--pin-replica] [--model DIR] [--recipe fp8]
 """
 
 from __future__ import annotations
@@ -294,6 +298,50 @@ def growth(samples: list[tuple[float, dict[str, int]]], warm_up_s: float) -> dic
     }
 
 
+def cpu_seconds(root: int) -> dict[str, float]:
+    """CPU seconds (user + system) each process of the run has used so far, by name; and, as
+    "replica: <thread name>", by the replica's threads (gRPC core's threads are named; Python's are not)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    used: dict[str, float] = defaultdict(float)
+
+    def seconds(stat_path: Path) -> tuple[float, str] | None:
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            stat = stat_path.read_text()
+            name, fields = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
+            return (int(fields[11]) + int(fields[12])) / tick, name  # (utime, stime: fields 14 and 15)
+        return None
+
+    for pid in tree(root):
+        found, process = rss_and_name(pid, root), seconds(Path(f"/proc/{pid}/stat"))
+        if not found or not process:
+            continue
+        used[found[1]] += process[0]
+        if found[1] == "replica":
+            for task in Path(f"/proc/{pid}/task").glob("*"):
+                if thread := seconds(task / "stat"):
+                    used[f"replica: {thread[1]}"] += thread[0]
+    return dict(used)
+
+
+def pin_replica(root: int) -> str:
+    """The replica (every thread, and its children) on the last CPU, the rest of the run on the others: each
+    side then has cores of its own, as a replica on its own accelerator host has (threads started later
+    inherit their creator's CPUs)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise SystemExit("--pin-replica needs two CPUs or more")
+    replica_cpus, run_cpus = {cpus[-1]}, set(cpus[:-1])
+    replica = [p for p in tree(root) if (found := rss_and_name(p, root)) and found[1] == "replica"]
+    if not replica:
+        raise SystemExit("--pin-replica: no replica process found")
+    on_replica = set().union(*(tree(p) for p in replica))
+    for pid in tree(root):
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            with contextlib.suppress(OSError):  # (a thread that has just exited)
+                os.sched_setaffinity(int(task.name), replica_cpus if pid in on_replica else run_cpus)
+    return f"replica on CPU {cpus[-1]}, the rest of the run on CPUs {','.join(map(str, sorted(run_cpus)))}"
+
+
 # -- the run ---------------------------------------------------------------------------------------------
 
 
@@ -344,6 +392,12 @@ def main() -> int:
         help="run the clients under SCHED_IDLE: the CPU they take is then only what the run leaves, as "
         "with clients on other machines (on one machine, they otherwise compete for the same cores)",
     )
+    parser.add_argument(
+        "--pin-replica",
+        action="store_true",
+        help="the replica on the last CPU and the rest of the run on the others, from the first step on "
+        "(clean and flooded alike): as with a replica on a host of its own",
+    )
     parser.add_argument("--flood-only", metavar="ADDRESS", help=argparse.SUPPRESS)
     parser.add_argument("--secrets", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -362,15 +416,20 @@ def main() -> int:
         proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
     try:
         wait_for("a first step", lambda: len(committed(run_dir)) >= 2, proc, log)
-        clean_from = committed(run_dir)[-1]
+        if args.pin_replica:
+            print(pin_replica(proc.pid))
+        clean_from, cpu = committed(run_dir)[-1], [cpu_seconds(proc.pid)]
         time.sleep(args.clean_minutes * 60)
         address = json.loads((run_dir / "run.json").read_text())["rollouts"][0]
         watcher = threading.Thread(target=watch_memory, args=(proc.pid, args.sample_s, samples, stop_memory))
         watcher.start()
         flooding = FloodProcess(address, run_dir / "secrets", args.clients, args.clients_idle)
         started, first_step = time.monotonic(), committed(run_dir)[-1]
+        cpu.append(cpu_seconds(proc.pid))
         while time.monotonic() - started < args.minutes * 60 and proc.poll() is None:
             time.sleep(1)
+        cpu.append(cpu_seconds(proc.pid))
+        last_step = committed(run_dir)[-1]
         stop_memory.set()
         load_s = time.monotonic() - started
         tally = flooding.finish()
@@ -388,7 +447,32 @@ def main() -> int:
     step_s = {int(r["step"]): float(r["step_s"]) for r in records(run_dir) if "step_s" in r}
     clean = [t for k, t in step_s.items() if clean_from < k <= first_step]
     loaded = [t for k, t in step_s.items() if k > first_step + 1]  # (not the step the flood began in)
+    print_cpu(
+        (
+            Phase("clean", cpu=(cpu[0], cpu[1]), steps=first_step - clean_from),
+            Phase("flood", cpu=(cpu[1], cpu[2]), steps=last_step - first_step),
+        )
+    )
     return report(args, tally, samples, committed(run_dir), first_step, load_s, status, log, (clean, loaded))
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    cpu: tuple[dict[str, float], dict[str, float]]
+    """CPU seconds by process at the phase's start and end (:func:`cpu_seconds`)."""
+    steps: int
+
+
+def print_cpu(phases: tuple[Phase, ...]) -> None:
+    """CPU seconds per committed step, by process of the run, in each phase: where a flood's cost lands."""
+    names = sorted(set().union(*(set(p.cpu[1]) for p in phases)), key=lambda n: (n.startswith("replica:"), n))
+    print("CPU seconds per step (user + system), by process; the replica's named threads below it:")
+    print(f"  {'':32s}" + "".join(f"{f'{p.name} ({p.steps} steps)':>22s}" for p in phases))
+    for name in names:
+        per_step = [(p.cpu[1].get(name, 0.0) - p.cpu[0].get(name, 0.0)) / max(p.steps, 1) for p in phases]
+        if max(per_step) >= 0.005:
+            print(f"  {name[:32]:32s}" + "".join(f"{v:22.3f}" for v in per_step))
 
 
 def report(
@@ -415,6 +499,7 @@ def report(
     else:
         failed.append(f"too few steps to compare: {len(clean)} clean, {len(loaded)} under the flood")
     where = "under SCHED_IDLE" if args.clients_idle else "on the same cores as the run"
+    where += "; replica pinned to a CPU of its own" if args.pin_replica else ""
     print(f"load: {load_s / 60:.1f} min, {args.clients} clients ({where}), recipe {args.recipe}; log {log}")
     lat = sorted(tally.latencies)
     if lat:
