@@ -52,30 +52,54 @@ class _Details(grpc.ClientCallDetails):
 
 
 KEEPALIVE_S = 10
-"""A connection silent this long is pinged; one that does not answer within as long again is dropped.
-Without it, a call on a connection the network stopped carrying (a partition, a peer's host gone) waits
-for its whole deadline (minutes: a Generate, an update) and the next calls queue behind it; with it, they
-fail UNAVAILABLE within 2 x KEEPALIVE_S and are retried on a new connection or move elsewhere."""
+"""A connection that has read nothing this long is pinged; one whose ping is not answered within
+PING_TIMEOUT_S is dropped. Without it, a call on a connection the network stopped carrying (a partition, a
+peer's host gone) waits for its whole deadline (minutes: a Generate, an update) and the next calls queue
+behind it; with it, they fail UNAVAILABLE within KEEPALIVE_S + PING_TIMEOUT_S and are retried on a new
+connection or move elsewhere."""
+PING_TIMEOUT_S = 10
 
-CLIENT_KEEPALIVE = [
-    ("grpc.keepalive_time_ms", KEEPALIVE_S * 1000),
-    ("grpc.keepalive_timeout_ms", KEEPALIVE_S * 1000),
-    ("grpc.http2.ping_timeout_ms", KEEPALIVE_S * 1000),  # (this gRPC's keepalive ping waits this long)
-    ("grpc.keepalive_permit_without_calls", 1),
-    # A long call (a Generate) sends nothing for a while: ping through it, as often as the keepalive says.
-    ("grpc.http2.max_pings_without_data", 0),
-    ("grpc.http2.min_sent_ping_interval_without_data_ms", KEEPALIVE_S * 1000),
-    ("grpc.http2.min_time_between_pings_ms", KEEPALIVE_S * 1000),
-]
+BULK_PING_TIMEOUT_S = 60
+"""The ping timeout of connections that send weight updates, and of servers, which receive them. A ping
+goes out behind the data its sender has already written, so on a slow or shared link it waits for that
+data to drain. Measured (two network namespaces, a tbf-capped veth with a 1 s queue): two updates sent at
+once over 1 Mbit/s, one connection's ping unanswered after 10 s while the other's data held the link; one
+update alone over 200 kbit/s, every ping unanswered after 10 s. With 60 s both arrive whole
+(tests/integration/test_slow_link.py). A sending connection silent that long is still dropped, within
+KEEPALIVE_S + BULK_PING_TIMEOUT_S."""
+
+USER_TIMEOUT_S = 60
+"""How long sent data may stay unacknowledged before the kernel drops the connection (this gRPC sets
+TCP_USER_TIMEOUT to its keepalive timeout; the ping's own wait is PING_TIMEOUT_S). At 10 s, congestion
+alone (a queue that drops, retransmissions backing off) closed connections that were still moving data."""
+
+
+def keepalive(ping_timeout_s: float) -> list[tuple[str, Any]]:
+    """A client's keepalive options, with pings answered within ``ping_timeout_s``."""
+    return [
+        ("grpc.keepalive_time_ms", KEEPALIVE_S * 1000),
+        ("grpc.keepalive_timeout_ms", USER_TIMEOUT_S * 1000),  # (TCP_USER_TIMEOUT only, in this gRPC)
+        ("grpc.http2.ping_timeout_ms", int(ping_timeout_s * 1000)),  # (what a keepalive ping waits)
+        ("grpc.keepalive_permit_without_calls", 1),
+        # A long call (a Generate) sends nothing for a while: ping through it, as often as the keepalive says.
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.http2.min_sent_ping_interval_without_data_ms", KEEPALIVE_S * 1000),
+        ("grpc.http2.min_time_between_pings_ms", KEEPALIVE_S * 1000),
+    ]
+
+
+CLIENT_KEEPALIVE = keepalive(PING_TIMEOUT_S)
+BULK_CLIENT_KEEPALIVE = keepalive(BULK_PING_TIMEOUT_S)
 SERVER_KEEPALIVE = [
     # Accept the clients' pings (by default a server answers pings this frequent with GOAWAY), and ping
-    # them in turn: an update stream whose sender vanished is dropped (and rolled back), not kept open.
+    # them in turn: a connection whose client vanished is closed, not kept open. A server receives the
+    # updates, so its pings are answered from behind their data: the bulk timeout.
     ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_S * 1000 // 2),
     ("grpc.http2.max_ping_strikes", 0),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.keepalive_time_ms", KEEPALIVE_S * 1000),
-    ("grpc.keepalive_timeout_ms", KEEPALIVE_S * 1000),
-    ("grpc.http2.ping_timeout_ms", KEEPALIVE_S * 1000),
+    ("grpc.keepalive_timeout_ms", USER_TIMEOUT_S * 1000),
+    ("grpc.http2.ping_timeout_ms", BULK_PING_TIMEOUT_S * 1000),
 ]
 
 
@@ -84,12 +108,14 @@ def channel(
     security: SecurityConfig | None,
     server: Literal["trainer", "rollout"],
     options: Sequence[tuple[str, Any]] = (),
+    bulk: bool = False,
 ) -> grpc.Channel:
     """A channel to a ``server`` ("trainer" or "rollout") at ``address``, with this process's identity:
     TLS when a CA is configured (the server's certificate must name its role), its own certificate under
-    mutual TLS, its bearer token on every call. A token never crosses a network in plaintext."""
+    mutual TLS, its bearer token on every call. A token never crosses a network in plaintext. ``bulk``: a
+    channel that sends weight updates, whose pings wait behind them (BULK_PING_TIMEOUT_S)."""
     security = security or SecurityConfig()
-    opts = [*CLIENT_KEEPALIVE, *options]
+    opts = [*(BULK_CLIENT_KEEPALIVE if bulk else CLIENT_KEEPALIVE), *options]
     if security.tls_ca is not None:
         cert = security.tls_cert.read_bytes() if security.tls_cert else None
         key = security.tls_key.read_bytes() if security.tls_key else None

@@ -194,7 +194,8 @@ class Publisher:
     def _channel(self, address: str) -> grpc.Channel:
         with self._channels_lock:
             if address not in self._channels:
-                self._channels[address] = channel(address, self.security, "rollout")
+                # (bulk: its pings wait behind the updates it sends; fp8rl/transport.py)
+                self._channels[address] = channel(address, self.security, "rollout", bulk=True)
             return self._channels[address]
 
     def _inbox(self, address: str, stub: rollout_pb2_grpc.RolloutStub, fresh: bool) -> str:
