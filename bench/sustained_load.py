@@ -28,7 +28,8 @@ SCHED_IDLE, where they take only CPU the run leaves, as clients on other machine
 few cores that separates what the replica pays for a flood from what the flooding clients themselves use.
 
 With --pin-replica the replica runs on a CPU of its own and the rest of the run on the others (clean
-steps and flooded alike), as a replica on its own accelerator host would. The CPU each process of the run
+steps and flooded alike), as a replica on its own accelerator host would; the flooding clients then run
+on the replica's CPU, where such a host would handle its callers' traffic. The CPU each process of the run
 used per step, clean and under the flood, is printed too: where the flood's cost lands.
 
     python bench/sustained_load.py [--minutes 10] [--clean-minutes 2] [--clients 12] [--clients-idle]
@@ -173,6 +174,8 @@ def flood_process(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     if args.clients_idle:  # before any thread starts: gRPC's threads and the clients' inherit it
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    if args.clients_cpu is not None:
+        os.sched_setaffinity(0, {args.clients_cpu})
     finish = flood(args.flood_only, Path(args.secrets), args.clients, tally, stop)
     while not stop.wait(0.5):
         pass
@@ -187,9 +190,10 @@ class FloodProcess:
     gRPC's own threads included, so they take only CPU the run leaves (as clients on other machines
     would); otherwise they compete with the run on the same cores."""
 
-    def __init__(self, address: str, secrets: Path, clients: int, idle: bool) -> None:
+    def __init__(self, address: str, secrets: Path, clients: int, idle: bool, cpu: int | None) -> None:
         command = [sys.executable, __file__, "--flood-only", address, "--secrets", str(secrets)]
         command += ["--clients", str(clients), *(["--clients-idle"] if idle else [])]
+        command += ["--clients-cpu", str(cpu)] if cpu is not None else []
         self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
 
     def finish(self) -> Tally:
@@ -395,11 +399,12 @@ def main() -> int:
     parser.add_argument(
         "--pin-replica",
         action="store_true",
-        help="the replica on the last CPU and the rest of the run on the others, from the first step on "
-        "(clean and flooded alike): as with a replica on a host of its own",
+        help="the replica (and the flooding clients) on the last CPU and the rest of the run on the others, "
+        "from the first step on (clean and flooded alike): as with a replica on a host of its own",
     )
     parser.add_argument("--flood-only", metavar="ADDRESS", help=argparse.SUPPRESS)
     parser.add_argument("--secrets", help=argparse.SUPPRESS)
+    parser.add_argument("--clients-cpu", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.flood_only:
         return flood_process(args)
@@ -423,7 +428,9 @@ def main() -> int:
         address = json.loads((run_dir / "run.json").read_text())["rollouts"][0]
         watcher = threading.Thread(target=watch_memory, args=(proc.pid, args.sample_s, samples, stop_memory))
         watcher.start()
-        flooding = FloodProcess(address, run_dir / "secrets", args.clients, args.clients_idle)
+        # (pinned: the clients on the replica's CPU, where a replica host handles its callers' traffic)
+        clients_cpu = max(os.sched_getaffinity(0)) if args.pin_replica else None
+        flooding = FloodProcess(address, run_dir / "secrets", args.clients, args.clients_idle, clients_cpu)
         started, first_step = time.monotonic(), committed(run_dir)[-1]
         cpu.append(cpu_seconds(proc.pid))
         while time.monotonic() - started < args.minutes * 60 and proc.poll() is None:

@@ -156,35 +156,56 @@ def enable_reflection(server: grpc.Server, service_names: Sequence[str]) -> None
 
 
 class Capacity:
-    """At most ``limit`` concurrent calls of one kind; one more is refused at once (RESOURCE_EXHAUSTED), so
-    slow or stalled calls never hold every server thread and health and status always get one. The last
-    ``reserved`` slots are kept for the run's own calls (``slot(run=True)``): outside callers filling
-    every other slot never make the run wait for one."""
+    """At most ``limit`` concurrent calls of one kind, so that slow or stalled calls never hold every server
+    thread and health and status always get one. The last ``reserved`` slots are kept for the run's own
+    calls (``slot(run=True)``): outside callers filling every other slot never make the run wait for one.
 
-    def __init__(self, what: str, limit: int, reserved: int = 0) -> None:
+    A call that finds no slot open to it is refused (RESOURCE_EXHAUSTED), the run's at once; up to
+    ``waiting`` outside calls first wait ``wait_s`` for a slot (holding a server thread each, asleep).
+    Refusing at once let a flood that asks again at once cost the server a refusal per round trip:
+    measured, 0.45 ms of CPU each, 340-760 a second from 12 clients, beside the engine. Waiting, each of
+    its callers costs at most one refusal per ``wait_s``, and a well-behaved one is served instead."""
+
+    def __init__(
+        self, what: str, limit: int, reserved: int = 0, waiting: int = 0, wait_s: float = 0.0
+    ) -> None:
         if not 0 <= reserved < limit:
             raise ValueError(f"{what}: {reserved} reserved slots of {limit}: leave outside callers one")
         self.what, self.limit, self.reserved = what, limit, reserved
-        self._lock = threading.Lock()
+        self.waiting, self.wait_s = waiting, wait_s
+        self._free = threading.Condition()
         self._in_use = 0
+        self._waiters = 0
 
     @property
     def in_use(self) -> int:
         return self._in_use
 
+    def _open(self, run: bool) -> bool:
+        return self._in_use < (self.limit if run else self.limit - self.reserved)
+
     @contextlib.contextmanager
     def slot(self, run: bool = False) -> Iterator[None]:
-        with self._lock:
-            open_to_caller = self.limit if run else self.limit - self.reserved
-            if self._in_use >= open_to_caller:
-                kept = f" ({self.reserved} kept for the run's own)" if self.reserved and not run else ""
-                raise Overloaded(f"{self.what}: {self._in_use} calls in flight already{kept}; retry later")
+        with self._free:
+            if not self._open(run):
+                waits = not run and self._waiters < self.waiting and self.wait_s > 0
+                if waits:
+                    self._waiters += 1
+                    try:
+                        waits = self._free.wait_for(lambda: self._open(run), timeout=self.wait_s)
+                    finally:
+                        self._waiters -= 1
+                if not waits:
+                    kept = f" ({self.reserved} kept for the run's own)" if self.reserved and not run else ""
+                    in_flight = f"{self.what}: {self._in_use} calls in flight already{kept}"
+                    raise Overloaded(f"{in_flight}; retry later")
             self._in_use += 1
         try:
             yield
         finally:
-            with self._lock:
+            with self._free:
                 self._in_use -= 1
+                self._free.notify_all()  # (a waiter for an outside slot may not take a kept one)
 
 
 def idle_limited(items: Iterable[T], context: grpc.ServicerContext, idle_s: float) -> Iterator[T]:

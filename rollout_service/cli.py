@@ -81,7 +81,9 @@ def serve(config: RolloutConfig) -> None:
     from rollout_service.servicer import SERVICE_NAME, RolloutServicer
 
     servicer = RolloutServicer(
-        generate_slots=config.max_concurrent_generate, run_slots=config.run_generate_slots
+        generate_slots=config.max_concurrent_generate,
+        run_slots=config.run_generate_slots,
+        wait_s=config.generate_wait_s,
     )
     http = None
     if config.http_port is not None:
@@ -143,6 +145,7 @@ def serve(config: RolloutConfig) -> None:
         config.port,
         load,
         max_receive_bytes=64 * 1024 * 1024,
+        max_workers=serving.SERVER_THREADS + servicer.generating.waiting,  # (the waiting calls' own)
         security=config.security,
         health_port=config.health_port,
     )

@@ -60,10 +60,16 @@ class RolloutConfig(BaseModel):
     """Samples queued or generating at once; a request that would pass it is refused (RESOURCE_EXHAUSTED)."""
     max_concurrent_generate: int = Field(10, ge=1, le=10)
     """Generate / GenerateStream calls served at once (of 16 server threads: 2 are for UpdateWeights and 4
-    stay with health and status); one more is refused (RESOURCE_EXHAUSTED)."""
+    stay with health and status; the calls waiting for a slot have threads of their own); one more is
+    refused (RESOURCE_EXHAUSTED), after generate_wait_s for an outside caller."""
     run_generate_slots: int = Field(2, ge=0)
     """Of max_concurrent_generate, the calls kept for the run's own callers (the coordinator, the trainer,
     known by their tokens or certificates): outside readers get the others."""
+    generate_wait_s: float = Field(2.0, ge=0)
+    """An outside reader's Generate that finds every slot open to it taken waits up to this long for one
+    (as many waiting as readers have slots) before it is refused: a reader that asks again the moment it
+    is refused then costs the replica one refusal per wait, not one per round trip. The run's own calls
+    never wait (they have run_generate_slots). 0: refused at once."""
     outside_samples_during_run: int = Field(8, ge=0)
     """While the run's own samples are queued or generating, outside readers' samples join the engine's
     batch only up to this many at once (the rest wait their turn): a flood of readers cannot slow a

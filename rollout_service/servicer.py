@@ -8,7 +8,7 @@ from collections.abc import Iterable, Iterator
 import grpc
 
 from fp8rl.codec.stream import receive_parts
-from fp8rl.errors import NotReady
+from fp8rl.errors import Cancelled, NotReady
 from fp8rl.security import is_run_caller
 from fp8rl.serving import Capacity, idle_limited, map_errors, read_ahead
 from fp8rl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, weights_pb2
@@ -21,10 +21,18 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     """Serves as soon as it is bound; every call answers UNAVAILABLE until the engine is attached."""
 
     def __init__(
-        self, service: RolloutService | None = None, generate_slots: int = 10, run_slots: int = 0
+        self,
+        service: RolloutService | None = None,
+        generate_slots: int = 10,
+        run_slots: int = 0,
+        wait_s: float = 0.0,
     ) -> None:
         self._service = service
-        self.generating = Capacity("Generate", generate_slots, reserved=run_slots)
+        # (as many outside calls may wait for a slot as outside callers have slots: serve() gives them
+        # threads of their own, waiting_threads)
+        self.generating = Capacity(
+            "Generate", generate_slots, reserved=run_slots, waiting=generate_slots - run_slots, wait_s=wait_s
+        )
         self.updating = Capacity("UpdateWeights", 2)  # one applying, the next one arriving
 
     def attach(self, service: RolloutService) -> None:
@@ -42,6 +50,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     ) -> rollout_pb2.GenerateResponse:
         run = is_run_caller()
         with self.generating.slot(run):
+            if not context.is_active():  # (gone while it waited for the slot)
+                raise Cancelled("the caller went away while waiting for a Generate slot")
             generation = self.service.generate(request, run=run)
             context.add_callback(generation.cancel)  # runs at the end of every RPC; no-op once all finished
             order = {p.id or str(i): i for i, p in enumerate(request.prompts)}
@@ -59,6 +69,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     ) -> Iterator[rollout_pb2.Completion]:
         run = is_run_caller()
         with self.generating.slot(run):
+            if not context.is_active():  # (gone while it waited for the slot)
+                raise Cancelled("the caller went away while waiting for a Generate slot")
             generation = self.service.generate(request, run=run)
             context.add_callback(generation.cancel)  # the client went away: abort what is left
             yield from generation

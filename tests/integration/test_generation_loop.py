@@ -265,3 +265,39 @@ def test_a_flood_of_outside_calls_leaves_the_runs_slots() -> None:
     assert capacity.in_use == 0
     with pytest.raises(ValueError, match="leave outside callers one"):
         Capacity("Generate", 2, reserved=2)
+
+
+def test_outside_calls_wait_a_while_for_a_slot_and_the_runs_never_wait() -> None:
+    from fp8rl.serving import Capacity
+
+    capacity = Capacity("Generate", 2, reserved=1, waiting=1, wait_s=30)
+    outcomes: list[str] = []
+
+    def outside_call() -> None:
+        try:
+            with capacity.slot():
+                outcomes.append("served")
+        except Overloaded:
+            outcomes.append("refused")
+
+    with capacity.slot():  # the one outside slot is taken
+        waiter = threading.Thread(target=outside_call)
+        waiter.start()
+        while capacity._waiters == 0:
+            time.sleep(0.01)
+        started = time.monotonic()
+        with pytest.raises(Overloaded), capacity.slot():  # past the one waiter allowed: refused at once
+            pass
+        with capacity.slot(run=True), pytest.raises(Overloaded), capacity.slot(run=True):
+            pass  # (the run's own takes its kept slot; the next is refused at once)
+        assert time.monotonic() - started < 1 and outcomes == []
+    waiter.join(timeout=10)
+    assert outcomes == ["served"]  # it got the slot once freed, well before its 30 s
+
+    brief = Capacity("Generate", 1, waiting=1, wait_s=0.3)
+    with brief.slot():
+        started = time.monotonic()
+        with pytest.raises(Overloaded, match="1 calls in flight already; retry later"), brief.slot():
+            pass
+        assert 0.3 <= time.monotonic() - started < 5
+    assert brief.in_use == 0
