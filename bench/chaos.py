@@ -2,8 +2,10 @@
 a seed that is printed (``--seed`` replays the same schedule):
 
 - kill -9 of a child (the trainer, the replica, redis-server) or of the coordinator itself;
-- a partition of one service's port (iptables DROP both ways on loopback), or random loss on every
-  link (iptables' statistic match: these machines' kernels have no netem for latency), for seconds;
+- a partition of one service's port (iptables DROP both ways on loopback), random loss on every link
+  (iptables' statistic match), or latency on one service's link, for seconds: these machines' kernels
+  have no netem, so its connections are reset and new ones go through tests/faultproxy.py (an iptables
+  REDIRECT), which holds every chunk 25-200 ms each way;
 - a Generate flood (valid and invalid requests, as fast as the replicas answer) for seconds;
 - a replica added (started by hand with the run's Redis URL and secrets, as a user adds one: it
   registers, the coordinator finds it and sends it a keyframe) or removed (SIGTERM or kill -9);
@@ -57,7 +59,8 @@ RUN_ID = "chaos"
 FAST = ["--prompts-per-step", "4", "--group-size", "4", "--max-tokens", "4", "--val-every", "0"]
 FAST += ["--set", "val_size=64", "--set", "max_restarts=100000", "--compute-dtype", "float32"]
 FAST += ["--progress", "plain"]
-KINDS = ("kill", "partition", "loss", "flood", "full-disk", "replica")
+KINDS = ("kill", "partition", "loss", "latency", "flood", "full-disk", "replica")
+PROXY_SOURCE = "127.0.0.2"  # where the latency proxy's own connections come from: its rules skip them
 EXTRA_REPLICAS = 2  # at most this many added replicas at once (each is a vLLM engine on the same cores)
 
 
@@ -177,11 +180,15 @@ class Faults:
         os.kill(coordinator if victim == "coordinator" else children[victim], signal.SIGKILL)
         return victim
 
-    def _partition(self, seconds: float, pick: float) -> str:
+    def _service_port(self, pick: float) -> tuple[str, str]:
+        """(name, port) of one of the run's services, by ``pick``."""
         info = self.run.info()
         ports = {"trainer": info["trainer"], "rollout": info["rollouts"][0], "redis": info["redis_url"]}
         name = sorted(ports)[int(pick * len(ports))]
-        port = re.findall(r":(\d+)", ports[name])[-1]
+        return name, re.findall(r":(\d+)", ports[name])[-1]
+
+    def _partition(self, seconds: float, pick: float) -> str:
+        name, port = self._service_port(pick)
         rules = [
             ["INPUT", "-i", "lo", "-p", "tcp", "--dport", port],
             ["OUTPUT", "-o", "lo", "-p", "tcp", "--sport", port],
@@ -214,6 +221,50 @@ class Faults:
         finally:
             sh("iptables", "-D", *rule, "-j", "DROP")
         return f"{percent}% of packets on every link for {seconds:.0f} s"
+
+    def _latency(self, seconds: float, pick: float) -> str:
+        """Every connection to one service through a proxy that delays it: those open are reset (REJECT
+        of their next packet) and new ones are redirected to the proxy; afterwards the rules go, the
+        proxy ends, and its connections with it."""
+        from coordinator.processes import free_port
+
+        name, port = self._service_port(pick)
+        delay_ms = 25 * (1 + int(pick * 24) % 8)  # (25-200 ms each way)
+        proxy_port = str(free_port())
+        log = self.run.logs / f"latency-{proxy_port}.log"
+        route = f"127.0.0.1:{proxy_port}=127.0.0.1:{port}"
+        proxy_args = ["--delay-ms", str(delay_ms), "--source", PROXY_SOURCE, route]
+        with open(log, "w") as out:
+            proxy = subprocess.Popen(
+                [sys.executable, "-m", "tests.faultproxy", *proxy_args],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self.run.pids.add(proxy.pid)  # (ended at the end, should this thread not get to)
+        direct = ["OUTPUT", "-p", "tcp", "-d", "127.0.0.1", "--dport", port, "!", "-s", PROXY_SOURCE]
+        rules = [
+            ["-t", "nat", "-A", *direct, "-j", "REDIRECT", "--to-ports", proxy_port],
+            ["-A", *direct, "-j", "REJECT", "--reject-with", "tcp-reset"],  # (after NAT: the old ones only)
+        ]
+        applied: list[list[str]] = []
+        try:
+            deadline = time.monotonic() + 30
+            while "proxying" not in log.read_text():
+                if proxy.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the latency proxy did not start: {log.read_text()[-300:]}")
+                time.sleep(0.1)
+            for rule in rules:
+                sh("iptables", *rule)
+                applied.append(rule)
+            time.sleep(seconds)
+        finally:
+            for rule in applied:
+                sh("iptables", *[("-D" if arg == "-A" else arg) for arg in rule])
+            with contextlib.suppress(OSError):
+                os.killpg(proxy.pid, signal.SIGKILL)
+            proxy.wait()
+        return f"{delay_ms} ms each way on {name} for {seconds:.0f} s"
 
     def _flood(self, seconds: float, pick: float) -> str:
         flood(self.run, time.monotonic() + seconds, self.requests)

@@ -50,11 +50,14 @@ async def _pipe(
         reading.cancel()
 
 
-async def _serve(target: tuple[str, int], delay_s: float, listen: str) -> asyncio.Server:
+async def _serve(target: tuple[str, int], delay_s: float, listen: str, source: str | None) -> asyncio.Server:
     async def connected(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         n, peer = next(_ids), writer.get_extra_info("peername")
+        local = (source, 0) if source else None
         try:
-            up_reader, up_writer = await asyncio.wait_for(asyncio.open_connection(*target), 30)
+            up_reader, up_writer = await asyncio.wait_for(
+                asyncio.open_connection(*target, local_addr=local), 30
+            )
         except (OSError, TimeoutError) as exc:
             print(f"conn {n} {peer[0]} -> {listen}: target unreachable ({exc})", flush=True)
             writer.close()
@@ -72,8 +75,8 @@ async def _serve(target: tuple[str, int], delay_s: float, listen: str) -> asynci
     return await asyncio.start_server(connected, host, int(port), reuse_address=True)
 
 
-async def main(routes: dict[str, tuple[str, int]], delay_s: float) -> None:
-    servers = [await _serve(target, delay_s, listen) for listen, target in routes.items()]
+async def main(routes: dict[str, tuple[str, int]], delay_s: float, source: str | None = None) -> None:
+    servers = [await _serve(target, delay_s, listen, source) for listen, target in routes.items()]
     print(f"proxying {len(servers)} addresses, {delay_s * 1000:.0f} ms each way", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -84,9 +87,12 @@ async def main(routes: dict[str, tuple[str, int]], delay_s: float) -> None:
         server.close()
 
 
-def parse(argv: list[str]) -> tuple[dict[str, tuple[str, int]], float]:
+def parse(argv: list[str]) -> tuple[dict[str, tuple[str, int]], float, str | None]:
     parser = argparse.ArgumentParser(prog="python -m tests.faultproxy", description=__doc__.split("\n\n")[0])
     parser.add_argument("--delay-ms", type=float, default=0.0, help="added to each direction (ms)")
+    parser.add_argument(
+        "--source", help="the address its connections to the targets come from (for firewall rules to tell)"
+    )
     parser.add_argument("routes", nargs="+", metavar="LISTEN=TARGET", help="host:port=host:port")
     args = parser.parse_args(argv)
     routes = {}
@@ -94,7 +100,7 @@ def parse(argv: list[str]) -> tuple[dict[str, tuple[str, int]], float]:
         listen, _, target = route.partition("=")
         host, _, port = target.rpartition(":")
         routes[listen] = (host, int(port))
-    return routes, args.delay_ms / 1000
+    return routes, args.delay_ms / 1000, args.source
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """The chaos bench's short form (bench/chaos.py): an embedded tiny-model run in namespaces of its own while
 faults of every kind come from a fixed seed, several at once: kill -9 of any child or of the coordinator,
-partitions, packet loss, Generate floods, a full disk, and replicas added by hand and removed. Every step
-must be committed once, the trainer's own counter must end at the last step, and no reader may be served
-a version not yet published."""
+partitions, packet loss, latency, Generate floods, a full disk, and replicas added by hand and removed.
+Every step must be committed once, the trainer's own counter must end at the last step, and no reader may
+be served a version not yet published."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 SEED, STEPS = 5, 120  # (2 to 3 minutes here; the hour-long form is --minutes 60)
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "chaos.py"
-KINDS = {"kill", "partition", "loss", "flood", "full-disk", "replica"}
+KINDS = {"kill", "partition", "loss", "latency", "flood", "full-disk", "replica"}
 
 
 def in_namespace(netns: str) -> list[int]:
