@@ -259,11 +259,13 @@ class Faults:
                 applied.append(rule)
             time.sleep(seconds)
         finally:
-            for rule in applied:
-                sh("iptables", *[("-D" if arg == "-A" else arg) for arg in rule])
+            for rule in applied:  # (each tried, whatever the one before did)
+                with contextlib.suppress(subprocess.CalledProcessError):
+                    sh("iptables", *[("-D" if arg == "-A" else arg) for arg in rule])
             with contextlib.suppress(OSError):
                 os.killpg(proxy.pid, signal.SIGKILL)
             proxy.wait()
+            self.run.pids.discard(proxy.pid)
         return f"{delay_ms} ms each way on {name} for {seconds:.0f} s"
 
     def _flood(self, seconds: float, pick: float) -> str:

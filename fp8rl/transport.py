@@ -88,6 +88,8 @@ def keepalive(ping_timeout_s: float) -> list[tuple[str, Any]]:
     ]
 
 
+# (gRPC also arms a keepalive watchdog at keepalive_timeout_ms: it must not be shorter than a ping's wait)
+assert USER_TIMEOUT_S >= BULK_PING_TIMEOUT_S >= PING_TIMEOUT_S
 CLIENT_KEEPALIVE = keepalive(PING_TIMEOUT_S)
 BULK_CLIENT_KEEPALIVE = keepalive(BULK_PING_TIMEOUT_S)
 SERVER_KEEPALIVE = [

@@ -28,8 +28,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         wait_s: float = 0.0,
     ) -> None:
         self._service = service
-        # (as many outside calls may wait for a slot as outside callers have slots: serve() gives them
-        # threads of their own, waiting_threads)
+        # (as many outside calls may wait for a slot as outside callers have slots; rollout_service/cli.py
+        # gives the server that many more threads)
         self.generating = Capacity(
             "Generate", generate_slots, reserved=run_slots, waiting=generate_slots - run_slots, wait_s=wait_s
         )

@@ -60,22 +60,27 @@ def command(lane: Lane, root: Path, extra: list[str]) -> list[str]:
 
 
 SUMMARY = re.compile(r"^=+ (.+) in [\d.]+s")  # pytest's closing line: "== 3 passed, 1 skipped in 2.1s =="
-FAILURE = re.compile(r"^(FAILED|ERROR) ")  # pytest's short summary: "FAILED tests/x.py::test - why"
+SHORT_SUMMARY = re.compile(r"^=+ short test summary info =+$")
+FAILURE = re.compile(r"^(FAILED|ERROR) ")  # in the short summary: "FAILED tests/x.py::test - why"
 
 
 def relay(
     lane: Lane, stream: IO[str], lock: threading.Lock, counts: Counter[str], failures: list[str]
 ) -> None:
     """Copies the session's lines, prefixed; adds its closing line's counts to ``counts`` and its
-    short-summary lines of failed tests to ``failures``."""
+    short-summary lines of failed tests to ``failures`` (only there: captured logs have ERROR lines)."""
     width = max(len(lane.name) for lane in LANES)
+    in_short_summary = False
     for line in stream:
         prefixed = f"[{lane.name:<{width}}] {line}"
         with lock:
             if summary := SUMMARY.match(line):
+                in_short_summary = False
                 for number, outcome in re.findall(r"(\d+) (\w+)", summary.group(1)):
                     counts[outcome] += int(number)
-            if FAILURE.match(line):
+            elif SHORT_SUMMARY.match(line.rstrip("\n")):
+                in_short_summary = True
+            elif in_short_summary and FAILURE.match(line):
                 failures.append(prefixed.rstrip("\n"))
             sys.stdout.write(prefixed)
             sys.stdout.flush()

@@ -22,8 +22,8 @@ from fp8rl.v1 import weights_pb2
 
 # Data bytes per WeightChunk message. A replica drops an update stream that sends nothing for stream_idle_s
 # (30 s), and a message crosses a slow link whole before the next is seen: 512 KiB take 16 s at 256 kbit/s
-# (4 MiB took 33 s at 1 Mbit/s). Not slower on a fast link: measured over TLS on loopback, 512 MiB as
-# 4 MiB messages at 495-563 MiB/s, as 1 MiB or 512 KiB messages at 620-813 MiB/s.
+# (4 MiB took 33 s at 1 Mbit/s). Not slower on a fast link: measured over TLS on loopback, 512 MiB went at
+# 495-563 MiB/s as 4 MiB messages, 634-812 MiB/s as 512 KiB ones (620-813 MiB/s as 1 MiB ones).
 MESSAGE_BYTES = 512 * 1024
 
 

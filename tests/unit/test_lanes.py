@@ -12,6 +12,10 @@ from tests.lanes import LANES, relay
 SESSION = """\
 tests/unit/test_a.py::test_one PASSED                                    [ 50%]
 tests/unit/test_a.py::test_two FAILED                                    [100%]
+=================================== FAILURES ===================================
+------------------------------ Captured log call -------------------------------
+ERROR    fp8rl.serving:serving.py:79 internal error
+ERROR 12-06 10:00:00 [core.py:1] an engine's own log line
 =========================== short test summary info ============================
 FAILED tests/unit/test_a.py::test_two - AssertionError: assert 1 == 2
 ERROR tests/unit/test_b.py::test_three - RuntimeError: no server
