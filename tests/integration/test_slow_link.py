@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -50,3 +51,23 @@ def test_updates_over_a_slow_link_arrive_whole(tmp_path: Path, rate: str, update
     assert len(outcomes) == updates, sent.stdout
     for outcome in outcomes:
         assert outcome.get("bytes") == int(mib * 2**20), outcomes
+
+
+def test_the_trainer_sends_its_updates_on_bulk_channels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the test above gives its sender: the trainer's channels to its replicas are bulk ones."""
+    import torch
+
+    from fp8rl import transport
+    from trainer_service import publisher
+
+    bulk: list[bool] = []
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:  # (the real channel, its kind noted)
+        bulk.append(kwargs.get("bulk", False))
+        return transport.channel(*args, **kwargs)
+
+    monkeypatch.setattr(publisher, "channel", recorded)
+    sender = publisher.Publisher("fp8-block128", torch.float32, "fp8")
+    sender._channel("127.0.0.1:1")
+    sender.close()
+    assert bulk == [True]
