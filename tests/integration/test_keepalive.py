@@ -46,9 +46,11 @@ def proxied(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen]]:
         running.stop(0)
 
 
-def generate_through_silence(address: str, proxy: subprocess.Popen, deadline_s: float) -> tuple[str, float]:
+def generate_through_silence(
+    address: str, proxy: subprocess.Popen, deadline_s: float, bulk: bool = False
+) -> tuple[str, float]:
     """One call that works, then one after the network went silent: its status and seconds."""
-    with transport.channel(address, None, "rollout") as chan:
+    with transport.channel(address, None, "rollout", bulk=bulk) as chan:
         stub = rollout_pb2_grpc.RolloutStub(chan)
         stub.Generate(rollout_pb2.GenerateRequest(), timeout=30)
         os.kill(proxy.pid, signal.SIGSTOP)
@@ -65,6 +67,17 @@ def test_a_silent_connection_fails_unavailable_within_the_keepalive(
     monkeypatch.setattr(transport, "CLIENT_KEEPALIVE", fast)  # (1 s: the shipped 10 s, 10 times faster)
     code, seconds = generate_through_silence(*proxied, deadline_s=20)
     assert code == "UNAVAILABLE" and seconds < 10, (code, seconds)
+
+
+def test_a_bulk_channel_drops_a_silent_connection_after_its_longer_wait(
+    proxied: tuple[str, subprocess.Popen], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A channel that sends updates waits longer for a ping's answer (transport.BULK_PING_TIMEOUT_S), but
+    not for ever: here 10 times faster, 1 s pings answered within 6 s."""
+    fast = [(k, v // 10 if k.endswith("_ms") else v) for k, v in transport.BULK_CLIENT_KEEPALIVE]
+    monkeypatch.setattr(transport, "BULK_CLIENT_KEEPALIVE", fast)
+    code, seconds = generate_through_silence(*proxied, deadline_s=30, bulk=True)
+    assert code == "UNAVAILABLE" and 5 < seconds < 15, (code, seconds)
 
 
 def test_without_keepalive_the_call_waits_out_its_deadline(
