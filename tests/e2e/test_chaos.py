@@ -18,7 +18,9 @@ from pathlib import Path
 import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
-SEED, STEPS = 5, 120  # (2 to 3 minutes here; the hour-long form is --minutes 60)
+SEED, STEPS = 2, 120  # (2 to 4 minutes here; the hour-long form is --minutes 60)
+# Seed 2's first fault adds a replica, which then has the whole run to join. (Seed 5's order put it
+# last once latency faults came; in one suite run it was added 14 steps before the end, too late.)
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "chaos.py"
 KINDS = {"kill", "partition", "loss", "latency", "flood", "full-disk", "replica"}
 
