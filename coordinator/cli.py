@@ -23,6 +23,8 @@ SHORTCUTS = {
     "consistency": "run.precision.consistency",
     "high_precision_first_layers": "run.precision.high_precision_first_layers",
     "high_precision_last_layers": "run.precision.high_precision_last_layers",
+    "ray_address": "embedded.ray.address",
+    "replicas": "embedded.ray.replicas",
 }
 
 

@@ -44,6 +44,8 @@ RESUMABLE_FIELDS = (
     "security",
     "tls",
     "trainer_procs",
+    "launcher",
+    "ray",
 )
 
 # The demo's learner: TrainerConfig's defaults but for these, tuned for the tiny model. Each knob has this
@@ -213,8 +215,38 @@ class MetricsConfig(_Slice):
     """Also log to Weights & Biases, in this project (WANDB_MODE=offline works without a network)."""
 
 
+class RayConfig(_Slice):
+    """Where `launcher: ray` places the run's trainer ranks and replicas on a Ray cluster (docs/ray.md)."""
+
+    address: str | None = None
+    """The Ray cluster to join (`ray.init(address=...)`: `host:port`, `ray://host:port`, `auto`); none:
+    RAY_ADDRESS. The run never starts a Ray of its own (its ports would not stay on loopback)."""
+    replicas: int = Field(1, ge=1, le=1024)
+    """Rollout replicas, one actor each, spread over the cluster's nodes."""
+    replica_cpus: float = Field(1.0, gt=0)
+    """Ray CPUs each replica actor reserves."""
+    replica_gpus: float = Field(0.0, ge=0)
+    """Ray GPUs each replica actor reserves (1: vLLM on a GPU of its own)."""
+    trainer_cpus: float = Field(1.0, gt=0)
+    """Ray CPUs each trainer rank reserves (the ranks: trainer_procs, in one placement group)."""
+    trainer_gpus: float = Field(0.0, ge=0)
+    """Ray GPUs each trainer rank reserves."""
+    trainer_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """The trainer's placement group strategy: PACK keeps ranks on as few nodes as fit."""
+    replica_restart_wait_s: float = Field(0.0, ge=0, le=3600)
+    """How long a step waits for a replica Ray is restarting (its node was lost) before it goes on
+    without it; 0: at once, on the replicas that answer."""
+
+
 class EmbeddedConfig(_Slice):
     """Embedded mode: the processes the coordinator starts itself."""
+
+    launcher: Literal["local", "ray"] = "local"
+    """Embedded mode: where the run's processes start: `local`, child processes of the coordinator on
+    this machine; `ray`, the trainer's ranks and the replicas as actors on a Ray cluster (`ray` section;
+    Redis and the coordinator stay here; the `ray` extra)."""
+    ray: RayConfig = RayConfig()
+    """Embedded mode with `launcher: ray`: the cluster, replicas and resources (docs/ray.md)."""
 
     max_restarts: int = Field(3, ge=0)
     """Embedded mode: how many times the processes are restarted after a child (redis-server, trainer,
@@ -301,6 +333,8 @@ FIELDS: dict[str, str] = {
     "progress": "metrics.progress",
     "trainer_procs": "embedded.trainer_procs",
     "kv_cache_gib": "embedded.kv_cache_gib",
+    "launcher": "embedded.launcher",
+    "ray": "embedded.ray",
     "tensorboard": "metrics.tensorboard",
     "wandb_project": "metrics.wandb_project",
 }
@@ -384,6 +418,8 @@ class CoordinatorConfig(BaseModel):
         self.distributed.check()
         if self.is_embedded and self.distributed.security != SecurityConfig():
             raise ValueError("security configures a distributed coordinator; an embedded run makes its own")
+        if not self.is_embedded and self.embedded.launcher != "local":
+            raise ValueError("launcher starts an embedded run's processes; a distributed run's are running")
         if not self.is_embedded and self.embedded.learner != EmbeddedConfig().learner:
             raise ValueError(
                 "learner configures the embedded trainer; give a distributed trainer its own config"

@@ -75,13 +75,15 @@ class Child:
         """The ``host:port`` the child reports it bound ("... bound to HOST:PORT"): services are started
         on port 0 and pick a free port themselves, so no other process can take it in between."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        while True:  # (looked for once at least, with a timeout of 0)
             self.check_alive()
             with open(self.log_path, "rb") as f:
                 f.seek(self._log_start)
                 found = re.search(rb"bound to ([^\s;]+):(\d+)", f.read())
             if found:
                 return f"{found.group(1).decode()}:{int(found.group(2))}"
+            if time.monotonic() >= deadline:
+                break
             time.sleep(0.1)
         raise TimeoutError(f"{self.name} did not report its port within {timeout:.0f}s ({self.log_path})")
 
@@ -94,6 +96,32 @@ class Child:
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+
+
+def is_serving(
+    address: str, server: Literal["trainer", "rollout"], security: SecurityConfig | None, timeout: float = 2
+) -> bool:
+    """Whether the gRPC health service at ``address`` says SERVING now."""
+    service = {"trainer": "fp8rl.v1.Trainer", "rollout": "fp8rl.v1.Rollout"}[server]
+    with channel(address, security, server) as chan:
+        try:
+            reply = health_pb2_grpc.HealthStub(chan).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout
+            )
+        except grpc.RpcError:
+            return False
+        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+def wait_healthy_address(
+    address: str, server: Literal["trainer", "rollout"], security: SecurityConfig | None, timeout: float
+) -> None:
+    """Until the service at ``address`` says SERVING, or ``timeout`` passes (TimeoutError)."""
+    deadline = time.monotonic() + timeout
+    while not is_serving(address, server, security):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{server} at {address} not healthy after {timeout:.0f}s")
+        time.sleep(0.5)
 
 
 def wait_healthy(

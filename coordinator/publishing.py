@@ -62,6 +62,7 @@ class Publishing:
             "publish_s": time.perf_counter() - start,
             "sync_bytes": sum(r.wire_bytes for r in ok) / max(len(ok), 1),
             "sync_density": sum(r.density for r in ok) / max(len(ok), 1),
+            "sync_replicas": len(ok),
             "sync_keyframes": sum(r.encoding == "keyframe" for r in ok),
             "sync_shared_memory": sum(r.plane == "shared-memory" for r in ok),
         }

@@ -13,41 +13,29 @@ import os
 import signal
 import sys
 import time
-from contextlib import ExitStack, suppress
-from dataclasses import dataclass
+from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import yaml
-
 from coordinator.config import CoordinatorConfig
+from coordinator.embedded import (
+    EmbeddedProcesses,
+    RunExit,
+    Services,
+    redis_password_file,
+)
 from fp8rl import models
 from fp8rl.config import ConfigError, config_hash
 from fp8rl.credentials import (
     PASSWORD_IN_URL,
     has_password,
-    new_password,
     redacted,
     redis_url_with_password,
     write_private,
-    write_private_atomic,
 )
-from fp8rl.run_secrets import security_for
-from fp8rl.security import SecurityConfig
-from trainer_service.config import TrainerConfig
 
 if TYPE_CHECKING:
-    from coordinator.processes import Child
     from coordinator.tasks import Task
-
-
-class RunExit(Exception):
-    """Ends `coordinator start` with exit status ``status``; :func:`start` prints ``message`` (one line,
-    if any) once, after every child process has been stopped."""
-
-    def __init__(self, status: int, message: str = "") -> None:
-        super().__init__(message)
-        self.status, self.message = status, message
 
 
 def run_paths(config: CoordinatorConfig) -> tuple[str, Path]:
@@ -101,17 +89,6 @@ def run(config: CoordinatorConfig) -> int:
 LOCK_FILE = "coordinator.lock"
 
 
-def redis_password_file(run_dir: Path) -> Path:
-    """Where an embedded run keeps its redis-server's password (mode 0600)."""
-    return run_dir / "redis" / "password"
-
-
-def secrets_dir(run_dir: Path) -> Path:
-    """An embedded run's tokens, update-signing pair, registration key, the replica's high-water mark and
-    (with tls) CA and certificates (fp8rl/run_secrets.py)."""
-    return run_dir / "secrets"
-
-
 def lock_run_dir(run_dir: Path, stack: ExitStack) -> str | None:
     """Hold an exclusive lock on the run directory while the run is driven (released by the kernel when
     this process ends, however it ends). Returns the holder's PID if another process has it."""
@@ -133,16 +110,6 @@ def _interrupt(*_: object) -> None:
     raise KeyboardInterrupt
 
 
-@dataclass
-class Services:
-    """Where the run's services are, and the coordinator's identity towards them."""
-
-    redis_url: str
-    trainer: str
-    rollouts: list[str]  # empty: discover the replicas in Redis
-    security: SecurityConfig
-
-
 class Supervisor:
     """Drives the run. Embedded, when a child process (redis-server, trainer, rollout) dies, the others are
     stopped and all three started again, and the run goes on from Redis' append-only file and the
@@ -161,9 +128,7 @@ class Supervisor:
         limit = self.config.embedded.max_restarts
         while True:
             with ExitStack() as stack:
-                embedded = (
-                    EmbeddedProcesses(self.config, self.run_dir, stack) if self.config.is_embedded else None
-                )
+                embedded = launcher(self.config, self.run_dir, stack) if self.config.is_embedded else None
                 try:
                     return self.drive(stack, embedded)
                 except RunExit:
@@ -175,7 +140,7 @@ class Supervisor:
                             raise RunExit(1, f"{exc}; the same --run-id resumes") from None
                         raise
                     self.restarts += 1
-                    what = ", ".join(f"{c.name} (exit status {c.proc.returncode})" for c in dead)
+                    what = ", ".join(dead)
                     self.unrecorded.append(
                         f"{what} died ({type(exc).__name__}); restarted the run's processes"
                     )
@@ -234,7 +199,7 @@ class Supervisor:
         # by hand with the run's Redis URL and secrets joins it (and leaves when it stops).
         rollouts = services.rollouts
         if embedded:
-            addresses = lambda: sorted({*rollouts, *live_replicas(client)})  # noqa: E731
+            addresses = lambda: sorted({*embedded.replica_addresses(), *live_replicas(client)})  # noqa: E731
         else:
             addresses = (lambda: rollouts) if rollouts else (lambda: sorted(live_replicas(client)))
         wait_s = EMBEDDED_UNAVAILABLE_WAIT_S if embedded else UNAVAILABLE_WAIT_S
@@ -304,165 +269,10 @@ def _short(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
-def as_sets(values: dict[str, Any]) -> list[str]:
-    """``{"a.b": 1}`` -> ``["--set", "a.b=1"]`` (values as JSON, which the CLIs read as YAML)."""
-    return [arg for key, value in values.items() for arg in ("--set", f"{key}={json.dumps(value)}")]
+def launcher(config: CoordinatorConfig, run_dir: Path, stack: ExitStack) -> EmbeddedProcesses:
+    """An embedded run's processes, where its ``launcher`` puts them."""
+    if config.embedded.launcher == "ray":
+        from coordinator.ray_launcher import RayProcesses
 
-
-def resolve_dtype(requested: str) -> str:
-    if requested != "auto":
-        return requested
-    from fp8rl.devices import resolve_device
-
-    return "bfloat16" if resolve_device() == "cuda" else "float32"
-
-
-def embedded_trainer(config: CoordinatorConfig, model: Path, dtype: str, run_dir: Path) -> TrainerConfig:
-    """The embedded trainer's config: the run's learner, model, recipe and seed, a port of its own choosing
-    on loopback, checkpoints in the run directory (resumed from when the run is), the run's secrets."""
-    return TrainerConfig(
-        security=security_for(secrets_dir(run_dir), "trainer", config.embedded.tls),
-        **config.embedded.learner.model_dump(),
-        model=model,
-        recipe=config.run.recipe,
-        precision=config.run.precision,
-        host="127.0.0.1",
-        port=0,
-        compute_dtype=dtype,
-        checkpoint_dir=run_dir / "checkpoints",
-        resume=True,
-        seed=config.run.seed,
-    )
-
-
-def kept_port(path: Path) -> int | None:
-    """The port in ``path``, if there is one that reads as a port."""
-    with suppress(OSError, ValueError):
-        port = int(path.read_text())
-        if 0 < port < 65536:
-            return port
-    return None
-
-
-class EmbeddedProcesses:
-    """An embedded run's child processes (redis-server, the trainer and one rollout replica), started by
-    :meth:`start` and stopped by ``stack``."""
-
-    def __init__(self, config: CoordinatorConfig, run_dir: Path, stack: ExitStack) -> None:
-        self.config, self.run_dir, self.stack = config, run_dir, stack
-        self.pids: dict[str, int] = {}  # for run.json
-        self.watched: list[Child] = []
-
-    def dead(self, grace_s: float = 15.0) -> list[Child]:
-        """The children that died; a call that failed because a child is going down often fails before the
-        child has exited (a sharded trainer's rank 0 reports its lost peer, then torchrun ends the group), so
-        wait up to ``grace_s`` for one to go."""
-        deadline = time.monotonic() + grace_s
-        while True:
-            dead = [c for c in self.watched if c.proc.poll() is not None]
-            if dead or time.monotonic() >= deadline:
-                return dead
-            time.sleep(0.2)
-
-    def start(self) -> Services:
-        """Start redis-server, the trainer and one rollout replica; their addresses once all are healthy."""
-        from coordinator.processes import Child, free_port, python_module, start_redis, wait_healthy
-        from fp8rl.serving import PARENT_ENV
-
-        config, run_dir, stack = self.config, self.run_dir, self.stack
-        logs = run_dir / "logs"
-        model = config.run.model or models.verified(models.TINY_ARITH)
-        dtype = resolve_dtype(config.embedded.compute_dtype)
-        from rollout_service.config import RolloutConfig
-        from rollout_service.engine import Platform, unsupported_reason
-
-        reason = unsupported_reason(
-            RolloutConfig(model=model, recipe=config.run.recipe, dtype=dtype, precision=config.run.precision),
-            Platform.here(),
-        )
-        if reason:  # refused before anything starts
-            raise RunExit(2, reason)
-        # The embedded redis-server requires a password of its own (kept in a 0600 file, never in argv), so
-        # other local users cannot rewrite the run's state.
-        password_file = redis_password_file(run_dir)
-        if not password_file.exists():
-            write_private(password_file, new_password())
-        # Redis keeps its port across restarts while it is free, so a replica added by hand with the run's
-        # Redis URL (run.json) finds it again.
-        port_file = run_dir / "redis" / "port"
-        port = free_port(kept_port(port_file))
-        redis_url, self.pids["redis-server"] = start_redis(
-            stack,
-            run_dir / "redis",
-            logs / "redis.log",
-            port=port,
-            watch=self.watched,
-            password=password_file.read_text(),
-        )
-        with suppress(OSError):  # (a full disk: the file keeps the port before, or there is none)
-            write_private_atomic(port_file, str(port))
-        # The run's secrets (written here, first): tokens and the update keys always, a CA with certificates
-        # with --tls; other local users can reach loopback ports too.
-        me = security_for(secrets_dir(run_dir), "coordinator", config.embedded.tls)
-        trainer_yaml = run_dir / "trainer.yaml"  # the embedded trainer's whole TrainerConfig, validated here
-        trainer_yaml.write_text(
-            yaml.safe_dump(embedded_trainer(config, model, dtype, run_dir).model_dump(mode="json"))
-        )
-        trainer_args = ["serve", "--config", str(trainer_yaml), *self.trainer_ranks()]
-        rollout_args = self.rollout_args(model, dtype)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", PARENT_ENV: str(os.getpid())}
-        trainer = Child(
-            "trainer", python_module("trainer_service.cli", *trainer_args), logs / "trainer.log", env
-        )
-        stack.callback(trainer.stop)
-        rollout = Child(
-            "rollout", python_module("rollout_service.cli", *rollout_args), logs / "rollout.log", env
-        )
-        stack.callback(rollout.stop)
-        self.pids |= {"trainer": trainer.pid, "rollout": rollout.pid}
-        self.watched += [trainer, rollout]
-        trainer_address, rollout_address = trainer.bound_address(), rollout.bound_address()
-        wait_healthy(trainer, trainer_address, "trainer", me)
-        wait_healthy(rollout, rollout_address, "rollout", me)
-        return Services(redis_url, trainer_address, [rollout_address], me)
-
-    def trainer_ranks(self) -> list[str]:
-        """The trainer's torchrun flags, with --trainer-procs > 1 (one process resumes any number of ranks'
-        checkpoints; only the older one-process layout, without shards, needs one process)."""
-        procs = self.config.embedded.trainer_procs
-        checkpoints = list((self.run_dir / "checkpoints").glob("step-*"))
-        if procs > 1 and any(not (c / "shards").is_dir() for c in checkpoints):
-            raise RunExit(
-                2,
-                "this run's checkpoints were written by one trainer process; resume it with "
-                "--trainer-procs 1 (a sharded trainer resumes sharded checkpoints only)",
-            )
-        if procs > 1:
-            return ["--nproc-per-node", str(procs)]
-        return []
-
-    def rollout_args(self, model: Path, dtype: str) -> list[str]:
-        """The rollout replica's command line: the run's model, recipe, seed and secrets, port 0."""
-        config = self.config
-        args = [
-            "serve",
-            "--model",
-            str(model),
-            "--recipe",
-            config.run.recipe,
-            "--port",
-            "0",
-            "--dtype",
-            dtype,
-        ]
-        args += ["--kv-cache-gib", str(config.embedded.kv_cache_gib)]
-        if config.task.env is not None:  # (episodes reach the policy over its OpenAI-compatible face)
-            args += ["--http-port", "0"]
-        security = security_for(secrets_dir(self.run_dir), "replica", config.embedded.tls)
-        return args + as_sets(
-            {
-                "seed": config.run.seed,
-                "precision": config.run.precision.model_dump(mode="json"),
-                "security": security.model_dump(mode="json"),
-            }
-        )
+        return RayProcesses(config, run_dir, stack)
+    return EmbeddedProcesses(config, run_dir, stack)

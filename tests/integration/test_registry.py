@@ -61,8 +61,8 @@ def test_an_embedded_runs_kept_redis_port_never_stops_it_from_starting(tmp_path:
     """Found in review: the port file, torn by a full disk (empty) or damaged, made every later start of
     the run fail on int(''). A port that does not read as one is no port; a taken one gives way to a new
     one (free_port)."""
+    from coordinator.embedded import kept_port
     from coordinator.processes import free_port
-    from coordinator.run import kept_port
 
     port_file = tmp_path / "port"
     assert kept_port(port_file) is None

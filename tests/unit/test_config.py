@@ -107,7 +107,7 @@ def test_help_imports_nothing_heavy(module: str) -> None:
 
 def test_the_learner_section_lays_what_is_set_over_the_demo_and_reaches_the_trainer(tmp_path: Path) -> None:
     from coordinator.config import DEMO_LEARNER, CoordinatorConfig
-    from coordinator.run import embedded_trainer
+    from coordinator.embedded import embedded_trainer
     from trainer_service.config import TrainerConfig
 
     path = tmp_path / "run.yaml"

@@ -1,0 +1,343 @@
+"""`coordinator start --launcher ray`: the trainer's ranks and the rollout replicas as actors on a Ray
+cluster (docs/ray.md). Each actor runs the same service as embedded mode's child processes, as a child
+of its own, on the node Ray placed it; Redis, the coordinator's state machine and the wire stay as they
+are (Redis on this machine's loopback: only the coordinator talks to it).
+
+- Replicas are spread over the nodes. Ray restarts one whose node (or process) was lost, on a node that
+  has room; the coordinator takes each replica's address from its actor before every step, and a replica
+  back at a new address gets a keyframe, as a new one does.
+- The trainer's ranks are one placement group, rank i a torchrun node (static rendezvous at rank 0).
+  A lost rank is not restarted alone: the supervisor restarts the run's processes, and the ranks resume
+  from the last checkpoint (the run directory must be storage every trainer node sees at its path).
+- Across hosts the services talk mutual TLS under the run's CA, always. Each actor gets the run's secrets
+  for its role as values and keeps them in a directory of its own (0700, in /dev/shm), removed when it
+  stops; the model path must exist on every node.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from coordinator.config import CoordinatorConfig
+from coordinator.embedded import EmbeddedProcesses, RunExit, as_sets, embedded_trainer, secrets_dir
+from coordinator.processes import Child
+from fp8rl.credentials import write_private
+from fp8rl.run_secrets import security_for
+from fp8rl.security import SecurityConfig
+from fp8rl.serving import PARENT_ENV
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 900.0  # a replica loads and compiles its model within this, or the run fails
+POLL_TIMEOUT_S = 10.0  # an actor that does not answer this fast is restarting (or its node is gone)
+Command = Callable[[Path, str], list[str]]  # (the actor's private directory, its node's IP) -> argv
+
+
+def private_files(security: SecurityConfig) -> dict[str, str]:
+    """The files ``security`` names that exist, by field: what an actor on another node needs."""
+    return {
+        field: Path(value).read_text()
+        for field, value in security.model_dump().items()
+        if isinstance(value, Path) and value.exists()
+    }
+
+
+def relocated(security: SecurityConfig, directory: Path) -> dict[str, Any]:
+    """``security`` with each file it names moved to ``directory`` (the actor's copies), as JSON."""
+    dumped = security.model_dump(mode="json")
+    for field, value in security.model_dump().items():
+        if isinstance(value, Path):
+            dumped[field] = str(directory / field)
+    return dumped
+
+
+class ServiceActor:
+    """One service process on a Ray node, a child that dies with this actor (PR_SET_PDEATHSIG, and the
+    service's parent watch). Its files are in a private directory of the node, removed when it stops.
+    The child's exit ends the actor, so Ray restarts a replica, and a trainer rank shows as dead."""
+
+    def __init__(
+        self, name: str, command: Command | None = None, files: dict[str, str] | None = None
+    ) -> None:
+        import ray
+
+        self.name, self.stopping = name, False
+        self.child: Child | None = None
+        self.node_ip = ray.util.get_node_ip_address()
+        self.node_id = ray.get_runtime_context().get_node_id()
+        # Memory, not disk (a node that crashes keeps no secrets), unless the node's TMPDIR says where.
+        shm = Path("/dev/shm")
+        where = None if os.environ.get("TMPDIR") or not shm.is_dir() else shm
+        self.dir = Path(tempfile.mkdtemp(prefix=f"fp8rl-{name}-", dir=where))
+        if command is not None:  # a replica: started, and bound, before the actor counts as created
+            self.start(command, files or {}, watch=False)
+            try:  # (one that fails here is not restarted: the run reports why)
+                if self.address(START_TIMEOUT_S) is None:
+                    raise TimeoutError(f"{name} did not bind within {START_TIMEOUT_S:.0f}s")
+            except BaseException:
+                self.stop()
+                raise
+            self.watch()
+
+    def where(self) -> tuple[str, str]:
+        return self.node_id, self.node_ip
+
+    def free_port(self) -> int:
+        with socket.socket() as s:
+            s.bind((self.node_ip, 0))
+            return int(s.getsockname()[1])
+
+    def start(self, command: Command, files: dict[str, str], watch: bool = True) -> None:
+        for field, text in files.items():
+            write_private(self.dir / field, text)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", PARENT_ENV: str(os.getpid())}
+        self.child = Child(self.name, command(self.dir, self.node_ip), self.dir / "service.log", env)
+        if watch:
+            self.watch()
+
+    def watch(self) -> None:
+        threading.Thread(target=self._exit_with_child, name="child-watch", daemon=True).start()
+
+    def address(self, timeout: float) -> str | None:
+        """The ``host:port`` the service bound; None if it has not within ``timeout``."""
+        assert self.child is not None
+        try:
+            return self.child.bound_address(timeout)
+        except TimeoutError:
+            return None
+
+    def _exit_with_child(self) -> None:
+        assert self.child is not None
+        status = self.child.proc.wait()
+        if self.stopping:
+            return
+        tail = self.child.log_path.read_text(errors="replace")[-3000:]
+        print(f"{self.name} exited with status {status}:\n{tail}", file=sys.stderr, flush=True)
+        shutil.rmtree(self.dir, ignore_errors=True)
+        os._exit(1)  # (Ray restarts a replica's actor; a trainer rank's stays dead)
+
+    def stop(self) -> None:
+        self.stopping = True
+        if self.child is not None:
+            self.child.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def replica_command(args: list[str], security: SecurityConfig) -> Command:
+    def command(directory: Path, ip: str) -> list[str]:
+        from coordinator.processes import python_module
+
+        sets = as_sets({"security": relocated(security, directory)})
+        return python_module("rollout_service.cli", *args, "--host", ip, *sets)
+
+    return command
+
+
+def trainer_command(
+    config: dict[str, Any], security: SecurityConfig, rank: int, ranks: int, master: tuple[str, int]
+) -> Command:
+    """Rank ``rank`` of ``ranks``: the trainer itself, or a torchrun node of the group at ``master``."""
+
+    def command(directory: Path, ip: str) -> list[str]:
+        path = directory / "trainer.yaml"
+        write_private(path, yaml.safe_dump(config | {"host": ip, "security": relocated(security, directory)}))
+        serve = ["-m", "trainer_service.cli", "serve", "--config", str(path)]
+        if ranks == 1:
+            return [sys.executable, *serve]
+        torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={ranks}", "--nproc-per-node=1"]
+        torchrun += [f"--node-rank={rank}", f"--master-addr={master[0]}", f"--master-port={master[1]}"]
+        # The rank's parent is torchrun, and its PID is known only once it runs: the shell exports its
+        # own, which exec keeps.
+        watch = f'export {PARENT_ENV}=$$; exec "$@"'
+        return ["sh", "-c", watch, "sh", *torchrun, "--module", *serve[1:]]
+
+    return command
+
+
+class RayProcesses(EmbeddedProcesses):
+    """An embedded run whose trainer ranks and replicas are Ray actors (module docstring)."""
+
+    tls_required = True  # the services talk across hosts
+
+    def __init__(self, config: CoordinatorConfig, run_dir: Path, stack: ExitStack) -> None:
+        super().__init__(config, run_dir, stack)
+        self.ray_config = config.embedded.ray
+        # Refused before anything starts.
+        self.address = self.ray_config.address or os.environ.get("RAY_ADDRESS")
+        if not self.address:
+            raise RunExit(2, "--launcher ray joins a running Ray cluster: give --ray-address or RAY_ADDRESS")
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            raise RunExit(2, "--launcher ray needs Ray: pip install 'fp8rl[ray]'") from None
+        self.trainer_ranks_: list[Any] = []
+        self.replicas: list[Any] = []
+        self.placed: dict[int, tuple[str, str]] = {}  # replica -> (node, address) it last answered from
+        self.gone: dict[int, str] = {}  # replica -> why it will not come back
+        self.me: SecurityConfig | None = None
+
+    def start_services(self, model: Path, dtype: str, me: SecurityConfig) -> tuple[str, list[str]]:
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from coordinator.processes import wait_healthy_address
+
+        if not ray.is_initialized():
+            ray.init(address=self.address, log_to_driver=False, configure_logging=False)
+        self.stack.callback(ray.shutdown)
+        self.me = me
+        actor = ray.remote(ServiceActor)
+        ranks, cfg = self.config.embedded.trainer_procs, self.ray_config
+        # The trainer: one placement group, a bundle per rank; rank 0 first, as it hosts the rendezvous.
+        group = placement_group(
+            [
+                {"CPU": cfg.trainer_cpus, "GPU": cfg.trainer_gpus}
+                if cfg.trainer_gpus
+                else {"CPU": cfg.trainer_cpus}
+            ]
+            * ranks,
+            strategy=cfg.trainer_strategy,
+        )
+        self.stack.callback(remove_placement_group, group)
+        if not wait_ready(ray, group.ready(), START_TIMEOUT_S):
+            raise RunExit(
+                1, f"the Ray cluster has no room for {ranks} trainer rank(s) ({cfg.trainer_strategy})"
+            )
+        for rank in range(ranks):
+            handle = actor.options(
+                num_cpus=cfg.trainer_cpus,  # (its bundle's: Ray sets the rank's threads from it)
+                num_gpus=cfg.trainer_gpus,
+                max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    group, placement_group_bundle_index=rank
+                ),
+            ).remote(f"trainer-{rank}")
+            self.stack.callback(stop_actor, ray, handle)
+            self.trainer_ranks_.append(handle)
+        rank_nodes = [ray.get(h.where.remote()) for h in self.trainer_ranks_]
+        master = (rank_nodes[0][1], ray.get(self.trainer_ranks_[0].free_port.remote()))
+        trainer_security = security_for(secrets_dir(self.run_dir), "trainer", True)
+        config = embedded_trainer(self.config, model, dtype, self.run_dir, True).model_dump(mode="json")
+        for rank, handle in enumerate(self.trainer_ranks_):
+            command = trainer_command(config, trainer_security, rank, ranks, master)
+            ray.get(handle.start.remote(command, private_files(trainer_security)))
+        # The replicas, spread over the nodes; each actor is created once its service has bound.
+        replica_security = security_for(secrets_dir(self.run_dir), "replica", True)
+        args = self.rollout_args(model, dtype, with_security=False)
+        for i in range(cfg.replicas):
+            handle = actor.options(
+                num_cpus=cfg.replica_cpus,
+                num_gpus=cfg.replica_gpus,
+                max_restarts=-1,
+                max_task_retries=0,
+                scheduling_strategy="SPREAD",
+            ).remote(f"rollout-{i}", replica_command(args, replica_security), private_files(replica_security))
+            self.stack.callback(stop_actor, ray, handle)
+            self.replicas.append(handle)
+        trainer_address = ray.get(self.trainer_ranks_[0].address.remote(START_TIMEOUT_S))
+        if trainer_address is None:
+            raise RunExit(1, f"the trainer did not bind within {START_TIMEOUT_S:.0f}s")
+        wait_healthy_address(trainer_address, "trainer", me, START_TIMEOUT_S)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while len(ready := self.poll_replicas()) < cfg.replicas:
+            if self.gone:
+                raise RunExit(1, f"a replica failed to start: {next(iter(self.gone.values()))[-2000:]}")
+            if time.monotonic() > deadline:
+                raise RunExit(
+                    1, f"{len(ready)} of {cfg.replicas} replicas serving after {START_TIMEOUT_S:.0f}s"
+                )
+            time.sleep(1)
+        nodes = sorted({node for node, _ in self.placed.values()})
+        on = ", ".join(node[:12] for node, _ in rank_nodes)
+        self.say(f"trainer at {trainer_address}, {ranks} rank(s) on node(s) {on}; replicas on {len(nodes)}")
+        return trainer_address, ready
+
+    def say(self, line: str) -> None:
+        print(f"coordinator: ray: {line}", file=sys.stderr, flush=True)
+
+    def poll_replicas(self) -> list[str]:
+        """The addresses of the replicas serving now; one that moved (Ray restarted it) is said once."""
+        import ray
+
+        from coordinator.processes import is_serving
+
+        assert self.me is not None
+        ready = []
+        for i, handle in enumerate(self.replicas):
+            try:
+                node, _ = ray.get(handle.where.remote(), timeout=POLL_TIMEOUT_S)
+                address = ray.get(handle.address.remote(0), timeout=POLL_TIMEOUT_S)
+            except ray.exceptions.ActorDiedError as exc:  # for good: it failed to start
+                if i not in self.gone:
+                    self.gone[i] = str(exc)
+                    self.say(f"replica {i} is gone: {exc}")
+                continue
+            except (ray.exceptions.RayError, TimeoutError):
+                continue  # restarting, or its node is gone
+            if address is None:
+                continue
+            if self.placed.get(i) != (node, address):
+                if not is_serving(address, "rollout", self.me):
+                    continue
+                if i in self.placed:
+                    self.say(f"replica {i} is back, on node {node[:12]} at {address}")
+                else:
+                    self.say(f"replica {i} on node {node[:12]} at {address}")
+                self.placed[i] = (node, address)
+            ready.append(address)
+        return ready
+
+    def replica_addresses(self) -> list[str]:
+        deadline = time.monotonic() + self.ray_config.replica_restart_wait_s
+        while len(ready := self.poll_replicas()) < len(self.replicas) and time.monotonic() < deadline:
+            time.sleep(1)
+        return ready
+
+    def dead(self, grace_s: float = 15.0) -> list[str]:
+        """Redis, or a trainer rank, that died (a replica is Ray's to restart)."""
+        import ray
+
+        deadline = time.monotonic() + grace_s
+        while True:
+            dead = super().dead(grace_s=0)
+            for rank, handle in enumerate(self.trainer_ranks_):
+                try:
+                    ray.get(handle.where.remote(), timeout=POLL_TIMEOUT_S)
+                except ray.exceptions.GetTimeoutError:
+                    pass  # busy, not dead
+                except ray.exceptions.RayError as exc:
+                    dead.append(f"trainer rank {rank} ({type(exc).__name__})")
+            if dead or time.monotonic() >= deadline:
+                return dead
+            time.sleep(0.5)
+
+
+def wait_ready(ray: Any, ref: Any, timeout: float) -> bool:
+    ready, _ = ray.wait([ref], timeout=timeout)
+    return bool(ready)
+
+
+def stop_actor(ray: Any, handle: Any) -> None:
+    """Stop the actor's service (its files go with it), then the actor; one already gone is left."""
+    try:
+        ray.get(handle.stop.remote(), timeout=30)
+    except Exception as exc:  # (its node is gone, or it is restarting: nothing of it left to stop here)
+        log.info("actor not stopped cleanly: %s", exc)
+    try:
+        ray.kill(handle, no_restart=True)
+    except Exception as exc:
+        log.info("actor not killed: %s", exc)
