@@ -418,6 +418,10 @@ class CoordinatorConfig(BaseModel):
         self.distributed.check()
         if self.is_embedded and self.distributed.security != SecurityConfig():
             raise ValueError("security configures a distributed coordinator; an embedded run makes its own")
+        if self.embedded.launcher == "local" and self.embedded.ray != RayConfig():
+            raise ValueError(
+                "ray (and --replicas, --ray-address) configure launcher: ray; this run's is local"
+            )
         if not self.is_embedded and self.embedded.launcher != "local":
             raise ValueError("launcher starts an embedded run's processes; a distributed run's are running")
         if not self.is_embedded and self.embedded.learner != EmbeddedConfig().learner:

@@ -127,6 +127,21 @@ class EmbeddedProcesses:
                 return dead
             time.sleep(0.2)
 
+    def compute_dtype(self) -> str:
+        """The trainer's and replicas' dtype: `auto` as this machine's device calls for."""
+        return resolve_dtype(self.config.embedded.compute_dtype)
+
+    def platform_refusal(self, model: Path, dtype: str) -> str | None:
+        """Why this machine cannot run the replica the run asks for (None: it can)."""
+        from rollout_service.config import RolloutConfig
+        from rollout_service.engine import Platform, unsupported_reason
+
+        config = self.config
+        wanted = RolloutConfig(
+            model=model, recipe=config.run.recipe, dtype=dtype, precision=config.run.precision
+        )
+        return unsupported_reason(wanted, Platform.here())
+
     def replica_addresses(self) -> list[str]:
         """The replicas this run started, as they are now (asked before each step)."""
         return self.rollouts
@@ -138,14 +153,8 @@ class EmbeddedProcesses:
         config, run_dir, stack = self.config, self.run_dir, self.stack
         logs = run_dir / "logs"
         model = config.run.model or models.verified(models.TINY_ARITH)
-        dtype = resolve_dtype(config.embedded.compute_dtype)
-        from rollout_service.config import RolloutConfig
-        from rollout_service.engine import Platform, unsupported_reason
-
-        reason = unsupported_reason(
-            RolloutConfig(model=model, recipe=config.run.recipe, dtype=dtype, precision=config.run.precision),
-            Platform.here(),
-        )
+        dtype = self.compute_dtype()
+        reason = self.platform_refusal(model, dtype)
         if reason:  # refused before anything starts
             raise RunExit(2, reason)
         # The embedded redis-server requires a password of its own (kept in a 0600 file, never in argv), so

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -64,9 +65,25 @@ def relocated(security: SecurityConfig, directory: Path) -> dict[str, Any]:
     return dumped
 
 
+PRIVATE_PREFIX, OWNER = "fp8rl-actor-", "owner"
+
+
+def sweep_orphans(where: Path) -> None:
+    """Remove the private directories of actors that are gone without stopping (killed by Ray, their
+    node's OOM killer, or a coordinator that died): each names its owner's PID."""
+    for directory in where.glob(f"{PRIVATE_PREFIX}*"):
+        try:
+            os.kill(int((directory / OWNER).read_text()), 0)
+        except ProcessLookupError:
+            shutil.rmtree(directory, ignore_errors=True)
+        except (OSError, ValueError):
+            pass  # (another user's, or still being made)
+
+
 class ServiceActor:
     """One service process on a Ray node, a child that dies with this actor (PR_SET_PDEATHSIG, and the
-    service's parent watch). Its files are in a private directory of the node, removed when it stops.
+    service's parent watch). Its secrets are in a private directory of the node, removed when it stops
+    (or, if it is killed, by the next actor on the node); its log is the node's TMPDIR/fp8rl-NAME-PID.log.
     The child's exit ends the actor, so Ray restarts a replica, and a trainer rank shows as dead."""
 
     def __init__(
@@ -78,10 +95,13 @@ class ServiceActor:
         self.child: Child | None = None
         self.node_ip = ray.util.get_node_ip_address()
         self.node_id = ray.get_runtime_context().get_node_id()
-        # Memory, not disk (a node that crashes keeps no secrets), unless the node's TMPDIR says where.
+        # Secrets in memory, not on disk, unless the node's TMPDIR says where; the service's log on disk.
         shm = Path("/dev/shm")
-        where = None if os.environ.get("TMPDIR") or not shm.is_dir() else shm
-        self.dir = Path(tempfile.mkdtemp(prefix=f"fp8rl-{name}-", dir=where))
+        where = Path(tempfile.gettempdir()) if os.environ.get("TMPDIR") or not shm.is_dir() else shm
+        sweep_orphans(where)
+        self.dir = Path(tempfile.mkdtemp(prefix=PRIVATE_PREFIX, dir=where))
+        (self.dir / OWNER).write_text(str(os.getpid()))
+        self.log = Path(tempfile.gettempdir()) / f"fp8rl-{name}-{os.getpid()}.log"
         if command is not None:  # a replica: started, and bound, before the actor counts as created
             self.start(command, files or {}, watch=False)
             try:  # (one that fails here is not restarted: the run reports why)
@@ -95,6 +115,10 @@ class ServiceActor:
     def where(self) -> tuple[str, str]:
         return self.node_id, self.node_ip
 
+    def status(self) -> tuple[str, str | None]:
+        """Its node, and the address its service bound (None: not yet)."""
+        return self.node_id, self.address(0)
+
     def free_port(self) -> int:
         with socket.socket() as s:
             s.bind((self.node_ip, 0))
@@ -104,7 +128,7 @@ class ServiceActor:
         for field, text in files.items():
             write_private(self.dir / field, text)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", PARENT_ENV: str(os.getpid())}
-        self.child = Child(self.name, command(self.dir, self.node_ip), self.dir / "service.log", env)
+        self.child = Child(self.name, command(self.dir, self.node_ip), self.log, env)
         if watch:
             self.watch()
 
@@ -125,7 +149,7 @@ class ServiceActor:
         if self.stopping:
             return
         tail = self.child.log_path.read_text(errors="replace")[-3000:]
-        print(f"{self.name} exited with status {status}:\n{tail}", file=sys.stderr, flush=True)
+        print(f"{self.name} exited with status {status} ({self.log}):\n{tail}", file=sys.stderr, flush=True)
         shutil.rmtree(self.dir, ignore_errors=True)
         os._exit(1)  # (Ray restarts a replica's actor; a trainer rank's stays dead)
 
@@ -189,6 +213,15 @@ class RayProcesses(EmbeddedProcesses):
         self.gone: dict[int, str] = {}  # replica -> why it will not come back
         self.me: SecurityConfig | None = None
 
+    def compute_dtype(self) -> str:
+        """`auto`: bfloat16 where the actors get GPUs, float32 otherwise (not this machine's device)."""
+        if self.config.embedded.compute_dtype != "auto":
+            return self.config.embedded.compute_dtype
+        return "bfloat16" if self.ray_config.replica_gpus or self.ray_config.trainer_gpus else "float32"
+
+    def platform_refusal(self, model: Path, dtype: str) -> str | None:
+        return None  # (the nodes' platform, not this machine's: each replica refuses what its cannot run)
+
     def start_services(self, model: Path, dtype: str, me: SecurityConfig) -> tuple[str, list[str]]:
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
@@ -196,8 +229,15 @@ class RayProcesses(EmbeddedProcesses):
 
         from coordinator.processes import wait_healthy_address
 
+        self.trainer_ranks()  # (refuses ranks for one process's checkpoints, as a local run does)
         if not ray.is_initialized():
-            ray.init(address=self.address, log_to_driver=False, configure_logging=False)
+            handler = signal.getsignal(signal.SIGTERM)
+            try:
+                ray.init(address=self.address, log_to_driver=False, configure_logging=False)
+            except (ConnectionError, RuntimeError, ValueError) as exc:
+                raise RunExit(1, f"cannot join the Ray cluster at {self.address}: {exc}") from None
+            finally:
+                signal.signal(signal.SIGTERM, handler)  # (ray.init installs its own: keep the run's)
         self.stack.callback(ray.shutdown)
         self.me = me
         actor = ray.remote(ServiceActor)
@@ -276,18 +316,21 @@ class RayProcesses(EmbeddedProcesses):
         from coordinator.processes import is_serving
 
         assert self.me is not None
+        asked = {i: h.status.remote() for i, h in enumerate(self.replicas) if i not in self.gone}
+        answered, _ = ray.wait(list(asked.values()), num_returns=len(asked), timeout=POLL_TIMEOUT_S)
         ready = []
-        for i, handle in enumerate(self.replicas):
+        for i, ref in asked.items():
+            if ref not in answered:
+                continue  # restarting, or its node is gone
             try:
-                node, _ = ray.get(handle.where.remote(), timeout=POLL_TIMEOUT_S)
-                address = ray.get(handle.address.remote(0), timeout=POLL_TIMEOUT_S)
-            except ray.exceptions.ActorDiedError as exc:  # for good: it failed to start
-                if i not in self.gone:
+                node, address = ray.get(ref)
+            except ray.exceptions.ActorDiedError as exc:
+                if exc.actor_init_failed:  # for good: its service failed to start
                     self.gone[i] = str(exc)
                     self.say(f"replica {i} is gone: {exc}")
                 continue
-            except (ray.exceptions.RayError, TimeoutError):
-                continue  # restarting, or its node is gone
+            except ray.exceptions.RayError:
+                continue
             if address is None:
                 continue
             if self.placed.get(i) != (node, address):
@@ -302,28 +345,34 @@ class RayProcesses(EmbeddedProcesses):
         return ready
 
     def replica_addresses(self) -> list[str]:
-        deadline = time.monotonic() + self.ray_config.replica_restart_wait_s
-        while len(ready := self.poll_replicas()) < len(self.replicas) and time.monotonic() < deadline:
+        """The replicas serving; one Ray is restarting is waited for up to `replica_restart_wait_s`, and
+        while none serves, as long as a replica takes to start."""
+        start = time.monotonic()
+        while True:
+            ready = self.poll_replicas()
+            waited, expected = time.monotonic() - start, len(self.replicas) - len(self.gone)
+            enough = len(ready) >= expected or (ready and waited >= self.ray_config.replica_restart_wait_s)
+            if enough or waited >= START_TIMEOUT_S:
+                return ready
             time.sleep(1)
-        return ready
 
     def dead(self, grace_s: float = 15.0) -> list[str]:
-        """Redis, or a trainer rank, that died (a replica is Ray's to restart)."""
+        """Redis, or a trainer rank, that died or does not answer within ``grace_s`` (a rank's actor is
+        idle once its service runs; a replica is Ray's to restart)."""
         import ray
 
-        deadline = time.monotonic() + grace_s
-        while True:
-            dead = super().dead(grace_s=0)
-            for rank, handle in enumerate(self.trainer_ranks_):
-                try:
-                    ray.get(handle.where.remote(), timeout=POLL_TIMEOUT_S)
-                except ray.exceptions.GetTimeoutError:
-                    pass  # busy, not dead
-                except ray.exceptions.RayError as exc:
-                    dead.append(f"trainer rank {rank} ({type(exc).__name__})")
-            if dead or time.monotonic() >= deadline:
-                return dead
-            time.sleep(0.5)
+        asked = [h.where.remote() for h in self.trainer_ranks_]
+        answered, _ = ray.wait(asked, num_returns=len(asked), timeout=grace_s)
+        dead = super().dead(grace_s=0)
+        for rank, ref in enumerate(asked):
+            if ref not in answered:
+                dead.append(f"trainer rank {rank} (no answer in {grace_s:.0f}s)")
+                continue
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError as exc:
+                dead.append(f"trainer rank {rank} ({type(exc).__name__})")
+        return dead
 
 
 def wait_ready(ray: Any, ref: Any, timeout: float) -> bool:

@@ -58,6 +58,18 @@ def placements(log: Path) -> dict[int, str]:
     return {int(i): node for i, node in reversed(found)}
 
 
+def assert_no_secret_in_any_command_line(secrets: Path) -> None:
+    """The actors got their secrets as values and keep them in files: no process shows one in argv."""
+    names = ("trainer.token", "replica.token", "registration.key", "update-signing.key", "replica.key")
+    values = [(secrets / name).read_bytes().strip() for name in names]
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argv = cmdline.read_bytes()
+        except OSError:
+            continue  # (gone meanwhile)
+        assert not any(value in argv for value in values), cmdline
+
+
 def test_a_replica_on_a_lost_node_comes_back_on_the_remaining_one(cluster, tmp_path):
     cluster.add_node("second", 2)
     ids = node_ids(cluster)
@@ -65,6 +77,7 @@ def test_a_replica_on_a_lost_node_comes_back_on_the_remaining_one(cluster, tmp_p
     args = ray_run(cluster, run_dir, "--replicas", "2", "--set", "ray.replica_restart_wait_s=300")
     with child_process(args, log) as proc:
         wait_for_line(proc, log, r"ray: trainer at", timeout=900)  # (every replica is placed by then)
+        assert_no_secret_in_any_command_line(run_dir / "secrets")
         placed = placements(log)
         assert set(placed.values()) == {ids["head"], ids["second"]}, (ids, placed)  # spread
         lost = next(i for i, node in placed.items() if node == ids["second"])

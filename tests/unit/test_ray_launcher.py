@@ -47,6 +47,8 @@ def test_the_launcher_is_refused_for_running_services() -> None:
         CoordinatorConfig.model_validate(
             {"launcher": "ray", "redis_url": "redis://r:6379/0", "trainer": "t:1"}
         )
+    with pytest.raises(ValidationError, match="configure launcher: ray"):
+        CoordinatorConfig.model_validate({"ray": {"replicas": 2}})
     with pytest.raises(ValidationError, match=r"ray\.replicas"):
         CoordinatorConfig.model_validate({"launcher": "ray", "ray": {"replicas": 0}})
 
