@@ -4,8 +4,9 @@ command stream from rank 0.
 Rank 0 serves gRPC. Every call that touches the model is checked there first (bad input never reaches a
 collective), then announced to the other ranks as a command — its kind and the request's bytes — so that
 every rank runs the same method on the same request and so the same collectives in the same order. A rank
-that dies makes the others fail their next collective and exit: torchrun ends the group, and the run
-rewinds to the last checkpoint like any trainer restart.
+that dies makes the others fail their next collective and exit; one whose host vanishes (its connections
+never close) stops beating in torchrun's store, and the others exit once they notice (PEER_LOST_S).
+Either way torchrun ends the group, and the run rewinds to the last checkpoint like any trainer restart.
 
 Here only the group and its messages; the sharded model is the learner's (trainer_service/learner.py).
 """
@@ -16,6 +17,8 @@ import contextlib
 import datetime
 import logging
 import os
+import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -93,7 +96,43 @@ def join_group(device: str = "auto") -> Ranks:
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group("nccl" if cuda else "gloo", timeout=GROUP_TIMEOUT)
+        if dist.get_world_size() > 1:
+            threading.Thread(target=_watch_peers, name="peer-watch", daemon=True).start()
     return Ranks(dist.get_rank(), dist.get_world_size())
+
+
+HEARTBEAT_S = 2.0
+PEER_LOST_S = 60.0
+"""A rank that sees no heartbeat from a peer for this long exits (status 1), and torchrun ends the
+group. A peer whose host vanished (a pod killed with its network, a machine lost) closes no connection:
+without this a collective would wait GROUP_TIMEOUT for it, and the group would never be replaced."""
+_leaving = threading.Event()
+
+
+def _watch_peers() -> None:
+    """Every rank beats a counter in torchrun's store (at rank 0's node) and watches the others'."""
+    store = dist.distributed_c10d._get_default_store()
+    store.set_timeout(datetime.timedelta(seconds=PEER_LOST_S))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    seen: dict[int, tuple[int, float]] = {}
+    while not _leaving.wait(HEARTBEAT_S):
+        try:
+            store.add(f"fp8rl/alive/{rank}", 1)
+            counts = {peer: store.add(f"fp8rl/alive/{peer}", 0) for peer in range(world) if peer != rank}
+        except Exception as exc:  # (the store's host is gone: so is rank 0)
+            lost = f"torchrun's store is unreachable ({exc})"
+        else:
+            now = time.monotonic()
+            for peer, count in counts.items():
+                if seen.get(peer, (None, 0.0))[0] != count:
+                    seen[peer] = (count, now)
+            stale = [peer for peer, (_, at) in seen.items() if now - at > PEER_LOST_S]
+            if not stale:
+                continue
+            lost = f"rank(s) {stale} gave no sign of life for {PEER_LOST_S:.0f}s"
+        if not _leaving.is_set():
+            log.error("rank %d: %s; leaving the group", rank, lost)
+            os._exit(1)
 
 
 def leave_group() -> None:
@@ -101,6 +140,7 @@ def leave_group() -> None:
     destroys gloo's group while a peer still sends to it can abort in C++ ("terminate called without an
     active exception", SIGABRT), seen once in the suite's two-rank test."""
     if dist.is_initialized():
+        _leaving.set()  # (a peer that has left stops beating)
         dist.barrier()
         dist.destroy_process_group()
 
