@@ -36,17 +36,19 @@ def pytest_configure(config: pytest.Config) -> None:
 MOE_ENGINES_IN_PROCESS = ("test_moe_rollout.py", "test_moe_rollout_bf16.py")
 
 
-# The compose test runs last: its image builds in the background from the start (tests/containers.py).
-COMPOSE_TEST = "test_compose_up.py"
+# The container tests run last: their image builds in the background from the start (tests/containers.py).
+CONTAINER_TESTS = ("test_compose_up.py", "test_kube_play.py")
 CLEANUP = pytest.StashKey[ExitStack]()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     def place(item: pytest.Item) -> int:
-        return 0 if item.path.name in MOE_ENGINES_IN_PROCESS else 2 if item.path.name == COMPOSE_TEST else 1
+        return (
+            0 if item.path.name in MOE_ENGINES_IN_PROCESS else 2 if item.path.name in CONTAINER_TESTS else 1
+        )
 
     items.sort(key=place)  # (stable: the order within each group is kept)
-    if not config.option.collectonly and any(item.path.name == COMPOSE_TEST for item in items):
+    if not config.option.collectonly and any(item.path.name in CONTAINER_TESTS for item in items):
         from tests.containers import IMAGE_BUILD, BackgroundBuild
 
         stack = config.stash[CLEANUP] = ExitStack()

@@ -129,3 +129,46 @@ def test_the_gpu_overlay_gives_each_rank_and_replica_a_gpu_and_the_cpu_one_none(
         "fp8rl:cpu"
     }
     assert all(yaml.safe_load((CONFIGS[o] / "trainer.yaml").read_text()) for o in CONFIGS)
+
+
+def test_the_podman_form_is_pods_and_claims_that_stand_in_for_every_service_name(tmp_path: Path) -> None:
+    """scripts/podman_kube.py on the CPU overlay (played for real in tests/e2e/test_kube_play.py): only
+    kinds podman 4.3 plays, each still valid Kubernetes; every name a service dials resolves from every
+    pod's /etc/hosts; nothing left that podman would not fill in (fieldRefs, $(VAR), gRPC probes)."""
+    from scripts.podman_kube import to_podman
+
+    rendered = render(OVERLAYS / "cpu")
+    dirs = {
+        name: tmp_path / name
+        for name in ("fp8rl-trainer", "fp8rl-replica", "fp8rl-coordinator", "fp8rl-redis")
+    }
+    played, ips = to_podman(rendered, "10.89.77.0/24", dirs, {"redis:7.4": "localhost/base"})
+    assert {o["kind"] for o in played} == {"Pod", "PersistentVolumeClaim"}
+    for o in played:
+        kubernetes_validate.validate(o, VERSIONS[-1], strict=True)
+    pods = {o["metadata"]["name"]: o["spec"] for o in played if o["kind"] == "Pod"}
+    assert (
+        set(pods)
+        == set(ips)
+        == {"redis-0", "trainer-0", "trainer-1", "rollout-0", "rollout-1", "coordinator"}
+    )
+    assert len(set(ips.values())) == len(ips)
+    hosts = {name: a["ip"] for a in pods["coordinator"]["hostAliases"] for name in a["hostnames"]}
+    assert hosts == {
+        "redis": ips["redis-0"],
+        "trainer": ips["trainer-0"],
+        "trainer-0.trainer-ranks": ips["trainer-0"],
+        "trainer-1.trainer-ranks": ips["trainer-1"],
+    }
+    for name, spec in pods.items():
+        assert spec["hostAliases"] == pods["coordinator"]["hostAliases"]
+        text = yaml.safe_dump(spec)
+        assert "fieldRef" not in text and "grpc:" not in text and "containerPort" not in text, name
+        for container in spec["containers"]:
+            words = " ".join(container.get("command", []) + container.get("args", []))
+            assert "$(REDIS_URL)" not in words and "$(POD_IP)" not in words, name
+        assert not any("secret" in volume for volume in spec.get("volumes", []))
+    assert f"--advertise={ips['rollout-1']}:50051" in pods["rollout-1"]["containers"][0]["args"]
+    assert pods["trainer-1"]["hostname"] == "trainer-1"  # (its node rank, from ${HOSTNAME##*-})
+    claims = {o["metadata"]["name"] for o in played if o["kind"] == "PersistentVolumeClaim"}
+    assert {"fp8rl-checkpoints", "data-redis-0"} <= claims
