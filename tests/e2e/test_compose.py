@@ -43,8 +43,8 @@ def test_the_compose_trainer_learns_as_the_embedded_demo_does(config: str) -> No
 def test_dockerfiles_install_what_make_setup_installs() -> None:
     makefile = (ROOT / "Makefile").read_text()
     uninstalled = re.search(r"pip uninstall -y -q ([\w ]+)", makefile).group(1).split()  # type: ignore[union-attr]
-    # (gguf: the GGUF converter's, which the tests use and the images do not need.)
-    assert re.search(r"pip install -q -e '\.\[cpu,dev,gguf\]'", makefile)
+    # (gguf: the GGUF converter's, ray: the Ray launcher's; the tests use them, the images do not need them.)
+    assert re.search(r"pip install -q -e '\.\[cpu,dev,gguf,ray\]'", makefile)
     images = (
         ("Dockerfile", "cpu"),
         ("Dockerfile.rollout-gpu", "gpu-rollout"),
