@@ -21,6 +21,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fp8rl.credentials import PASSWORD_ENV, redis_config_string, redis_url_with_password, write_private
+from fp8rl.healthcheck import serving
 from fp8rl.security import SecurityConfig
 from fp8rl.transport import channel
 
@@ -103,14 +104,7 @@ def is_serving(
 ) -> bool:
     """Whether the gRPC health service at ``address`` says SERVING now."""
     service = {"trainer": "fp8rl.v1.Trainer", "rollout": "fp8rl.v1.Rollout"}[server]
-    with channel(address, security, server) as chan:
-        try:
-            reply = health_pb2_grpc.HealthStub(chan).Check(
-                health_pb2.HealthCheckRequest(service=service), timeout=timeout
-            )
-        except grpc.RpcError:
-            return False
-        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+    return serving(address, service, timeout, security, server)
 
 
 def wait_healthy_address(
