@@ -235,7 +235,7 @@ class RayConfig(_Slice):
     """The trainer's placement group strategy: PACK keeps ranks on as few nodes as fit."""
     replica_restart_wait_s: float = Field(0.0, ge=0, le=3600)
     """How long a step waits for a replica Ray is restarting (its node was lost) before it goes on
-    without it; 0: at once, on the replicas that answer."""
+    without it; 0: at once, on the replicas that answer. With none answering, a step waits regardless."""
 
 
 class EmbeddedConfig(_Slice):

@@ -13,17 +13,14 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Literal
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from fp8rl.credentials import PASSWORD_ENV, redis_config_string, redis_url_with_password, write_private
 from fp8rl.healthcheck import serving
 from fp8rl.security import SecurityConfig
-from fp8rl.transport import channel
 
 log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
@@ -84,9 +81,10 @@ class Child:
             if found:
                 return f"{found.group(1).decode()}:{int(found.group(2))}"
             if time.monotonic() >= deadline:
-                break
+                raise TimeoutError(
+                    f"{self.name} did not report its port within {timeout:.0f}s ({self.log_path})"
+                )
             time.sleep(0.1)
-        raise TimeoutError(f"{self.name} did not report its port within {timeout:.0f}s ({self.log_path})")
 
     def stop(self, timeout: float = 20) -> None:
         if self.proc.poll() is not None:
@@ -108,11 +106,19 @@ def is_serving(
 
 
 def wait_healthy_address(
-    address: str, server: Literal["trainer", "rollout"], security: SecurityConfig | None, timeout: float
+    address: str,
+    server: Literal["trainer", "rollout"],
+    security: SecurityConfig | None,
+    timeout: float,
+    check_alive: Callable[[], None] = lambda: None,
 ) -> None:
-    """Until the service at ``address`` says SERVING, or ``timeout`` passes (TimeoutError)."""
+    """Until the service at ``address`` says SERVING, or ``check_alive`` raises (its process died), or
+    ``timeout`` passes (TimeoutError)."""
     deadline = time.monotonic() + timeout
-    while not is_serving(address, server, security):
+    while True:
+        check_alive()
+        if is_serving(address, server, security):
+            return
         if time.monotonic() > deadline:
             raise TimeoutError(f"{server} at {address} not healthy after {timeout:.0f}s")
         time.sleep(0.5)
@@ -126,20 +132,7 @@ def wait_healthy(
     timeout: float = 600,
 ) -> None:
     """Until the child's gRPC health service says SERVING (or the child dies, or time runs out)."""
-    deadline = time.monotonic() + timeout
-    service = {"trainer": "fp8rl.v1.Trainer", "rollout": "fp8rl.v1.Rollout"}[server]
-    with channel(address, security, server) as chan:
-        stub = health_pb2_grpc.HealthStub(chan)
-        while time.monotonic() < deadline:
-            child.check_alive()
-            try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.5)
-    raise TimeoutError(f"{child.name} at {address} not healthy after {timeout:.0f}s")
+    wait_healthy_address(address, server, security, timeout, child.check_alive)
 
 
 def start_redis(

@@ -34,7 +34,7 @@ import yaml
 
 from coordinator.config import CoordinatorConfig
 from coordinator.embedded import EmbeddedProcesses, RunExit, as_sets, embedded_trainer, secrets_dir
-from coordinator.processes import Child
+from coordinator.processes import Child, is_serving, python_module, wait_healthy_address
 from fp8rl.credentials import write_private
 from fp8rl.run_secrets import security_for
 from fp8rl.security import SecurityConfig
@@ -162,8 +162,6 @@ class ServiceActor:
 
 def replica_command(args: list[str], security: SecurityConfig) -> Command:
     def command(directory: Path, ip: str) -> list[str]:
-        from coordinator.processes import python_module
-
         sets = as_sets({"security": relocated(security, directory)})
         return python_module("rollout_service.cli", *args, "--host", ip, *sets)
 
@@ -207,7 +205,7 @@ class RayProcesses(EmbeddedProcesses):
             import ray  # noqa: F401
         except ImportError:
             raise RunExit(2, "--launcher ray needs Ray: pip install 'fp8rl[ray]'") from None
-        self.trainer_ranks_: list[Any] = []
+        self.rank_actors: list[Any] = []
         self.replicas: list[Any] = []
         self.placed: dict[int, tuple[str, str]] = {}  # replica -> (node, address) it last answered from
         self.gone: dict[int, str] = {}  # replica -> why it will not come back
@@ -226,8 +224,6 @@ class RayProcesses(EmbeddedProcesses):
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from coordinator.processes import wait_healthy_address
 
         self.trainer_ranks()  # (refuses ranks for one process's checkpoints, as a local run does)
         if not ray.is_initialized():
@@ -267,12 +263,12 @@ class RayProcesses(EmbeddedProcesses):
                 ),
             ).remote(f"trainer-{rank}")
             self.stack.callback(stop_actor, ray, handle)
-            self.trainer_ranks_.append(handle)
-        rank_nodes = [ray.get(h.where.remote()) for h in self.trainer_ranks_]
-        master = (rank_nodes[0][1], ray.get(self.trainer_ranks_[0].free_port.remote()))
+            self.rank_actors.append(handle)
+        rank_nodes = [ray.get(h.where.remote()) for h in self.rank_actors]
+        master = (rank_nodes[0][1], ray.get(self.rank_actors[0].free_port.remote()))
         trainer_security = security_for(secrets_dir(self.run_dir), "trainer", True)
         config = embedded_trainer(self.config, model, dtype, self.run_dir, True).model_dump(mode="json")
-        for rank, handle in enumerate(self.trainer_ranks_):
+        for rank, handle in enumerate(self.rank_actors):
             command = trainer_command(config, trainer_security, rank, ranks, master)
             ray.get(handle.start.remote(command, private_files(trainer_security)))
         # The replicas, spread over the nodes; each actor is created once its service has bound.
@@ -288,7 +284,7 @@ class RayProcesses(EmbeddedProcesses):
             ).remote(f"rollout-{i}", replica_command(args, replica_security), private_files(replica_security))
             self.stack.callback(stop_actor, ray, handle)
             self.replicas.append(handle)
-        trainer_address = ray.get(self.trainer_ranks_[0].address.remote(START_TIMEOUT_S))
+        trainer_address = ray.get(self.rank_actors[0].address.remote(START_TIMEOUT_S))
         if trainer_address is None:
             raise RunExit(1, f"the trainer did not bind within {START_TIMEOUT_S:.0f}s")
         wait_healthy_address(trainer_address, "trainer", me, START_TIMEOUT_S)
@@ -312,8 +308,6 @@ class RayProcesses(EmbeddedProcesses):
     def poll_replicas(self) -> list[str]:
         """The addresses of the replicas serving now; one that moved (Ray restarted it) is said once."""
         import ray
-
-        from coordinator.processes import is_serving
 
         assert self.me is not None
         asked = {i: h.status.remote() for i, h in enumerate(self.replicas) if i not in self.gone}
@@ -361,7 +355,7 @@ class RayProcesses(EmbeddedProcesses):
         idle once its service runs; a replica is Ray's to restart)."""
         import ray
 
-        asked = [h.where.remote() for h in self.trainer_ranks_]
+        asked = [h.where.remote() for h in self.rank_actors]
         answered, _ = ray.wait(asked, num_returns=len(asked), timeout=grace_s)
         dead = super().dead(grace_s=0)
         for rank, ref in enumerate(asked):

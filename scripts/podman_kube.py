@@ -32,6 +32,7 @@ from typing import Any
 PLAYED = {"Pod", "PersistentVolumeClaim"}
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 DROPPED = {"PodDisruptionBudget", "NetworkPolicy", "Service"}
+WORKLOADS = ("StatefulSet", "Deployment", "Job")  # (each becomes its pods)
 
 
 def pod_name(workload: dict[str, Any], index: int) -> str:
@@ -57,7 +58,7 @@ def to_podman(
     ``secret_dirs``: the directory standing in for each Secret a volume mounts; ``images``: image names
     to replace by images this machine has, bare root filesystems (given a container runtime's default
     PATH, which podman does not give)."""
-    unknown = {o["kind"] for o in objects} - PLAYED - DROPPED - {"StatefulSet", "Deployment", "Job"}
+    unknown = {o["kind"] for o in objects} - PLAYED - DROPPED - set(WORKLOADS)
     if unknown:
         raise ValueError(f"no podman form for {sorted(unknown)}")
     hosts = ipaddress.ip_network(subnet).hosts()
@@ -65,7 +66,7 @@ def to_podman(
     pods: list[dict[str, Any]] = []
     played: list[dict[str, Any]] = [copy.deepcopy(o) for o in objects if o["kind"] in PLAYED]
     ips: dict[str, str] = {}
-    for workload in (o for o in objects if o["kind"] in ("StatefulSet", "Deployment", "Job")):
+    for workload in (o for o in objects if o["kind"] in WORKLOADS):
         template = workload["spec"]["template"]
         for i in range(count(workload)):
             name = pod_name(workload, i)

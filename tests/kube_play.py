@@ -1,7 +1,8 @@
 """The CPU overlay of deploy/kubernetes played on podman (`podman kube play`), in the closest form podman
 4.3 runs (scripts/podman_kube.py): Pods on a network of their own, each with a static IP, PVCs as podman
-volumes, the run's Secrets as files and podman secrets, the ConfigMap through `--configmap`. Everything
-it makes is named with a prefix of its own and removed at the end."""
+volumes, the run's Secrets as files and podman secrets, the ConfigMap through `--configmap`. Its pods and
+volumes have the manifests' names: it refuses to start where podman already has one, and removes
+everything it made at the end."""
 
 from __future__ import annotations
 
@@ -27,8 +28,12 @@ from tests.containers import LOCAL_BASE, podman_settings
 from tests.kustomize import render
 
 ROOT = Path(__file__).resolve().parent.parent
-ROLES = {"fp8rl-trainer": "trainer", "fp8rl-replica": "replica", "fp8rl-coordinator": "coordinator"}
-ROLES |= {"fp8rl-redis": "redis"}
+ROLES = {  # the Secrets the manifests mount -> the run_secrets role whose files stand in for each
+    "fp8rl-trainer": "trainer",
+    "fp8rl-replica": "replica",
+    "fp8rl-coordinator": "coordinator",
+    "fp8rl-redis": "redis",
+}
 REDIS_PASSWORD = "fp8rl-redis-password"  # (the Secret the manifests' env reads)
 
 
@@ -103,6 +108,15 @@ class Play:
                 return status, logs
             self.play(name)
 
+    def left_over(self, names: dict[str, list[str]]) -> list[str]:
+        """Those of ``names`` (``names()``) that podman has now."""
+        return [
+            f"{kind} {name}"
+            for kind, listed in names.items()
+            for name in listed
+            if self.podman(kind, "exists", name, check=False).returncode == 0
+        ]
+
     def restarts(self, name: str, container: str) -> int:
         """How many times the pod has started the container again (its restart policy)."""
         return int(self.podman("inspect", f"{name}-{container}", "--format", "{{.RestartCount}}").stdout)
@@ -127,7 +141,7 @@ def played(overrides: dict[str, list[str]]) -> Iterator[Play]:
     dirs = {secret: workdir / "secrets" / secret for secret in ROLES}
     play.rendered = objects
     play.objects, play.ips = to_podman(objects, "10.89.77.0/24", dirs, {"redis:7.4": LOCAL_BASE})
-    clash = left_over(play.names() | {"network": []})
+    clash = play.left_over(play.names() | {"network": []})
     if clash:  # (podman names are the host's: never take over, nor remove, what this play did not make)
         shutil.rmtree(workdir)
         raise RuntimeError(f"podman already has {clash}: remove them to play the manifests here")
@@ -168,17 +182,6 @@ def played(overrides: dict[str, list[str]]) -> Iterator[Play]:
         play.podman("secret", "rm", REDIS_PASSWORD, check=False)
         play.podman("network", "rm", "--force", play.network, check=False)
         shutil.rmtree(workdir, ignore_errors=True)
-
-
-def left_over(names: dict[str, list[str]]) -> list[str]:
-    """Those of ``names`` (Play.names) that podman still has."""
-    env = {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin"}
-    return [
-        f"{kind} {name}"
-        for kind, listed in names.items()
-        for name in listed
-        if subprocess.run(["podman", kind, "exists", name], env=env, capture_output=True).returncode == 0
-    ]
 
 
 def wait_for(

@@ -17,7 +17,7 @@ import pytest
 
 from coordinator.metrics import read_metrics
 from tests.containers import IMAGE_BUILD, base_images, build_image, container_engine, podman_usable
-from tests.kube_play import left_over, played, wait_for
+from tests.kube_play import played, wait_for
 
 pytestmark = [
     pytest.mark.slow,
@@ -72,4 +72,4 @@ def test_the_cpu_overlay_plays_on_podman_and_resumes_after_a_trainer_pod_is_kill
         names = play.names()
     assert [r["step"] for r in records] == list(range(STEPS + 1)), log[-4000:]  # every step once
     assert resumed_at >= 1, logs[-3000:]  # from a checkpoint on the shared volume, not from scratch
-    assert not left_over(names), left_over(names)  # nothing left: pods, volumes, network, secret
+    assert not play.left_over(names), play.left_over(names)  # nothing left: pods, volumes, network, secret
