@@ -65,6 +65,7 @@ class Publishing:
             "sync_replicas": len(ok),
             "sync_keyframes": sum(r.encoding == "keyframe" for r in ok),
             "sync_shared_memory": sum(r.plane == "shared-memory" for r in ok),
+            "sync_tcp": sum(r.plane == "tcp" for r in ok),
         }
 
     def deliver(self, version: int, held: dict[str, int]) -> list[trainer_pb2.PublishResult]:

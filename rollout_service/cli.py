@@ -130,9 +130,7 @@ def serve(config: RolloutConfig) -> None:
                 http.stop()
             if metrics:
                 metrics.stop()
-            service.loop.stop()
-            if service.segments is not None:
-                service.segments.close()
+            service.close()
 
         return "", close
 

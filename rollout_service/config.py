@@ -83,6 +83,11 @@ class RolloutConfig(BaseModel):
     """Take weight updates' parts as shared memory from a trainer on this host and in this network
     namespace (fp8rl/codec/segments.py: sealed memfds over an abstract Unix socket, from this user or
     root only); gRPC carries the rest. False: every byte over gRPC."""
+    tcp_updates_port: int | None = Field(0, ge=0, le=65535)
+    """Take weight updates' parts over TCP on host:tcp_updates_port from a trainer that cannot hand them
+    over as shared memory (fp8rl/codec/tcp_plane.py: parallel connections beside the gRPC stream, bytes
+    taken only under tickets the stream names, TLS where the gRPC server has a certificate). 0: a free
+    port (GetStatus names it); unset: off, those bytes go over gRPC."""
     kv_cache_gib: float = Field(1.0, gt=0)
     """KV-cache space on CPU (VLLM_CPU_KVCACHE_SPACE), GiB."""
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)

@@ -30,6 +30,7 @@ from fp8rl.codec.schema import (
 )
 from fp8rl.codec.segments import SegmentInbox
 from fp8rl.codec.stream import decode_parts
+from fp8rl.codec.tcp_plane import TcpInbox, server_context
 from fp8rl.codec.weight_set import WeightSet
 from fp8rl.errors import InvalidRequest, Overloaded, PreconditionFailed
 from fp8rl.prometheus import Sample
@@ -263,6 +264,12 @@ class RolloutService:
         self.max_update_bytes = max_update_bytes(self.schema)
         # Where a trainer on this host hands over updates' parts as shared memory (its name is in status).
         self.segments = SegmentInbox() if config.shared_memory_updates else None
+        # Where a trainer elsewhere sends them over TCP (its port is in status).
+        self.tcp_inbox = (
+            TcpInbox(config.host, config.tcp_updates_port, server_context(security), config.stream_idle_s)
+            if config.tcp_updates_port is not None
+            else None
+        )
         model_config = read_config(config.model)
         self.num_experts = num_experts(model_config) if moe_layers(model_config) else 0
         self._update_lock = threading.Lock()
@@ -273,6 +280,13 @@ class RolloutService:
     @property
     def version(self) -> int:
         return self.loop.version
+
+    def close(self) -> None:
+        """Stop generating and close the data planes' inboxes."""
+        self.loop.stop()
+        for inbox in (self.segments, self.tcp_inbox):
+            if inbox is not None:
+                inbox.close()
 
     def generate(
         self, request: rollout_pb2.GenerateRequest, stream: bool = False, run: bool = False
@@ -433,6 +447,7 @@ class RolloutService:
             weight_epoch=self.held_epoch,
             http_address=self.http_address,
             segment_inbox=self.segments.name if self.segments is not None else "",
+            tcp_updates_port=self.tcp_inbox.port if self.tcp_inbox is not None else 0,
         )
 
     def registration_proof(self) -> str:

@@ -85,7 +85,11 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             # reading thread stops when this call ends, however it ends.
             service = self.service
             parts = receive_parts(
-                chunks, service.max_update_bytes, service.update_public_key, service.segments
+                chunks,
+                service.max_update_bytes,
+                service.update_public_key,
+                service.segments,
+                service.tcp_inbox,
             )
             with contextlib.closing(read_ahead(parts)) as ahead:
                 result = self.service.update_weights(ahead)

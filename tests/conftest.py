@@ -153,7 +153,7 @@ def rollout_fp8(tiny_model_dir_f32: Path) -> Iterator[InProcessRollout]:
     finally:
         channel.close()
         running.stop(0)
-        service.loop.stop()
+        service.close()
 
 
 @pytest.fixture(scope="session")

@@ -138,6 +138,10 @@ class TrainerConfig(LearnerConfig):
     """Hand the parts of each update as shared memory to the replicas on this host and in this network
     namespace that take them (fp8rl/codec/segments.py); gRPC carries the rest, and every byte where a
     replica's inbox is not reachable or the hand-over fails. False: every byte over gRPC."""
+    tcp_update_streams: int = Field(4, ge=0, le=64)
+    """Connections per replica for the parts that cannot go as shared memory, to the TCP port the replica
+    names (fp8rl/codec/tcp_plane.py: beside the gRPC stream, TLS where the trainer's channels have it);
+    gRPC carries them where that port is not reachable or a connection fails. 0: over gRPC."""
     publish_to: list[str] = []
     """host:port of replicas the trainer may publish to besides those that prove they hold the run's
     registration key (their registration_proof); without a key and this list, only loopback replicas."""

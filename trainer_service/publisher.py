@@ -3,14 +3,17 @@ each target a delta against the version it holds (or a keyframe), concurrently, 
 is encoded. A target that refuses a delta (FAILED_PRECONDITION: it holds something else) gets a keyframe
 at once.
 
-A target on this host (its inbox answers: fp8rl/codec/segments.py) gets each part's bytes as shared
-memory, written once for every such target, while the stream carries the headers; where the inbox is
-not reachable, or an update over it fails, the bytes go over gRPC."""
+The stream always carries the headers; each part's bytes take a data plane where the target has one:
+shared memory for a target on this host (its inbox answers: fp8rl/codec/segments.py; written once for
+every such target), else parallel TCP connections to its TCP port (fp8rl/codec/tcp_plane.py), else the
+stream itself. Where a plane cannot be reached the part goes by the next one, and an update that fails
+on a plane is sent again over gRPC."""
 
 from __future__ import annotations
 
 import logging
 import os
+import ssl
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
@@ -25,6 +28,7 @@ from fp8rl.codec.encode import PART_BYTES, EncodedUpdate, changed_fraction, delt
 from fp8rl.codec.schema import build_weight_set
 from fp8rl.codec.segments import hand_over, sealed_segment
 from fp8rl.codec.stream import header_of, update_to_chunks
+from fp8rl.codec.tcp_plane import TcpSender, client_context, new_ticket
 from fp8rl.codec.weight_set import WeightSet
 from fp8rl.recipes import WeightFormat
 from fp8rl.security import SecurityConfig
@@ -32,7 +36,7 @@ from fp8rl.transport import channel
 from fp8rl.v1 import common_pb2, rollout_pb2_grpc, weights_pb2
 
 log = logging.getLogger(__name__)
-SHARED_MEMORY, GRPC = "shared-memory", "grpc"
+SHARED_MEMORY, TCP, GRPC, MIXED = "shared-memory", "tcp", "grpc", "mixed"
 UPDATE_DEADLINE_S = 600.0
 # A refused delta is followed by a keyframe, except where the target is busy, away or refuses the caller:
 # a bigger update would fare no better.
@@ -60,7 +64,16 @@ class Delivery:
     density: float
     seconds: float
     error: str = ""
-    plane: str = GRPC  # what carried the data (SHARED_MEMORY: every part)
+    plane: str = GRPC  # what carried the data: one plane for every part, or MIXED
+
+
+@dataclass
+class Reach:
+    """A target's data planes, as its status names them: its segment inbox ("": none usable from here)
+    and its TCP port (0: none, or not reachable from here)."""
+
+    inbox: str = ""
+    tcp_port: int = 0
 
 
 class Publisher:
@@ -73,19 +86,22 @@ class Publisher:
         part_bytes: int = PART_BYTES,
         high_precision: Collection[str] = frozenset(),
         shared_memory: bool = True,
+        tcp_streams: int = 4,
     ) -> None:
         """``part_bytes``: tensor bytes per part of a streamed update (fp8rl.codec.encode);
         ``high_precision``: the block linears (module names) an FP8 format ships in ``hp_dtype``
-        (fp8rl.architectures); ``shared_memory``: hand parts to same-host targets as shared memory."""
+        (fp8rl.architectures); ``shared_memory``: hand parts to same-host targets as shared memory;
+        ``tcp_streams``: connections per target on its TCP plane (0: the plane is not used)."""
         self.weight_format, self.hp_dtype, self.recipe = weight_format, hp_dtype, recipe
         self.high_precision = frozenset(high_precision)
         self.part_bytes = part_bytes
         self.security = security or SecurityConfig()
         self.signer = self.security.update_signing_key()  # every update is signed with it (fp8rl.security)
         self.last: tuple[int, WeightSet] | None = None  # the one base any delta is computed against
-        self.shared_memory = shared_memory
+        self.shared_memory, self.tcp_streams = shared_memory, tcp_streams
+        self._tcp_tls = client_context(self.security) if tcp_streams else None
         self._channels: dict[str, grpc.Channel] = {}
-        self._inboxes: dict[str, str] = {}  # address -> its segment inbox ("": none usable from here)
+        self._reach: dict[str, Reach] = {}  # address -> its data planes, asked once
         self._channels_lock = threading.Lock()
         self._publish_lock = threading.Lock()
 
@@ -169,25 +185,26 @@ class Publisher:
     def _send(self, address: str, update: _Streamed, fresh: bool = False) -> str:
         """Stream ``update`` to ``address``; returns the plane that carried its data."""
         stub = rollout_pb2_grpc.RolloutStub(self._channel(address))
-        inbox = self._inbox(address, stub, fresh)
-        if inbox:
-            carried: list[str] = []
+        reach = self._reach_of(address, stub, fresh)
+        if reach.inbox or reach.tcp_port:
+            planes = _Planes(reach, address, self.tcp_streams, self._tcp_tls)
             try:
-                stub.UpdateWeights(update.chunks(inbox, carried), timeout=UPDATE_DEADLINE_S)
+                stub.UpdateWeights(update.chunks(planes), timeout=UPDATE_DEADLINE_S)
             except grpc.RpcError as exc:
-                self._inboxes.pop(address, None)  # asked again next time
-                # The plane itself failed (a segment the replica could not take): nothing changed there
-                # (an update lands whole or not at all), and the same bytes go over gRPC.
-                plane_failed = exc.code() == grpc.StatusCode.INVALID_ARGUMENT and "shared" in (
-                    exc.details() or ""
-                )
+                planes.close(abort=True)
+                self._reach.pop(address, None)  # asked again next time
+                # The plane itself failed (a segment the replica could not take, a connection that broke):
+                # nothing changed there (an update lands whole or not at all), and the same bytes go over
+                # gRPC.
+                details = exc.details() or ""
+                named = "shared" in details or "tcp" in details
+                plane_failed = planes.broken or (exc.code() == grpc.StatusCode.INVALID_ARGUMENT and named)
                 if not plane_failed or update.error is not None:
                     raise
-                log.warning("update to %s over shared memory failed (%s); over gRPC", address, exc.details())
+                log.warning("update to %s over %s failed (%s); over gRPC", address, planes.plane, details)
             else:
-                if SHARED_MEMORY not in carried:  # out of reach from here: not asked again
-                    self._inboxes[address] = ""
-                return SHARED_MEMORY if set(carried) == {SHARED_MEMORY} else GRPC
+                planes.close()
+                return planes.plane
         stub.UpdateWeights(update.chunks(), timeout=UPDATE_DEADLINE_S)
         return GRPC
 
@@ -198,24 +215,67 @@ class Publisher:
                 self._channels[address] = channel(address, self.security, "rollout", bulk=True)
             return self._channels[address]
 
-    def _inbox(self, address: str, stub: rollout_pb2_grpc.RolloutStub, fresh: bool) -> str:
-        """The target's segment inbox, asked once per address, and again when the target holds nothing
-        (``fresh``: a replica that restarted names a new inbox) or an update to it failed."""
-        if not self.shared_memory:
-            return ""
-        if fresh or address not in self._inboxes:
+    def _reach_of(self, address: str, stub: rollout_pb2_grpc.RolloutStub, fresh: bool) -> Reach:
+        """The target's data planes, asked once per address, and again when the target holds nothing
+        (``fresh``: a replica that restarted names a new inbox and port) or an update to it failed."""
+        if not self.shared_memory and not self.tcp_streams:
+            return Reach()
+        if fresh or address not in self._reach:
             try:
                 status = stub.GetStatus(common_pb2.GetStatusRequest(), timeout=10)
-                self._inboxes[address] = status.segment_inbox
             except grpc.RpcError:
-                return ""  # (the update itself says what is wrong)
-        return self._inboxes[address]
+                return Reach()  # (the update itself says what is wrong)
+            self._reach[address] = Reach(
+                status.segment_inbox if self.shared_memory else "",
+                status.tcp_updates_port if self.tcp_streams else 0,
+            )
+        return self._reach[address]
 
     def close(self) -> None:
         with self._channels_lock:
             for channel in self._channels.values():
                 channel.close()
             self._channels.clear()
+
+
+class _Planes:
+    """Where one stream to one target sends each part's bytes: its inbox while hand-overs succeed, else
+    its TCP plane while its connections hold (made when a part first needs them), else the stream. What
+    turns out to be out of reach from here is marked in the target's ``reach``, so that later updates do
+    not try it again."""
+
+    def __init__(self, reach: Reach, address: str, streams: int, tls: ssl.SSLContext | None) -> None:
+        self.reach, self.streams, self.tls = reach, streams, tls
+        self.host = address.rsplit(":", 1)[0].strip("[]")
+        self.inbox = reach.inbox  # "" once a hand-over fails: the rest of this stream goes another way
+        self.carried: list[str] = []
+        self.sender: TcpSender | None = None
+        self.broken = False  # a TCP connection failed during the update
+
+    def tcp_sender(self) -> TcpSender | None:
+        """The connections to the target's TCP plane (None: it has none, cannot be reached, or failed)."""
+        if self.sender is None and self.reach.tcp_port:
+            try:
+                self.sender = TcpSender(self.host, self.reach.tcp_port, self.streams, self.tls)
+            except OSError as exc:
+                log.info("no TCP plane to %s:%d (%s)", self.host, self.reach.tcp_port, exc)
+                self.reach.tcp_port = 0  # (out of reach: not tried again until the target is asked again)
+        if self.sender is not None and self.sender.failed:
+            self.broken = True
+            return None
+        return self.sender
+
+    @property
+    def plane(self) -> str:
+        used = set(self.carried)
+        return used.pop() if len(used) == 1 else MIXED if used else GRPC
+
+    def close(self, abort: bool = False) -> None:
+        if self.reach.inbox and SHARED_MEMORY not in self.carried:
+            self.reach.inbox = ""  # out of reach from here (another host or network namespace)
+        if self.sender is not None:
+            self.broken = self.broken or self.sender.failed
+            self.sender.abort() if abort else self.sender.close()
 
 
 class _Streamed:
@@ -268,22 +328,32 @@ class _Streamed:
                 self._done = True
                 self._ready.notify_all()
 
-    def chunks(self, inbox: str = "", carried: list[str] | None = None) -> Iterator[weights_pb2.WeightChunk]:
-        """The stream's messages, each part's as soon as it is encoded; with the target's ``inbox``, each
-        part's data as a shared segment where the inbox takes it (``carried`` gets each part's plane). A
+    def chunks(self, planes: _Planes | None = None) -> Iterator[weights_pb2.WeightChunk]:
+        """The stream's messages, each part's as soon as it is encoded; with the target's ``planes``, each
+        part's data by the first of them that takes it (``planes.carried`` gets each part's plane). A
         failed encode ends the stream with an error (gRPC cancels the call, and the target puts back what
         it applied)."""
         for part, header in self._signed():
-            token = self._hand_over(inbox, header.part, part) if inbox else None
-            if token is None:
-                inbox = ""  # (one hand-over failed: the rest of this stream goes over gRPC)
-            if carried is not None:
-                carried.append(SHARED_MEMORY if token is not None else GRPC)
-            if token is None:
+            if planes is None:
                 yield from update_to_chunks(part, header=header)
-            else:
+                continue
+            token = self._hand_over(planes.inbox, header.part, part) if planes.inbox else None
+            if token is None:
+                planes.inbox = ""  # (the rest of this stream goes another way)
+            sender = planes.tcp_sender() if token is None else None
+            if token is not None:
+                planes.carried.append(SHARED_MEMORY)
                 yield weights_pb2.WeightChunk(header=header)
                 yield weights_pb2.WeightChunk(shared=weights_pb2.SharedSegment(token=token))
+            elif sender is not None:
+                ticket = new_ticket()
+                sender.send(ticket, part.segments)  # (its frames wait at the replica until it is named)
+                planes.carried.append(TCP)
+                yield weights_pb2.WeightChunk(header=header)
+                yield weights_pb2.WeightChunk(tcp=weights_pb2.TcpPart(ticket=ticket))
+            else:
+                planes.carried.append(GRPC)
+                yield from update_to_chunks(part, header=header)
 
     def _hand_over(self, inbox: str, index: int, part: EncodedUpdate) -> bytes | None:
         """The token under which ``inbox`` took part ``index``; None where it did not (its segment could

@@ -151,6 +151,7 @@ class TrainerService:
             config.security,
             high_precision=config.fp8_plan.high_precision,
             shared_memory=config.shared_memory_updates,
+            tcp_streams=config.tcp_update_streams,
         )
         self.registration_key = config.security.registration_key()  # checks replicas' proofs
         self.run_id = ""

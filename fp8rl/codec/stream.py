@@ -15,6 +15,7 @@ from fp8rl.codec.decode import Admit, DecodedUpdate, UpdateDecoder
 from fp8rl.codec.encode import EncodedUpdate
 from fp8rl.codec.layout import MAX_PARTS
 from fp8rl.codec.segments import SegmentInbox
+from fp8rl.codec.tcp_plane import TcpInbox
 from fp8rl.codec.weight_set import WeightSet, bytes_digest
 from fp8rl.errors import CorruptUpdateError
 from fp8rl.security import PartHash, sign_update, verify_update
@@ -77,15 +78,17 @@ def receive_parts(
     max_bytes: int | None = None,
     verifier: Ed25519PublicKey | None = None,
     inbox: SegmentInbox | None = None,
+    tcp: TcpInbox | None = None,
 ) -> Iterator[tuple[weights_pb2.WeightHeader, bytearray]]:
     """Reassemble a chunk stream part by part, yielding each part's header and blob (writable: it is
     decoded in place) as soon as the part is whole. Raises :class:`CorruptUpdateError` unless every part is
     one header followed by data whose total size and header digest match it, the headers number the
     parts 0, 1, ... up to their count and agree on everything else, and all parts together stay within
     ``max_bytes``; with the trainer's public key (``verifier``), :class:`~fp8rl.errors.Unauthenticated`
-    unless every part's signature verifies (each before a byte of it is yielded). A part may come as one
-    shared segment instead of data chunks, read from ``inbox`` (none: refused) and checked the same
-    way over the bytes read."""
+    unless every part's signature verifies (each before a byte of it is yielded). A part may come on a
+    data plane instead of data chunks, as one shared segment read from ``inbox`` or one TCP ticket
+    whose bytes ``tcp`` receives (either missing: refused), and is checked the same way over the bytes
+    read."""
     stream = iter(chunks)
     chunk = next(stream, None)
     if chunk is None or chunk.WhichOneof("part") != "header":
@@ -110,10 +113,16 @@ def receive_parts(
             verify_update(*check, "")  # refused before a byte of data is read
         assembler = Reassembler(header.total_bytes, header.digest, budget)  # (bounds total_bytes)
         chunk = next(stream, None)
-        if chunk is not None and chunk.WhichOneof("part") == "shared":
-            if inbox is None:
-                raise CorruptUpdateError("shared: this replica takes no shared-memory segments")
-            blob = inbox.take(chunk.shared.token, header.total_bytes)
+        plane = chunk.WhichOneof("part") if chunk is not None else None
+        if chunk is not None and plane in ("shared", "tcp"):
+            if plane == "shared":
+                if inbox is None:
+                    raise CorruptUpdateError("shared: this replica takes no shared-memory segments")
+                blob = inbox.take(chunk.shared.token, header.total_bytes)
+            else:
+                if tcp is None:
+                    raise CorruptUpdateError("tcp: this replica takes no updates over TCP")
+                blob = tcp.take(chunk.tcp.ticket, header.total_bytes)
             if check is not None:
                 check[1].update(memoryview(blob))
             check_part(blob, header.digest)

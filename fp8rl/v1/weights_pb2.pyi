@@ -37,15 +37,23 @@ class SharedSegment(_message.Message):
     token: bytes
     def __init__(self, token: _Optional[bytes] = ...) -> None: ...
 
+class TcpPart(_message.Message):
+    __slots__ = ("ticket",)
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    ticket: bytes
+    def __init__(self, ticket: _Optional[bytes] = ...) -> None: ...
+
 class WeightChunk(_message.Message):
-    __slots__ = ("header", "data", "shared")
+    __slots__ = ("header", "data", "shared", "tcp")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     SHARED_FIELD_NUMBER: _ClassVar[int]
+    TCP_FIELD_NUMBER: _ClassVar[int]
     header: WeightHeader
     data: bytes
     shared: SharedSegment
-    def __init__(self, header: _Optional[_Union[WeightHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., shared: _Optional[_Union[SharedSegment, _Mapping]] = ...) -> None: ...
+    tcp: TcpPart
+    def __init__(self, header: _Optional[_Union[WeightHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., shared: _Optional[_Union[SharedSegment, _Mapping]] = ..., tcp: _Optional[_Union[TcpPart, _Mapping]] = ...) -> None: ...
 
 class UpdateWeightsResponse(_message.Message):
     __slots__ = ("version", "encoding", "bytes_received", "tensors_updated", "apply_s")

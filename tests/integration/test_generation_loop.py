@@ -185,7 +185,7 @@ def test_failed_apply_refuses_work_until_a_keyframe(tiny_model_dir: Path) -> Non
     result = service.update_weights([(header_of(keyframe), bytearray(to_bytes(keyframe)))])
     assert (result.version, result.encoding) == (1, "keyframe") and not service.status().needs_keyframe
     assert [c.weight_version for c in service.generate(request)] == [1]
-    service.loop.stop()
+    service.close()
 
 
 def test_stopping_releases_an_update_that_never_ran() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -20,7 +21,7 @@ from fp8rl.codec.weight_set import WeightSet
 from fp8rl.v1 import common_pb2, rollout_pb2, weights_pb2
 from tests.conftest import InProcessRollout
 from tests.support import load_reference, reference_logprobs, set_weights
-from trainer_service.publisher import Publisher, Target
+from trainer_service.publisher import Publisher, Reach, Target
 
 FP8 = "fp8-block128"
 
@@ -329,36 +330,51 @@ def test_an_update_streamed_in_parts_is_applied_whole_or_not_at_all(rollout_fp8:
     assert_engine_holds(rollout_fp8, new)
 
 
-def test_same_host_updates_go_as_shared_memory_unless_off_or_out_of_reach(
+def test_each_update_takes_the_first_data_plane_that_reaches_the_replica(
     rollout_fp8: InProcessRollout,
 ) -> None:
-    """The publisher finds the replica's inbox (GetStatus) and hands it each part as shared memory: a
-    keyframe, then a delta, reach the engine bit for bit. Turned off, or with an inbox it cannot reach
-    (another host or network namespace), the same updates go over gRPC."""
+    """The publisher finds the replica's planes (GetStatus): on this host, it hands it each part as shared
+    memory; with shared memory off (or out of reach: another network namespace), it sends the parts over
+    the replica's TCP port on parallel connections; with both off or out of reach, over gRPC. A keyframe,
+    then deltas, reach the engine bit for bit on every plane."""
     address, model_dir = rollout_fp8.server.address, rollout_fp8.model_dir
-    assert rollout_fp8.stub.GetStatus(common_pb2.GetStatusRequest()).segment_inbox.startswith(
-        "fp8rl-segments-"
-    )
-    sets = [build_weight_set(random_state(model_dir, seed), FP8, hp_dtype=torch.float32) for seed in range(4)]
+    status = rollout_fp8.stub.GetStatus(common_pb2.GetStatusRequest())
+    assert status.segment_inbox.startswith("fp8rl-segments-") and status.tcp_updates_port > 0
+    with socket.socket() as unused:  # (a port nobody listens on)
+        unused.bind(("127.0.0.1", 0))
+        closed_port = unused.getsockname()[1]
+    sets = [build_weight_set(random_state(model_dir, seed), FP8, hp_dtype=torch.float32) for seed in range(6)]
     publishers = {
-        "on": Publisher(FP8, torch.float32, "fp8", part_bytes=64 * 1024),
-        "off": Publisher(FP8, torch.float32, "fp8", shared_memory=False),
+        "shared-memory": Publisher(FP8, torch.float32, "fp8", part_bytes=64 * 1024),
+        "tcp": Publisher(FP8, torch.float32, "fp8", part_bytes=64 * 1024, shared_memory=False, tcp_streams=3),
+        "tcp, shared memory out of reach": Publisher(FP8, torch.float32, "fp8", part_bytes=64 * 1024),
+        "off": Publisher(FP8, torch.float32, "fp8", shared_memory=False, tcp_streams=0),
         "out of reach": Publisher(FP8, torch.float32, "fp8"),
     }
-    publishers["out of reach"]._inboxes[address] = "fp8rl-segments-elsewhere"
+    publishers["tcp, shared memory out of reach"]._reach[address] = Reach(
+        "fp8rl-segments-elsewhere", status.tcp_updates_port
+    )
+    publishers["out of reach"]._reach[address] = Reach("fp8rl-segments-elsewhere", closed_port)
     try:
         held = -1
-        for version, (name, publisher) in enumerate([("on", publishers["on"]), *publishers.items()], 60):
+        runs = [("shared-memory", publishers["shared-memory"]), *publishers.items()]
+        for version, (name, publisher) in enumerate(runs, 60):
             weights = sets[version - 60]
             publisher.last = (held, sets[held - 60]) if held >= 60 else None
             [delivery] = publisher.publish(version, dict, [Target(address, held)], built=weights)
-            expected = ("keyframe" if held < 0 else "delta", "shared-memory" if name == "on" else "grpc")
+            plane = name.split(",")[0] if name.startswith(("shared", "tcp")) else "grpc"
+            expected = ("keyframe" if held < 0 else "delta", plane)
             assert delivery.ok and (delivery.encoding, delivery.plane) == expected, (name, delivery)
             assert_engine_holds(rollout_fp8, weights)
             held = version
     finally:
         for publisher in publishers.values():
             publisher.close()
+    assert rollout_fp8.service.tcp_inbox is not None
+    deadline = time.monotonic() + 10
+    while rollout_fp8.service.tcp_inbox.connections() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert rollout_fp8.service.tcp_inbox.connections() == 0  # every connection closed with its update
 
 
 def test_no_completion_mixes_weight_versions(rollout_fp8: InProcessRollout) -> None:

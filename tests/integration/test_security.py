@@ -483,7 +483,7 @@ def replica_process_state(
     finally:
         as_trainer.close()
         running.stop(0)
-        service.loop.stop()
+        service.close()
 
 
 def test_a_restarted_replica_refuses_a_replayed_older_update(
