@@ -31,9 +31,11 @@ import argparse
 import contextlib
 import math
 import os
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -50,10 +52,13 @@ from fp8rl.codec.encode import PART_BYTES
 from fp8rl.codec.schema import build_weight_set
 from fp8rl.codec.segments import SegmentInbox
 from fp8rl.codec.stream import MESSAGE_BYTES, Reassembler, decode_parts, receive_parts
+from fp8rl.codec.tcp_plane import TcpInbox, server_context
 from fp8rl.codec.weight_set import WeightSet
 from fp8rl.recipes import WEIGHT_FORMATS
+from fp8rl.run_secrets import security_for
 from fp8rl.security import SecurityConfig
 from fp8rl.serving import read_ahead, start_server
+from fp8rl.transport import channel
 from fp8rl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, weights_pb2
 from trainer_service.publisher import Publisher, Target
 
@@ -62,15 +67,18 @@ class StoringReplica(rollout_pb2_grpc.RolloutServicer):
     """A replica whose engine only stores the tensors: verification and decoding as the real one does
     them (rollout_service/service.py), then a reference swap. ``raw`` streams are received and dropped."""
 
-    def __init__(self) -> None:
+    def __init__(self, host: str, security: SecurityConfig) -> None:
         self.held: WeightSet | None = None
         self.version = -1
-        self.inbox = SegmentInbox()  # the same-host data plane, as a replica keeps one
+        self.inbox = SegmentInbox()  # the data planes, as a replica keeps them
+        self.tcp = TcpInbox(host, 0, server_context(security))
 
     def GetStatus(
         self, request: common_pb2.GetStatusRequest, context: grpc.ServicerContext
     ) -> rollout_pb2.RolloutStatus:
-        return rollout_pb2.RolloutStatus(weight_version=self.version, segment_inbox=self.inbox.name)
+        return rollout_pb2.RolloutStatus(
+            weight_version=self.version, segment_inbox=self.inbox.name, tcp_updates_port=self.tcp.port
+        )
 
     def UpdateWeights(
         self, request_iterator: Iterable[weights_pb2.WeightChunk], context: grpc.ServicerContext
@@ -84,7 +92,9 @@ class StoringReplica(rollout_pb2_grpc.RolloutServicer):
             return weights_pb2.UpdateWeightsResponse(encoding="raw", bytes_received=first.header.total_bytes)
         # Signed updates are verified, as a replica with the trainer's public key does.
         verifier = BENCH_KEY.public_key() if first.header.signature else None
-        parts = receive_parts(_prepend(first, stream), max_bytes=1 << 36, verifier=verifier, inbox=self.inbox)
+        parts = receive_parts(
+            _prepend(first, stream), max_bytes=1 << 36, verifier=verifier, inbox=self.inbox, tcp=self.tcp
+        )
         with contextlib.closing(read_ahead(parts)) as ahead:
             decoded, received = decode_parts(
                 ahead, self.held, self.version if self.held is not None else None
@@ -93,6 +103,26 @@ class StoringReplica(rollout_pb2_grpc.RolloutServicer):
         return weights_pb2.UpdateWeightsResponse(
             version=decoded.version, encoding=decoded.encoding, bytes_received=received
         )
+
+
+PLANES = {"shared": "shared-memory", "tcp": "tcp"}  # the plane each mode's updates must take
+NETNS_TRAINER, NETNS_REPLICA = "10.78.0.1", "10.78.0.2"
+
+
+def veth_namespace(name: str) -> list[str]:
+    """A network namespace ``name`` joined to this one by a veth pair (this end NETNS_TRAINER, that end
+    NETNS_REPLICA); the command prefix that runs a process in it. Removed by ``ip netns del``."""
+    for command in (
+        f"ip netns add {name}",
+        f"ip link add fp8b{os.getpid()} type veth peer name eth0 netns {name}",
+        f"ip addr add {NETNS_TRAINER}/30 dev fp8b{os.getpid()}",
+        f"ip link set fp8b{os.getpid()} up",
+        f"ip -n {name} addr add {NETNS_REPLICA}/30 dev eth0",
+        f"ip -n {name} link set eth0 up",
+        f"ip -n {name} link set lo up",
+    ):
+        subprocess.run(command.split(), check=True)
+    return ["ip", "netns", "exec", name]
 
 
 # The signed rows' update-signing key (both processes derive it; a real replica holds the public key only).
@@ -104,19 +134,68 @@ def _prepend(first: weights_pb2.WeightChunk, rest: Iterator[weights_pb2.WeightCh
     yield from rest
 
 
-def serve_replica() -> None:
-
+def serve_replica(host: str, security: SecurityConfig) -> None:
     running = start_server(
-        lambda s: rollout_pb2_grpc.add_RolloutServicer_to_server(StoringReplica(), s),
+        lambda s: rollout_pb2_grpc.add_RolloutServicer_to_server(StoringReplica(host, security), s),
         ["fp8rl.v1.Rollout"],
+        host=host,
         port=0,
+        security=security,
     )
-    print(f"replica bound to {running.address}", flush=True)
+    raw = socket.create_server((host, 0))
+    threading.Thread(target=raw_receiver, args=(raw,), daemon=True).start()
+    print(f"replica bound to {running.address} raw {raw.getsockname()[1]}", flush=True)
     sys.stdin.read()  # until the bench closes our stdin
     running.stop(0)
 
 
-def raw_seconds(address: str, nbytes: int) -> float:
+def raw_receiver(listener: socket.socket) -> None:
+    """The raw TCP baseline's receiving end: each connection announces its byte count (8 bytes), then
+    sends that many, read into one buffer (as any receiver of weights must keep them), then gets one
+    byte back."""
+    while True:
+        conn, _ = listener.accept()
+        threading.Thread(target=_receive_raw, args=(conn,), daemon=True).start()
+
+
+def _receive_raw(conn: socket.socket) -> None:
+    with conn:
+        size = int.from_bytes(conn.recv(8, socket.MSG_WAITALL), "little")
+        view, done = memoryview(bytearray(size)), 0
+        while done < size:
+            n = conn.recv_into(view[done:], min(size - done, 4 << 20))
+            if n <= 0:
+                return
+            done += n
+        conn.sendall(b"+")
+
+
+def raw_tcp_seconds(host: str, port: int, nbytes: int, streams: int) -> float:
+    """The best of two sends of ``nbytes`` over ``streams`` plain TCP connections at once (each a
+    contiguous share, from one buffer, into a fresh buffer at the replica): what the link gives Python."""
+    payload = memoryview(np.full(nbytes, 7, dtype=np.uint8).data).cast("B")
+    share = -(-nbytes // streams)
+
+    def send(start: int) -> None:
+        with socket.create_connection((host, port)) as conn:
+            piece = payload[start : start + share]
+            conn.sendall(len(piece).to_bytes(8, "little"))
+            conn.sendall(piece)
+            assert conn.recv(1) == b"+"
+
+    best = math.inf
+    for _ in range(2):
+        start = time.perf_counter()
+        threads = [threading.Thread(target=send, args=(i * share,)) for i in range(streams)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def raw_seconds(address: str, nbytes: int, security: SecurityConfig) -> float:
     """Stream ``nbytes`` in the codec's chunk size over the same RPC, no codec at either end: the sender
     cuts pieces of a buffer, the receiver keeps them in one."""
     payload = np.full(nbytes, 7, dtype=np.uint8).data
@@ -126,8 +205,8 @@ def raw_seconds(address: str, nbytes: int) -> float:
         for start in range(0, nbytes, MESSAGE_BYTES):
             yield weights_pb2.WeightChunk(data=bytes(payload[start : start + MESSAGE_BYTES]))
 
-    with grpc.insecure_channel(address) as channel:
-        stub = rollout_pb2_grpc.RolloutStub(channel)
+    with channel(address, security, "rollout", bulk=True) as link:
+        stub = rollout_pb2_grpc.RolloutStub(link)
         stub.UpdateWeights(chunks(), timeout=600)  # connect and warm up
         start = time.perf_counter()
         reply = stub.UpdateWeights(chunks(), timeout=600)
@@ -163,14 +242,30 @@ def main() -> None:
         action="store_true",
         help="trainer on the first half of the cores, replica on the rest, as on two machines",
     )
+    parser.add_argument(
+        "--netns",
+        action="store_true",
+        help="the replica in a network namespace of its own, across a veth pair (root; as on another host)",
+    )
+    parser.add_argument(
+        "--tls", action="store_true", help="with --netns: mutual TLS (else tokens, plaintext)"
+    )
     parser.add_argument("--replica", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
+    parser.add_argument("--secrets", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.split_cores:
         cores = list(range(os.cpu_count() or 2))  # (the replica inherits the trainer's half: not those)
         half = max(1, len(cores) // 2)
         os.sched_setaffinity(0, cores[half:] if args.replica else cores[:half])
     if args.replica:
-        serve_replica()
+        secured = args.secrets is not None
+        security = SecurityConfig()
+        if secured:
+            security = security_for(args.secrets, "replica", args.tls).model_copy(
+                update={"allow_plaintext": not args.tls}
+            )
+        serve_replica(args.host, security)
         return
     from codec import qwen2_05b_shapes
 
@@ -178,29 +273,45 @@ def main() -> None:
     master = {
         n: torch.randn(s) * (0.02 if len(s) == 2 else 1.0) for n, s in qwen2_05b_shapes(args.layers).items()
     }
+    work = Path(tempfile.mkdtemp())
+    trainer_security, prefix, host = SecurityConfig(), [], "127.0.0.1"
+    replica_args = ["--split-cores"] if args.split_cores else []
+    if args.netns:
+        secrets_dir = work / "secrets"
+        trainer_security = security_for(secrets_dir, "trainer", args.tls)
+        prefix, host = veth_namespace(f"fp8rl-bench-{os.getpid()}"), NETNS_REPLICA
+        replica_args += ["--host", host, "--secrets", str(secrets_dir), *(["--tls"] if args.tls else [])]
     replica = subprocess.Popen(
-        [sys.executable, __file__, "--replica", *(["--split-cores"] if args.split_cores else [])],
+        [*prefix, sys.executable, __file__, "--replica", *replica_args],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
     )
     try:
         line = replica.stdout.readline() if replica.stdout else ""
-        address = line.rsplit(" ", 1)[-1].strip()
-        print(f"model: Qwen2-0.5B shapes, {args.layers} layers, format {args.format}, replica at {address}")
+        address, raw_port = line.split()[-3], int(line.split()[-1])
+        link = (
+            ("across a veth pair, " + ("mutual TLS" if args.tls else "tokens, plaintext"))
+            if args.netns
+            else "loopback"
+        )
+        shapes = f"Qwen2-0.5B shapes, {args.layers} layers, format {args.format}"
+        print(f"model: {shapes}, replica at {address} ({link})")
         print(
             f"{'update':17} {'wire MB':>9} {'set MB':>8} {'build s':>8} {'send s':>7} {'ours s':>8} "
             f"{'raw wire s':>10} "
             f"{'raw set s':>9} {'raw/ours wire':>13} {'raw set/ours':>12} {'raw set/send':>12}"
         )
-        key_file = Path(tempfile.mkdtemp()) / "update-signing.key"
+        key_file = work / "update-signing.key"
         key_file.write_bytes(BENCH_KEY.private_bytes(Encoding.PEM, PrivateFormat.PKCS8, NoEncryption()))
         steps: list[tuple[float | None, dict[str, torch.Tensor]]] = [(None, master)]
         for step_size in (1e-4, 1e-5, 1e-6):
             master = {n: w + step_size * w.abs() * torch.randn(w.shape) for n, w in master.items()}
             steps.append((step_size, master))
         send_s: dict[tuple[str, str], float] = {}  # (update, mode)
-        warm_up = Publisher(args.format, torch.bfloat16, args.format)  # first-touch of both processes' memory
+        warm_up = Publisher(
+            args.format, torch.bfloat16, args.format, trainer_security
+        )  # first-touch of both processes' memory
         warm_up.publish(0, lambda: master, [Target(address, -1)])
         warm_up.close()
         # The same updates sent as one part (encoded whole, then sent, then decoded whole), streamed in
@@ -211,12 +322,24 @@ def main() -> None:
         # drifts).
         # ``shared``: signed and streamed as ``signed``, the parts' bytes handed over as shared memory
         # (fp8rl/codec/segments.py) instead of gRPC's data chunks.
-        for mode in ("whole", "parts", "signed", "shared", "shared", "signed", "parts", "whole"):
-            signed = mode in ("signed", "shared")
-            security = SecurityConfig(update_signing_key_file=key_file) if signed else None
+        # ``tcp``: the same, the parts' bytes over the replica's TCP plane (fp8rl/codec/tcp_plane.py) on
+        # four connections.
+        planes = ("tcp",) if args.netns else ("shared", "tcp")
+        order = ("whole", "parts", "signed", *planes)
+        for mode in order + order[::-1]:
+            signed = mode in ("signed", "shared", "tcp")
+            security = trainer_security.model_copy(
+                update={"update_signing_key_file": key_file if signed else None}
+            )
             part_bytes = sys.maxsize if mode == "whole" else PART_BYTES
             publisher = Publisher(
-                args.format, torch.bfloat16, args.format, security, part_bytes, shared_memory=mode == "shared"
+                args.format,
+                torch.bfloat16,
+                args.format,
+                security,
+                part_bytes,
+                shared_memory=mode == "shared",
+                tcp_streams=4 if mode == "tcp" else 0,
             )
             held = -1
             for version, (relative, step_master) in enumerate(steps):
@@ -226,10 +349,11 @@ def main() -> None:
                 [delivery] = publisher.publish(version, lambda: weights, [Target(address, held)])  # noqa: B023
                 ours = time.perf_counter() - start
                 assert delivery.ok, delivery.error
-                assert delivery.plane == ("shared-memory" if mode == "shared" else "grpc"), delivery.plane
+                assert delivery.plane == PLANES.get(mode, "grpc"), delivery.plane
                 held = version
                 set_bytes = publisher.last[1].nbytes if publisher.last else 0
-                wire, whole = raw_seconds(address, delivery.wire_bytes), raw_seconds(address, set_bytes)
+                wire = raw_seconds(address, delivery.wire_bytes, trainer_security)
+                whole = raw_seconds(address, set_bytes, trainer_security)
                 label = ("keyframe" if relative is None else f"delta {relative:.0e}") + f" {mode}"
                 kind = label.rsplit(" ", 1)[0]
                 send_s[kind, mode] = min(send_s.get((kind, mode), math.inf), delivery.seconds)
@@ -242,7 +366,10 @@ def main() -> None:
             ("streamed / whole", "parts", "whole"),
             ("signed / unsigned", "signed", "parts"),
             ("shared memory / gRPC", "shared", "signed"),
+            ("TCP plane / gRPC", "tcp", "signed"),
         ):
+            if mode not in order:
+                continue
             compared = [
                 f"{kind} {send_s[kind, mode] / send_s[kind, against]:.2f}x" for kind, m in send_s if m == mode
             ]
@@ -251,16 +378,28 @@ def main() -> None:
         # replica's set) at >= 0.5 of a plain copy of its bytes, measured now.
         keyframe_bytes = publisher.last[1].nbytes if publisher.last else 0
         copy = memcpy_seconds(keyframe_bytes)
-        for mode in ("shared", "signed"):
+        for mode in (*planes, "signed"):
             best = send_s["keyframe", mode]
             print(
                 f"keyframe {mode}: {keyframe_bytes / best / 1e9:.2f} GB/s delivered, memcpy "
                 f"{keyframe_bytes / copy / 1e9:.2f} GB/s: {copy / best:.2f} of memcpy"
             )
+        # The across-hosts goal: a keyframe over the TCP plane at >= 0.7 of plain TCP on the same link (the
+        # same bytes from one buffer into a fresh one at the replica, on 1 and on 4 connections).
+        raw = {
+            streams: raw_tcp_seconds(address.rsplit(":", 1)[0], raw_port, keyframe_bytes, streams)
+            for streams in (1, 4)
+        }
+        for streams, seconds in raw.items():
+            print(f"raw TCP, {streams} connection(s): {keyframe_bytes / seconds / 1e9:.2f} GB/s")
+        best = send_s["keyframe", "tcp"]
+        print(f"keyframe tcp: {min(raw.values()) / best:.2f} of raw TCP's best (plaintext, no codec)")
     finally:
         if replica.stdin:
             replica.stdin.close()
         replica.wait(timeout=60)
+        if args.netns:
+            subprocess.run(["ip", "netns", "del", f"fp8rl-bench-{os.getpid()}"], check=False)
 
 
 if __name__ == "__main__":

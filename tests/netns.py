@@ -249,7 +249,7 @@ def network(names: Sequence[str], log_dir: Path) -> Iterator[Network]:
 
 REPLICAS = ("rollout-a", "rollout-b")
 NODES = ("redis", "trainer", *REPLICAS, "coordinator", "coordinator-2")
-PORTS = {"redis": [6379], "trainer": [50052], **{r: [50051] for r in REPLICAS}}
+PORTS = {"redis": [6379], "trainer": [50052], **{r: [50051, 50053] for r in REPLICAS}}  # (50053: TCP plane)
 
 
 class ComposeNetwork:

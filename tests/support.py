@@ -299,7 +299,7 @@ class LocalCompose:
 
     def __init__(self, tmp: Path, env: dict[str, str], loopback: bool = True) -> None:
         self.loopback = loopback
-        ports = ("6379", "50051", "50052", "8000")
+        ports = ("6379", "50051", "50052", "50053", "8000")
         self.ports = {p: str(free_port()) for p in ports} if loopback else {p: p for p in ports}
         self.volumes = {name: tmp / name for name in COMPOSE["volumes"]}
         for path in self.volumes.values():

@@ -103,8 +103,10 @@ def assert_consistent(record: dict, steps: int) -> None:
     # (a clean run's steps measure up to ~3e-6: FP8 rounding)
     assert all(r["gen_kl_error"] < 1e-4 for r in record["metrics"][1:]), record["metrics"]
     # Each service in a network namespace of its own: the trainer cannot reach a replica's inbox, and
-    # every update's bytes cross the network (over gRPC), through the faults.
+    # every update's bytes cross the network through the faults, on the replicas' TCP plane where its
+    # connections hold (else over gRPC).
     assert all(r.get("sync_shared_memory", 0) == 0 for r in record["metrics"][1:]), record["metrics"]
+    assert sum(r.get("sync_tcp", 0) for r in record["metrics"][1:]) > 0, record["metrics"]
 
 
 @pytest.mark.timeout(600)
