@@ -67,17 +67,20 @@ class StoringReplica(rollout_pb2_grpc.RolloutServicer):
     """A replica whose engine only stores the tensors: verification and decoding as the real one does
     them (rollout_service/service.py), then a reference swap. ``raw`` streams are received and dropped."""
 
-    def __init__(self, host: str, security: SecurityConfig) -> None:
+    def __init__(self, host: str, security: SecurityConfig, in_clear: bool = False) -> None:
         self.held: WeightSet | None = None
         self.version = -1
         self.inbox = SegmentInbox()  # the data planes, as a replica keeps them
-        self.tcp = TcpInbox(host, 0, server_context(security))
+        self.tcp = TcpInbox(host, 0, None if in_clear else server_context(security))
 
     def GetStatus(
         self, request: common_pb2.GetStatusRequest, context: grpc.ServicerContext
     ) -> rollout_pb2.RolloutStatus:
         return rollout_pb2.RolloutStatus(
-            weight_version=self.version, segment_inbox=self.inbox.name, tcp_updates_port=self.tcp.port
+            weight_version=self.version,
+            segment_inbox=self.inbox.name,
+            tcp_updates_port=self.tcp.port,
+            tcp_updates_tls=self.tcp.tls is not None,
         )
 
     def UpdateWeights(
@@ -134,9 +137,10 @@ def _prepend(first: weights_pb2.WeightChunk, rest: Iterator[weights_pb2.WeightCh
     yield from rest
 
 
-def serve_replica(host: str, security: SecurityConfig) -> None:
+def serve_replica(host: str, security: SecurityConfig, in_clear: bool) -> None:
+    replica = StoringReplica(host, security, in_clear)
     running = start_server(
-        lambda s: rollout_pb2_grpc.add_RolloutServicer_to_server(StoringReplica(host, security), s),
+        lambda s: rollout_pb2_grpc.add_RolloutServicer_to_server(replica, s),
         ["fp8rl.v1.Rollout"],
         host=host,
         port=0,
@@ -144,7 +148,7 @@ def serve_replica(host: str, security: SecurityConfig) -> None:
     )
     raw = socket.create_server((host, 0))
     threading.Thread(target=raw_receiver, args=(raw,), daemon=True).start()
-    print(f"replica bound to {running.address} raw {raw.getsockname()[1]}", flush=True)
+    print(f"replica bound to {host}:{running.port} raw {raw.getsockname()[1]}", flush=True)
     sys.stdin.read()  # until the bench closes our stdin
     running.stop(0)
 
@@ -250,6 +254,11 @@ def main() -> None:
     parser.add_argument(
         "--tls", action="store_true", help="with --netns: mutual TLS (else tokens, plaintext)"
     )
+    parser.add_argument(
+        "--in-clear",
+        action="store_true",
+        help="with --tls: the TCP plane's bytes in clear (tcp_updates_in_clear)",
+    )
     parser.add_argument("--replica", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
     parser.add_argument("--secrets", type=Path, help=argparse.SUPPRESS)
@@ -265,7 +274,7 @@ def main() -> None:
             security = security_for(args.secrets, "replica", args.tls).model_copy(
                 update={"allow_plaintext": not args.tls}
             )
-        serve_replica(args.host, security)
+        serve_replica(args.host, security, args.in_clear)
         return
     from codec import qwen2_05b_shapes
 
@@ -278,9 +287,12 @@ def main() -> None:
     replica_args = ["--split-cores"] if args.split_cores else []
     if args.netns:
         secrets_dir = work / "secrets"
-        trainer_security = security_for(secrets_dir, "trainer", args.tls)
+        trainer_security = security_for(secrets_dir, "trainer", args.tls).model_copy(
+            update={"allow_plaintext": not args.tls}
+        )
         prefix, host = veth_namespace(f"fp8rl-bench-{os.getpid()}"), NETNS_REPLICA
         replica_args += ["--host", host, "--secrets", str(secrets_dir), *(["--tls"] if args.tls else [])]
+        replica_args += ["--in-clear"] if args.in_clear else []
     replica = subprocess.Popen(
         [*prefix, sys.executable, __file__, "--replica", *replica_args],
         stdin=subprocess.PIPE,
@@ -292,6 +304,7 @@ def main() -> None:
         address, raw_port = line.split()[-3], int(line.split()[-1])
         link = (
             ("across a veth pair, " + ("mutual TLS" if args.tls else "tokens, plaintext"))
+            + (", TCP plane in clear" if args.in_clear else "")
             if args.netns
             else "loopback"
         )

@@ -88,6 +88,11 @@ class RolloutConfig(BaseModel):
     over as shared memory (fp8rl/codec/tcp_plane.py: parallel connections beside the gRPC stream, bytes
     taken only under tickets the stream names, TLS where the gRPC server has a certificate). 0: a free
     port (GetStatus names it); unset: off, those bytes go over gRPC."""
+    tcp_updates_in_clear: bool = False
+    """Send the TCP plane's bytes in clear even where the gRPC server has TLS, as NCCL and RDMA transports
+    do: still taken only under tickets the authenticated stream names and checked by the trainer's
+    signature (so security.update_public_key_file is required), but readable on the wire; TLS costs
+    about half the plane's speed on a 2-core host (docs/weight-sync.md). Only on a trusted network."""
     kv_cache_gib: float = Field(1.0, gt=0)
     """KV-cache space on CPU (VLLM_CPU_KVCACHE_SPACE), GiB."""
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
@@ -119,6 +124,11 @@ class RolloutConfig(BaseModel):
             raise ValueError(
                 f"advertise (host:port) is required with security.registration_key_file on {self.host}: "
                 "the replica's registration proof names the address the trainer reaches it at"
+            )
+        if self.tcp_updates_in_clear and self.security.update_public_key_file is None:
+            raise ValueError(
+                "tcp_updates_in_clear needs security.update_public_key_file: bytes in clear are trusted "
+                "only under the trainer's signature"
             )
         if self.precision.high_precision_modules:  # (a pattern that matches no linear fails here)
             self.fp8_plan  # noqa: B018

@@ -266,7 +266,12 @@ class RolloutService:
         self.segments = SegmentInbox() if config.shared_memory_updates else None
         # Where a trainer elsewhere sends them over TCP (its port is in status).
         self.tcp_inbox = (
-            TcpInbox(config.host, config.tcp_updates_port, server_context(security), config.stream_idle_s)
+            TcpInbox(
+                config.host,
+                config.tcp_updates_port,
+                None if config.tcp_updates_in_clear else server_context(security),
+                config.stream_idle_s,
+            )
             if config.tcp_updates_port is not None
             else None
         )
@@ -448,6 +453,7 @@ class RolloutService:
             http_address=self.http_address,
             segment_inbox=self.segments.name if self.segments is not None else "",
             tcp_updates_port=self.tcp_inbox.port if self.tcp_inbox is not None else 0,
+            tcp_updates_tls=self.tcp_inbox is not None and self.tcp_inbox.tls is not None,
         )
 
     def registration_proof(self) -> str:

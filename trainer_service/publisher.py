@@ -74,6 +74,7 @@ class Reach:
 
     inbox: str = ""
     tcp_port: int = 0
+    tcp_tls: bool = False  # the port speaks TLS (else its bytes go in clear, checked by signature)
 
 
 class Publisher:
@@ -187,7 +188,7 @@ class Publisher:
         stub = rollout_pb2_grpc.RolloutStub(self._channel(address))
         reach = self._reach_of(address, stub, fresh)
         if reach.inbox or reach.tcp_port:
-            planes = _Planes(reach, address, self.tcp_streams, self._tcp_tls)
+            planes = _Planes(reach, address, self.tcp_streams, self._tcp_tls if reach.tcp_tls else None)
             try:
                 stub.UpdateWeights(update.chunks(planes), timeout=UPDATE_DEADLINE_S)
             except grpc.RpcError as exc:
@@ -225,9 +226,13 @@ class Publisher:
                 status = stub.GetStatus(common_pb2.GetStatusRequest(), timeout=10)
             except grpc.RpcError:
                 return Reach()  # (the update itself says what is wrong)
+            # TLS where the replica's port speaks it; a trainer without the CA cannot check that port's
+            # certificate, and sends those bytes over gRPC.
+            tcp = self.tcp_streams and (self._tcp_tls is not None or not status.tcp_updates_tls)
             self._reach[address] = Reach(
                 status.segment_inbox if self.shared_memory else "",
-                status.tcp_updates_port if self.tcp_streams else 0,
+                status.tcp_updates_port if tcp else 0,
+                status.tcp_updates_tls,
             )
         return self._reach[address]
 

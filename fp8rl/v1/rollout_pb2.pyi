@@ -115,7 +115,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., weight_version: _Optional[int] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class RolloutStatus(_message.Message):
-    __slots__ = ("model", "recipe", "engine", "device", "weight_version", "requests_in_flight", "tokens_generated", "uptime_s", "weight_format", "needs_keyframe", "registration_proof", "weight_epoch", "http_address", "segment_inbox", "tcp_updates_port")
+    __slots__ = ("model", "recipe", "engine", "device", "weight_version", "requests_in_flight", "tokens_generated", "uptime_s", "weight_format", "needs_keyframe", "registration_proof", "weight_epoch", "http_address", "segment_inbox", "tcp_updates_port", "tcp_updates_tls")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     RECIPE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +131,7 @@ class RolloutStatus(_message.Message):
     HTTP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_INBOX_FIELD_NUMBER: _ClassVar[int]
     TCP_UPDATES_PORT_FIELD_NUMBER: _ClassVar[int]
+    TCP_UPDATES_TLS_FIELD_NUMBER: _ClassVar[int]
     model: str
     recipe: str
     engine: str
@@ -146,4 +147,5 @@ class RolloutStatus(_message.Message):
     http_address: str
     segment_inbox: str
     tcp_updates_port: int
-    def __init__(self, model: _Optional[str] = ..., recipe: _Optional[str] = ..., engine: _Optional[str] = ..., device: _Optional[str] = ..., weight_version: _Optional[int] = ..., requests_in_flight: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., uptime_s: _Optional[float] = ..., weight_format: _Optional[str] = ..., needs_keyframe: _Optional[bool] = ..., registration_proof: _Optional[str] = ..., weight_epoch: _Optional[int] = ..., http_address: _Optional[str] = ..., segment_inbox: _Optional[str] = ..., tcp_updates_port: _Optional[int] = ...) -> None: ...
+    tcp_updates_tls: bool
+    def __init__(self, model: _Optional[str] = ..., recipe: _Optional[str] = ..., engine: _Optional[str] = ..., device: _Optional[str] = ..., weight_version: _Optional[int] = ..., requests_in_flight: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., uptime_s: _Optional[float] = ..., weight_format: _Optional[str] = ..., needs_keyframe: _Optional[bool] = ..., registration_proof: _Optional[str] = ..., weight_epoch: _Optional[int] = ..., http_address: _Optional[str] = ..., segment_inbox: _Optional[str] = ..., tcp_updates_port: _Optional[int] = ..., tcp_updates_tls: _Optional[bool] = ...) -> None: ...
