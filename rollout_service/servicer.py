@@ -90,6 +90,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 service.update_public_key,
                 service.segments,
                 service.tcp_inbox,
+                context.is_active,
             )
             with contextlib.closing(read_ahead(parts)) as ahead:
                 result = self.service.update_weights(ahead)

@@ -38,6 +38,7 @@ from fp8rl.v1 import common_pb2, rollout_pb2_grpc, weights_pb2
 log = logging.getLogger(__name__)
 SHARED_MEMORY, TCP, GRPC, MIXED = "shared-memory", "tcp", "grpc", "mixed"
 UPDATE_DEADLINE_S = 600.0
+TCP_PAUSE_S = 60.0  # a TCP plane that could not be reached, or broke, is left alone this long
 # A refused delta is followed by a keyframe, except where the target is busy, away or refuses the caller:
 # a bigger update would fare no better.
 _NOT_HEALED = (
@@ -103,6 +104,7 @@ class Publisher:
         self._tcp_tls = client_context(self.security) if tcp_streams else None
         self._channels: dict[str, grpc.Channel] = {}
         self._reach: dict[str, Reach] = {}  # address -> its data planes, asked once
+        self._tcp_paused: dict[str, float] = {}  # address -> when its TCP plane may be tried again
         self._channels_lock = threading.Lock()
         self._publish_lock = threading.Lock()
 
@@ -187,8 +189,9 @@ class Publisher:
         """Stream ``update`` to ``address``; returns the plane that carried its data."""
         stub = rollout_pb2_grpc.RolloutStub(self._channel(address))
         reach = self._reach_of(address, stub, fresh)
-        if reach.inbox or reach.tcp_port:
-            planes = _Planes(reach, address, self.tcp_streams, self._tcp_tls if reach.tcp_tls else None)
+        tcp_streams = self.tcp_streams if time.monotonic() >= self._tcp_paused.get(address, 0.0) else 0
+        if reach.inbox or (reach.tcp_port and tcp_streams):
+            planes = _Planes(reach, address, tcp_streams, self._tcp_tls if reach.tcp_tls else None)
             try:
                 stub.UpdateWeights(update.chunks(planes), timeout=UPDATE_DEADLINE_S)
             except grpc.RpcError as exc:
@@ -204,8 +207,11 @@ class Publisher:
                     raise
                 log.warning("update to %s over %s failed (%s); over gRPC", address, planes.plane, details)
             else:
-                planes.close()
                 return planes.plane
+            finally:
+                planes.close()
+                if planes.tcp_failed or planes.broken:  # (not tried again for a while: a link in trouble)
+                    self._tcp_paused[address] = time.monotonic() + TCP_PAUSE_S
         stub.UpdateWeights(update.chunks(), timeout=UPDATE_DEADLINE_S)
         return GRPC
 
@@ -245,9 +251,9 @@ class Publisher:
 
 class _Planes:
     """Where one stream to one target sends each part's bytes: its inbox while hand-overs succeed, else
-    its TCP plane while its connections hold (made when a part first needs them), else the stream. What
-    turns out to be out of reach from here is marked in the target's ``reach``, so that later updates do
-    not try it again."""
+    its TCP plane while its connections hold (made when a part first needs them), else the stream. An
+    inbox that turns out to be out of reach from here is marked in the target's ``reach``, so that later
+    updates do not try it again; a TCP plane that cannot be reached says so in ``tcp_failed``."""
 
     def __init__(self, reach: Reach, address: str, streams: int, tls: ssl.SSLContext | None) -> None:
         self.reach, self.streams, self.tls = reach, streams, tls
@@ -255,20 +261,35 @@ class _Planes:
         self.inbox = reach.inbox  # "" once a hand-over fails: the rest of this stream goes another way
         self.carried: list[str] = []
         self.sender: TcpSender | None = None
+        self.tcp_failed = False  # its connections could not be made
         self.broken = False  # a TCP connection failed during the update
+        self._closed = False
+        self._lock = threading.Lock()  # (gRPC's request thread may still ask while the call ends)
 
     def tcp_sender(self) -> TcpSender | None:
-        """The connections to the target's TCP plane (None: it has none, cannot be reached, or failed)."""
-        if self.sender is None and self.reach.tcp_port:
-            try:
-                self.sender = TcpSender(self.host, self.reach.tcp_port, self.streams, self.tls)
-            except OSError as exc:
-                log.info("no TCP plane to %s:%d (%s)", self.host, self.reach.tcp_port, exc)
-                self.reach.tcp_port = 0  # (out of reach: not tried again until the target is asked again)
+        """The connections to the target's TCP plane (None: it has none, cannot be reached, failed, or
+        the call is over)."""
+        with self._lock:
+            if self._closed or self.tcp_failed or not (self.reach.tcp_port and self.streams):
+                return None
+            if self.sender is None:
+                try:
+                    self.sender = TcpSender(self.host, self.reach.tcp_port, self.streams, self.tls)
+                except OSError as exc:
+                    log.info("no TCP plane to %s:%d (%s)", self.host, self.reach.tcp_port, exc)
+                    self.tcp_failed = True
+                    return None
+            if self.sender.failed:
+                self.broken = True
+                return None
+            return self.sender
+
+    def check_tcp(self) -> None:
+        """Raise where a TCP connection broke: the parts it carried will not arrive, and the call must
+        end (the replica then drops the update, and the publisher sends it again over gRPC)."""
         if self.sender is not None and self.sender.failed:
             self.broken = True
-            return None
-        return self.sender
+            raise ConnectionError(f"the TCP plane to {self.host} broke: {self.sender.error}")
 
     @property
     def plane(self) -> str:
@@ -276,6 +297,11 @@ class _Planes:
         return used.pop() if len(used) == 1 else MIXED if used else GRPC
 
     def close(self, abort: bool = False) -> None:
+        """Close the TCP connections (``abort``: at once, whatever is queued); later calls do nothing."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
         if self.reach.inbox and SHARED_MEMORY not in self.carried:
             self.reach.inbox = ""  # out of reach from here (another host or network namespace)
         if self.sender is not None:
@@ -342,6 +368,7 @@ class _Streamed:
             if planes is None:
                 yield from update_to_chunks(part, header=header)
                 continue
+            planes.check_tcp()
             token = self._hand_over(planes.inbox, header.part, part) if planes.inbox else None
             if token is None:
                 planes.inbox = ""  # (the rest of this stream goes another way)
@@ -359,6 +386,9 @@ class _Streamed:
             else:
                 planes.carried.append(GRPC)
                 yield from update_to_chunks(part, header=header)
+        if planes is not None and planes.sender is not None:
+            planes.sender.flush()  # (the call ends now where a connection broke: the replica waits no more)
+            planes.check_tcp()
 
     def _hand_over(self, inbox: str, index: int, part: EncodedUpdate) -> bytes | None:
         """The token under which ``inbox`` took part ``index``; None where it did not (its segment could

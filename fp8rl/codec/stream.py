@@ -79,6 +79,7 @@ def receive_parts(
     verifier: Ed25519PublicKey | None = None,
     inbox: SegmentInbox | None = None,
     tcp: TcpInbox | None = None,
+    alive: Callable[[], bool] | None = None,
 ) -> Iterator[tuple[weights_pb2.WeightHeader, bytearray]]:
     """Reassemble a chunk stream part by part, yielding each part's header and blob (writable: it is
     decoded in place) as soon as the part is whole. Raises :class:`CorruptUpdateError` unless every part is
@@ -87,8 +88,8 @@ def receive_parts(
     ``max_bytes``; with the trainer's public key (``verifier``), :class:`~fp8rl.errors.Unauthenticated`
     unless every part's signature verifies (each before a byte of it is yielded). A part may come on a
     data plane instead of data chunks, as one shared segment read from ``inbox`` or one TCP ticket
-    whose bytes ``tcp`` receives (either missing: refused), and is checked the same way over the bytes
-    read."""
+    whose bytes ``tcp`` receives (either missing: refused; ``alive``: whether the call still stands, as
+    the TCP plane waits for them), and is checked the same way over the bytes read."""
     stream = iter(chunks)
     chunk = next(stream, None)
     if chunk is None or chunk.WhichOneof("part") != "header":
@@ -122,7 +123,7 @@ def receive_parts(
             else:
                 if tcp is None:
                     raise CorruptUpdateError("tcp: this replica takes no updates over TCP")
-                blob = tcp.take(chunk.tcp.ticket, header.total_bytes)
+                blob = tcp.take(chunk.tcp.ticket, header.total_bytes, alive)
             if check is not None:
                 check[1].update(memoryview(blob))
             check_part(blob, header.digest)

@@ -4,8 +4,8 @@ beside its gRPC stream, which carries everything else (the headers, their signat
 A replica listens on a TCP port of its own (its ``GetStatus`` gives it: ``tcp_updates_port``). For each
 part the trainer draws a random ticket and names it in the gRPC stream in place of the part's data
 chunks, then sends the bytes as frames, ``(ticket, offset, length)`` and that many bytes, each connection
-a contiguous range of the part. The replica takes a frame only under a ticket its own gRPC stream has
-named: a ticket crosses only the authenticated call (mutual TLS or the run's tokens), so bytes from
+a contiguous range of the part, each answered by the replica once it arrived whole. The replica takes a
+frame only under a ticket its own gRPC stream has named: a ticket crosses only the authenticated call (mutual TLS or the run's tokens), so bytes from
 anyone else are never read, and nothing is allocated before the stream names the part (its size is the
 header's, bounded like any update). Where the replica has a certificate the connections are TLS under
 the same certificate and CA as its gRPC server (mutual where it asks callers for one). The bytes read are
@@ -25,7 +25,7 @@ import ssl
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from fp8rl.errors import CorruptUpdateError
@@ -35,8 +35,13 @@ log = logging.getLogger(__name__)
 
 TICKET_BYTES = 16
 FRAME = struct.Struct("<16sQQ")  # ticket, offset in the part, length of the bytes that follow
+_TAKEN = b"+"  # the replica's answer to each frame it received whole
 READ_BYTES = 4 << 20  # received per call, so that progress shows while a large frame arrives
 MIN_RANGE_BYTES = 1 << 20  # a part smaller than streams x this goes on fewer connections
+# A connection that has presented a named ticket is the trainer's: it may wait this long between frames
+# and for its next part to be named (the replica applies one part while it reads the next; a second
+# update waits its turn), where any other connection gets idle_s for its TLS handshake and first frame.
+TRUSTED_WAIT_S = 120.0
 
 
 def new_ticket() -> bytes:
@@ -110,12 +115,15 @@ class TcpInbox:
         self._thread = threading.Thread(target=self._accept, name="tcp-inbox", daemon=True)
         self._thread.start()
 
-    def take(self, ticket: bytes, size: int) -> bytearray:
+    def take(self, ticket: bytes, size: int, alive: Callable[[], bool] | None = None) -> bytearray:
         """The ``size`` bytes sent under ``ticket`` (writable: decoded in place), once every one has
-        arrived; raises :class:`CorruptUpdateError` naming ``tcp`` where a connection broke mid-part, a
-        frame fell outside the part, or nothing arrived for ``idle_s``."""
+        arrived; raises :class:`CorruptUpdateError` naming ``tcp`` where a connection of the trainer's
+        broke or ended first, a frame fell outside the part, nothing arrived for ``idle_s``, or
+        ``alive()`` turned false (the update's call ended)."""
         if len(ticket) != TICKET_BYTES:
             raise CorruptUpdateError(f"tcp.ticket: {len(ticket)} bytes, not {TICKET_BYTES}")
+        if size <= 0:
+            raise CorruptUpdateError(f"tcp.ticket: a part of {size} bytes")
         incoming = _Incoming(bytearray(size))
         with self._lock:
             if self._closed or ticket in self._named:
@@ -128,6 +136,8 @@ class TcpInbox:
                         incoming.failure = "the replica is stopping"
                     elif time.monotonic() - incoming.last_progress > self.idle_s:
                         incoming.failure = f"nothing arrived for {self.idle_s:.0f} s"
+                    elif alive is not None and not alive():
+                        incoming.failure = "the update's call ended"
                     else:
                         self._lock.wait(1.0)
             finally:
@@ -164,7 +174,9 @@ class TcpInbox:
             threading.Thread(target=self._serve, args=(conn,), name="tcp-inbox-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        trusted = False  # (once a frame came under a named ticket)
         try:
+            deadline = time.monotonic() + self.idle_s  # handshake and first frame, however slow the bytes
             conn.settimeout(self.idle_s)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.tls is not None:
@@ -173,23 +185,30 @@ class TcpInbox:
                 if self._closed:
                     return
                 self._connections.add(conn)
-            while self._frame(conn):
-                pass
+            while True:
+                head = _receive_exactly(conn, FRAME.size, None if trusted else deadline)
+                if head is None or not self._frame(conn, head, trusted):
+                    return
+                if not trusted:
+                    trusted = True
+                    conn.settimeout(TRUSTED_WAIT_S)
         except (OSError, ValueError) as exc:
             log.debug("tcp inbox: a connection ended (%s)", exc)
         finally:
             with self._lock:
                 self._connections.discard(conn)
+                if trusted:  # the trainer's connection ended: the parts still arriving never will whole
+                    for incoming in self._named.values():
+                        if incoming.arrived < len(incoming.buffer) and not incoming.failure:
+                            incoming.failure = "a connection of the trainer's ended"
+                    self._lock.notify_all()
             conn.close()
             self._slots.release()
 
-    def _frame(self, conn: socket.socket) -> bool:
-        """Receive one frame; False where the connection ended between frames or must be closed."""
-        head = _receive_exactly(conn, FRAME.size)
-        if head is None:
-            return False
+    def _frame(self, conn: socket.socket, head: bytes, trusted: bool) -> bool:
+        """Receive the rest of the frame ``head`` starts; False where the connection must be closed."""
         ticket, offset, length = FRAME.unpack(head)
-        incoming = self._named_part(ticket)
+        incoming = self._named_part(ticket, TRUSTED_WAIT_S if trusted else self.idle_s)
         if incoming is None:
             return False  # never named (not the trainer's), or long gone: nothing of it is read
         with self._lock:
@@ -216,12 +235,13 @@ class TcpInbox:
                 if incoming.arrived == len(incoming.buffer):
                     self._lock.notify_all()
             view = view[n:]
+        conn.sendall(_TAKEN)  # (the trainer learns that the range arrived, not only that it was sent)
         return True
 
-    def _named_part(self, ticket: bytes) -> _Incoming | None:
-        """The part named under ``ticket``, waiting up to ``idle_s`` for the gRPC stream to name it (the
+    def _named_part(self, ticket: bytes, wait_s: float) -> _Incoming | None:
+        """The part named under ``ticket``, waiting up to ``wait_s`` for the gRPC stream to name it (the
         trainer sends a part's frames as soon as it names the part)."""
-        deadline = time.monotonic() + self.idle_s
+        deadline = time.monotonic() + wait_s
         with self._lock:
             while ticket not in self._named:
                 left = deadline - time.monotonic()
@@ -231,10 +251,16 @@ class TcpInbox:
             return self._named[ticket]
 
 
-def _receive_exactly(conn: socket.socket, size: int) -> bytes | None:
-    """``size`` bytes, or None where the connection ends before the first; raises where it ends within."""
+def _receive_exactly(conn: socket.socket, size: int, deadline: float | None = None) -> bytes | None:
+    """``size`` bytes, or None where the connection ends before the first; raises where it ends within,
+    or where ``deadline`` (monotonic) passes first: a peer cannot hold a connection by trickling bytes."""
     data = bytearray()
     while len(data) < size:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("no whole frame header in time")
+            conn.settimeout(left)
         chunk = conn.recv(size - len(data))
         if not chunk:
             if data:
@@ -245,8 +271,10 @@ def _receive_exactly(conn: socket.socket, size: int) -> bytes | None:
 
 
 def _shut(conn: socket.socket) -> None:
+    """Shut the connection's socket (under TLS the socket itself: SSLSocket.shutdown drops its TLS state
+    first, and a thread still sending would then write in clear)."""
     with contextlib.suppress(OSError):  # (not connected any more)
-        conn.shutdown(socket.SHUT_RDWR)
+        socket.socket.shutdown(conn, socket.SHUT_RDWR)
 
 
 # -- the trainer's side -----------------------------------------------------------------------------------
@@ -264,8 +292,10 @@ class TcpSender:
         port: int,
         streams: int = 4,
         tls: ssl.SSLContext | None = None,
-        timeout_s: float = 30.0,
+        timeout_s: float = TRUSTED_WAIT_S,
     ) -> None:
+        """``timeout_s``: the longest stall of a send (the replica reads a part once its stream names
+        it, and names the next once it has the one before)."""
         self.error: BaseException | None = None
         self._connections: list[socket.socket] = []
         try:
@@ -280,6 +310,8 @@ class TcpSender:
             self._shut_all()
             self._close_all()
             raise
+        self._pending = 0  # ranges queued and not yet sent (or dropped)
+        self._flushed = threading.Condition()
         self._jobs: list[queue.SimpleQueue[tuple[bytes, int, int, Sequence[memoryview]] | None]] = [
             queue.SimpleQueue() for _ in self._connections
         ]
@@ -299,9 +331,17 @@ class TcpSender:
         size = sum(len(s) for s in segments)
         ranges = max(1, min(len(self._connections), size // MIN_RANGE_BYTES))
         step = -(-size // ranges)
+        with self._flushed:
+            self._pending += ranges
         for i in range(ranges):
             start = i * step
             self._jobs[i].put((ticket, start, min(step, size - start), segments))
+
+    def flush(self) -> None:
+        """Wait until every queued range is sent (or dropped after an error: see :attr:`error`)."""
+        with self._flushed:
+            while self._pending:
+                self._flushed.wait()
 
     def close(self) -> None:
         """Send what is queued, then close (the first error is in :attr:`error`)."""
@@ -321,18 +361,29 @@ class TcpSender:
     def _send(self, index: int) -> None:
         conn = self._connections[index]
         while (job := self._jobs[index].get()) is not None:
-            if self.error is not None:
-                continue  # (drained: the replica fails the part, the caller falls back)
-            ticket, offset, length, segments = job
             try:
-                conn.sendall(FRAME.pack(ticket, offset, length))
-                for piece in _slices(segments, offset, length):
-                    conn.sendall(piece)
+                if self.error is None:  # (else dropped: the replica fails the part, the caller falls back)
+                    self._send_range(conn, *job)
             except BaseException as exc:
                 if self.error is None:
                     self.error = exc
                     log.warning("tcp plane: a connection failed (%s)", exc)
                 self._shut_all()  # (the others' sends end too; closed once every thread is done)
+            finally:
+                with self._flushed:
+                    self._pending -= 1
+                    self._flushed.notify_all()
+
+    @staticmethod
+    def _send_range(
+        conn: socket.socket, ticket: bytes, offset: int, length: int, segments: Sequence[memoryview]
+    ) -> None:
+        conn.sendall(FRAME.pack(ticket, offset, length))
+        for piece in _slices(segments, offset, length):
+            for start in range(0, len(piece), READ_BYTES):  # (a timeout then measures a stall)
+                conn.sendall(piece[start : start + READ_BYTES])
+        if conn.recv(1) != _TAKEN:
+            raise ConnectionError("the replica did not take a range (not its part, or it closed)")
 
     def _shut_all(self) -> None:
         for conn in self._connections:

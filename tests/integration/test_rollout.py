@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from fp8rl.codec.encode import delta_parts
 from fp8rl.codec.schema import build_weight_set
 from fp8rl.codec.stream import parts_to_chunks, update_to_chunks
+from fp8rl.codec.tcp_plane import TcpInbox
 from fp8rl.codec.testing import encode_delta, encode_keyframe
 from fp8rl.codec.weight_set import WeightSet
 from fp8rl.v1 import common_pb2, rollout_pb2, weights_pb2
@@ -375,6 +376,31 @@ def test_each_update_takes_the_first_data_plane_that_reaches_the_replica(
     while rollout_fp8.service.tcp_inbox.connections() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert rollout_fp8.service.tcp_inbox.connections() == 0  # every connection closed with its update
+
+
+def test_an_update_whose_tcp_plane_breaks_goes_again_over_grpc(rollout_fp8: InProcessRollout) -> None:
+    """The trainer's connections reach something that is not the replica's plane (a decoy inbox, which
+    never hears the tickets and drops them after a second): the call ends as soon as the connection
+    breaks, the replica drops the update it was waiting for, and the same update goes over gRPC; the TCP
+    plane is left alone for the next updates, which go over gRPC at once."""
+    address, model_dir = rollout_fp8.server.address, rollout_fp8.model_dir
+    decoy = TcpInbox("127.0.0.1", 0, idle_s=1.0)
+    sets = [build_weight_set(random_state(model_dir, seed), FP8, hp_dtype=torch.float32) for seed in (7, 8)]
+    publisher = Publisher(FP8, torch.float32, "fp8", part_bytes=64 * 1024, shared_memory=False)
+    publisher._reach[address] = Reach("", decoy.port)
+    try:
+        started = time.monotonic()
+        [delivery] = publisher.publish(70, dict, [Target(address, 69)], built=sets[0])
+        assert delivery.ok and (delivery.encoding, delivery.plane) == ("keyframe", "grpc"), delivery
+        assert time.monotonic() - started < 15  # (not the replica's idle limit of 30 s)
+        assert_engine_holds(rollout_fp8, sets[0])
+        assert publisher._tcp_paused[address] > time.monotonic()
+        [delivery] = publisher.publish(71, dict, [Target(address, 70)], built=sets[1])
+        assert delivery.ok and (delivery.encoding, delivery.plane) == ("delta", "grpc"), delivery
+        assert_engine_holds(rollout_fp8, sets[1])
+    finally:
+        publisher.close()
+        decoy.close()
 
 
 def test_no_completion_mixes_weight_versions(rollout_fp8: InProcessRollout) -> None:
