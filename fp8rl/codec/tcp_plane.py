@@ -5,13 +5,14 @@ A replica listens on a TCP port of its own (its ``GetStatus`` gives it: ``tcp_up
 part the trainer draws a random ticket and names it in the gRPC stream in place of the part's data
 chunks, then sends the bytes as frames, ``(ticket, offset, length)`` and that many bytes, each connection
 a contiguous range of the part, each answered by the replica once it arrived whole. The replica takes a
-frame only under a ticket its own gRPC stream has named: a ticket crosses only the authenticated call (mutual TLS or the run's tokens), so bytes from
-anyone else are never read, and nothing is allocated before the stream names the part (its size is the
-header's, bounded like any update). Where the replica has a certificate the connections are TLS under
-the same certificate and CA as its gRPC server (mutual where it asks callers for one). The bytes read are
-then checked like any part, signature and digests, before anything is decoded: a tampered part is
-refused. A connection that breaks mid-part fails that part at once (the trainer sends the update again
-over gRPC); one that sends nothing for ``idle_s`` is closed.
+frame only under a ticket its own gRPC stream has named: a ticket crosses only the authenticated call
+(mutual TLS or the run's tokens), so bytes from anyone else are never read, and nothing is allocated
+before the stream names the part (its size is the header's, bounded like any update). Where the replica
+has a certificate the connections are TLS under the same certificate and CA as its gRPC server (mutual
+where it asks callers for one), unless it sends them in clear. The bytes read are then checked like any
+part, signature and digests, before anything is decoded: a tampered part is refused. A connection of the
+trainer's that breaks or ends fails the parts still arriving at once (the trainer then sends the update
+again over gRPC); any other connection gets ``idle_s`` for its handshake and first frame header.
 """
 
 from __future__ import annotations
