@@ -63,6 +63,31 @@ def qwen2_05b_shapes(layers: int) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def llama_8b_shapes(layers: int) -> dict[str, tuple[int, ...]]:
+    """Llama-3.1-8B's tensors (hidden 4096, GQA 32/8 heads of 128, MLP 14336, vocab 128256, untied), for
+    ``layers`` of its 32 decoder layers."""
+    hidden, mlp, kv_rows, vocab = 4096, 14336, 1024, 128256
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (vocab, hidden),
+        "model.norm.weight": (hidden,),
+        "lm_head.weight": (vocab, hidden),
+    }
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "self_attn.q_proj.weight": (hidden, hidden),
+            p + "self_attn.k_proj.weight": (kv_rows, hidden),
+            p + "self_attn.v_proj.weight": (kv_rows, hidden),
+            p + "self_attn.o_proj.weight": (hidden, hidden),
+            p + "mlp.gate_proj.weight": (mlp, hidden),
+            p + "mlp.up_proj.weight": (mlp, hidden),
+            p + "mlp.down_proj.weight": (hidden, mlp),
+            p + "input_layernorm.weight": (hidden,),
+            p + "post_attention_layernorm.weight": (hidden,),
+        }
+    return shapes
+
+
 def timed(fn: Callable[[], Any], repeats: int = 1) -> tuple[Any, float]:
     """The result of ``fn`` and its best time over ``repeats`` calls."""
     best, result = float("inf"), None

@@ -237,6 +237,49 @@ def timed_build(weights: dict[str, torch.Tensor], weight_format: str) -> float:
     return time.perf_counter() - start
 
 
+def big_keyframes(
+    args: argparse.Namespace, address: str, raw_port: int, security: SecurityConfig, key_file: Path, link: str
+) -> None:
+    """Signed keyframes of Llama-3.1-8B shapes (``args.llama_8b_layers`` of its layers: the whole set would
+    not fit this VM twice over), over the TCP plane and over gRPC, twice each, against raw TCP on the same
+    link; and what the rates mean for the whole 32-layer set."""
+    from codec import llama_8b_shapes
+
+    shapes = llama_8b_shapes(args.llama_8b_layers)
+    signed = security.model_copy(update={"update_signing_key_file": key_file})
+    publisher = Publisher(args.format, torch.bfloat16, args.format, signed, PART_BYTES, shared_memory=False)
+    built = publisher.build({n: torch.randn(s, dtype=torch.bfloat16) * 0.02 for n, s in shapes.items()})
+    assert built is not None
+    nbytes = built.nbytes
+    per_layer = sum(t.nbytes for n, t in built.tensors.items() if n.startswith("model.layers.0."))
+    whole = nbytes + (32 - args.llama_8b_layers) * per_layer  # (the set's bytes with every layer)
+    layers = f"{args.llama_8b_layers} of 32 layers"
+    print(f"model: Llama-3.1-8B shapes, {layers}, {args.format}, {nbytes / 1e9:.2f} GB")
+    print(f"replica at {address} ({link})")
+    best: dict[str, float] = {}
+    for version, mode in enumerate(("tcp", "grpc", "tcp", "grpc")):
+        publisher.tcp_streams = 4 if mode == "tcp" else 0
+        [delivery] = publisher.publish(version, dict, [Target(address, -1)], built=built)
+        assert delivery.ok and delivery.encoding == "keyframe" and delivery.plane == mode, delivery
+        best[mode] = min(best.get(mode, math.inf), delivery.seconds)
+        print(f"keyframe {mode:5} {delivery.seconds:7.2f} s  {nbytes / delivery.seconds / 1e9:.2f} GB/s")
+    publisher.close()
+    sample = min(nbytes, 2 << 30)  # (the replica holds two sets already)
+    raw = raw_tcp_seconds(address.rsplit(":", 1)[0], raw_port, sample, 4)
+    print(f"raw TCP, 4 connections: {sample / raw / 1e9:.2f} GB/s")
+    tcp_rate, raw_rate = nbytes / best["tcp"], sample / raw
+    print(
+        f"keyframe tcp: {tcp_rate / raw_rate:.2f} of raw TCP; "
+        f"gRPC / TCP time {best['grpc'] / best['tcp']:.2f}x"
+    )
+    scale = whole / nbytes
+    print(
+        f"the whole 8B set (~{nbytes * scale / 1e9:.1f} GB) at these rates: TCP plane "
+        f"{best['tcp'] * scale:.0f} s, gRPC {best['grpc'] * scale:.0f} s "
+        "(scaled by bytes, not measured)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=24)
@@ -259,6 +302,12 @@ def main() -> None:
         action="store_true",
         help="with --tls: the TCP plane's bytes in clear (tcp_updates_in_clear)",
     )
+    parser.add_argument(
+        "--llama-8b-layers",
+        type=int,
+        default=0,
+        help="instead: keyframes of Llama-3.1-8B shapes with this many of its 32 layers, TCP plane and gRPC",
+    )
     parser.add_argument("--replica", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
     parser.add_argument("--secrets", type=Path, help=argparse.SUPPRESS)
@@ -280,7 +329,8 @@ def main() -> None:
 
     torch.manual_seed(0)
     master = {
-        n: torch.randn(s) * (0.02 if len(s) == 2 else 1.0) for n, s in qwen2_05b_shapes(args.layers).items()
+        n: torch.randn(s) * (0.02 if len(s) == 2 else 1.0)
+        for n, s in qwen2_05b_shapes(0 if args.llama_8b_layers else args.layers).items()
     }
     work = Path(tempfile.mkdtemp())
     trainer_security, prefix, host = SecurityConfig(), [], "127.0.0.1"
@@ -308,6 +358,11 @@ def main() -> None:
             if args.netns
             else "loopback"
         )
+        key_file = work / "update-signing.key"
+        key_file.write_bytes(BENCH_KEY.private_bytes(Encoding.PEM, PrivateFormat.PKCS8, NoEncryption()))
+        if args.llama_8b_layers:
+            big_keyframes(args, address, raw_port, trainer_security, key_file, link)
+            return
         shapes = f"Qwen2-0.5B shapes, {args.layers} layers, format {args.format}"
         print(f"model: {shapes}, replica at {address} ({link})")
         print(
@@ -315,8 +370,6 @@ def main() -> None:
             f"{'raw wire s':>10} "
             f"{'raw set s':>9} {'raw/ours wire':>13} {'raw set/ours':>12} {'raw set/send':>12}"
         )
-        key_file = work / "update-signing.key"
-        key_file.write_bytes(BENCH_KEY.private_bytes(Encoding.PEM, PrivateFormat.PKCS8, NoEncryption()))
         steps: list[tuple[float | None, dict[str, torch.Tensor]]] = [(None, master)]
         for step_size in (1e-4, 1e-5, 1e-6):
             master = {n: w + step_size * w.abs() * torch.randn(w.shape) for n, w in master.items()}
