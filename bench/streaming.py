@@ -2,10 +2,11 @@
 
 vLLM's own serving benchmark client (``vllm.benchmarks.serve``: OpenAI completions backend, streaming,
 random prompts) drives first ``vllm serve`` and then ``rollout-service serve --http-port``, each started
-here on loopback with the same checkpoint, dtype and eager mode, one after the other (2 cores: never
-both at once). Printed: each server's mean time to first token, time per output token and output
-throughput, and ours over vLLM's, measured in this one run. Targets (issue 35): TTFT <= 1.2x, output
-throughput >= 0.95x.
+here on loopback with the same checkpoint and dtype and each in its default mode (compiled: the
+replica compiles wherever its arithmetic allows, as a bf16 replica's does), one after the other (2
+cores: never both at once), ``--rounds`` times. Printed: each server's mean time to first token, time
+per output token and output throughput, and ours over vLLM's, per round, measured in this one run.
+Targets (issue 44): TTFT <= 1.2x, output throughput >= 0.95x.
 
     python bench/streaming.py [--model DIR] [--prompts 64] [--input-len 128] [--output-len 64]
                               [--concurrency 16]
@@ -126,6 +127,8 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--eager", action="store_true", help="both servers eager (--enforce-eager)")
     args = parser.parse_args()
     if not (args.model / "config.json").is_file():
         raise SystemExit(f"{args.model}: no HF checkpoint (make smollm2 writes models/smollm2)")
@@ -144,7 +147,7 @@ def main() -> None:
         "127.0.0.1",
         "--port",
         str(vllm_port),
-        "--enforce-eager",
+        *(["--enforce-eager"] if args.eager else []),
         *common,
     ]
     ours_port = free_port()
@@ -163,19 +166,28 @@ def main() -> None:
         str(ours_port),
         "--set",
         f"served_model_name={NAME}",
+        *(["--set", "enforce_eager=true"] if args.eager else []),
         *common,
     ]
-    vllm = measure(vllm_cmd, vllm_port, args, out, "vllm")
-    ours = measure(ours_cmd, ours_port, args, out, "fp8rl")
+    rounds = []
+    for r in range(args.rounds):
+        rounds.append(
+            (
+                measure(vllm_cmd, vllm_port, args, out, f"vllm-{r}"),
+                measure(ours_cmd, ours_port, args, out, f"fp8rl-{r}"),
+            )
+        )
+    mode = "eager" if args.eager else "each server's default (compiled)"
     print(
         f"model {args.model.name}, {args.prompts} prompts of {args.input_len} tokens, {args.output_len} out, "
-        f"concurrency {args.concurrency}, {args.dtype}; results in {out}"
+        f"concurrency {args.concurrency}, {args.dtype}, {mode}; results in {out}"
     )
-    for key in FIGURES:
-        print(
-            f"{key:>18}: vllm serve {vllm[key]:10.2f}   fp8rl {ours[key]:10.2f}   "
-            f"ratio {ours[key] / vllm[key]:.3f}"
-        )
+    for r, (vllm, ours) in enumerate(rounds):
+        for key in FIGURES:
+            print(
+                f"round {r} {key:>18}: vllm serve {vllm[key]:10.2f}   fp8rl {ours[key]:10.2f}   "
+                f"ratio {ours[key] / vllm[key]:.3f}"
+            )
 
 
 if __name__ == "__main__":

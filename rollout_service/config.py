@@ -93,6 +93,14 @@ class RolloutConfig(BaseModel):
     do: still taken only under tickets the authenticated stream names and checked by the trainer's
     signature (so security.update_public_key_file is required), but readable on the wire; TLS costs
     about half the plane's speed on a 2-core host (docs/weight-sync.md). Only on a trusted network."""
+    enforce_eager: bool | None = None
+    """vLLM's eager mode. Unset: compiled, as `vllm serve` runs by default, wherever the replica's
+    arithmetic compiles: on CUDA always; on CPU only a dense model under a recipe without FP8 (bf16) in
+    default consistency under ATen's vectorized kernels, since the CPU FP8 emulation and the exact
+    kernels (fp8rl/exact.py) check their inputs as they run and must compute bit for bit what the
+    trainer does, and the routing recorder of a mixture of experts hooks its routers in Python. A
+    compiled engine starts slower (SmolLM2-135M: about 50 s against 4 s, once per process). True: eager
+    always; false: compiled (refused where it cannot be)."""
     kv_cache_gib: float = Field(1.0, gt=0)
     """KV-cache space on CPU (VLLM_CPU_KVCACHE_SPACE), GiB."""
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)

@@ -125,6 +125,27 @@ class Platform:
         return cls(torch.cuda.get_device_capability() if resolve_device(device) == "cuda" else None)
 
 
+def eager_reason(config: RolloutConfig, device: str) -> str | None:
+    """Why a replica on ``device`` must run vLLM eagerly (None: it may be compiled, as `vllm serve` is)."""
+    if device != "cpu":
+        return None
+    recipe = get_recipe(config.recipe)
+    if recipe.fp8_rollout or recipe.kv_cache_dtype == "fp8":
+        return (
+            f"recipe {config.recipe} on CPU: the FP8 emulation checks its inputs as it runs, and computes "
+            "bit for bit what the trainer does, which a compiled graph need not"
+        )
+    if config.precision.consistency == "exact":
+        return "precision.consistency exact: its kernels compute bit for bit what the trainer does"
+    if moe_layers(read_config(config.model)):
+        return "a mixture of experts on CPU: the routing recorder hooks each router in Python"
+    if torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+        return (
+            "ATen's scalar kernel path (no AVX2, or ATEN_CPU_CAPABILITY=default): inductor's C++ fails there"
+        )
+    return None
+
+
 def unsupported_reason(config: RolloutConfig, platform: Platform) -> str | None:
     """Why ``platform`` cannot serve ``config`` as its recipe says (checked before vLLM loads), or None."""
     recipe = get_recipe(config.recipe)
@@ -137,7 +158,8 @@ def unsupported_reason(config: RolloutConfig, platform: Platform) -> str | None:
         if config.tensor_parallel_size != 1:
             return "precision.consistency exact needs tensor_parallel_size 1 (the engine in this process)"
     if platform.cuda_capability is None:  # (CPU: FP8 GEMMs and FP8 KV cache are emulated)
-        return None
+        reason = eager_reason(config, "cpu")
+        return f"enforce_eager false: {reason}" if config.enforce_eager is False and reason else None
     if config.activation_arithmetic != "vllm":
         return "activation_arithmetic te is for the CPU emulation: vLLM's CUDA kernels quantize as vLLM does"
     if recipe.fp8_rollout:
@@ -260,6 +282,13 @@ class VllmEngine:
         model_dir, quantization, overrides = str(config.model), cast(Any, None), None
         kv_cache_dtype = recipe.kv_cache_dtype
         self.exact = config.precision.consistency == "exact"
+        # Compiled where the arithmetic allows (a refit rewrites the weights the graph reads: checked by
+        # tests/integration/test_compiled_replica.py), eager where eager_reason says why not.
+        self.eager = (
+            config.enforce_eager
+            if config.enforce_eager is not None
+            else eager_reason(config, self.device) is not None
+        )
         self._building: Any = contextlib.nullcontext
         if self.exact:  # every op through fp8rl/exact.py (rollout_service/vllm_exact.py), every recipe
             from rollout_service import vllm_exact
@@ -298,7 +327,7 @@ class VllmEngine:
             logprobs_mode="processed_logprobs",
             # The run's requests go first among those waiting (EngineRequest.run: priority 0, else 1).
             scheduling_policy="priority",
-            enforce_eager=self.device == "cpu",
+            enforce_eager=self.eager,
             gpu_memory_utilization=config.gpu_memory_utilization,
             max_logprobs=config.max_top_logprobs,
             tensor_parallel_size=config.tensor_parallel_size,
