@@ -190,9 +190,7 @@ class TcpInbox:
                 head = _receive_exactly(conn, FRAME.size, None if trusted else deadline)
                 if head is None or not self._frame(conn, head, trusted):
                     return
-                if not trusted:
-                    trusted = True
-                    conn.settimeout(TRUSTED_WAIT_S)
+                trusted = True
         except (OSError, ValueError) as exc:
             log.debug("tcp inbox: a connection ended (%s)", exc)
         finally:
@@ -212,6 +210,7 @@ class TcpInbox:
         incoming = self._named_part(ticket, TRUSTED_WAIT_S if trusted else self.idle_s)
         if incoming is None:
             return False  # never named (not the trainer's), or long gone: nothing of it is read
+        conn.settimeout(TRUSTED_WAIT_S)  # the trainer's: no longer held to the first header's deadline
         with self._lock:
             if offset + length > len(incoming.buffer) or incoming.claimed + length > len(incoming.buffer):
                 incoming.failure = f"a frame at {offset}+{length} falls outside the part"
