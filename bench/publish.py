@@ -274,7 +274,7 @@ def big_keyframes(
     )
     scale = whole / nbytes
     print(
-        f"the whole 8B set (~{nbytes * scale / 1e9:.1f} GB) at these rates: TCP plane "
+        f"the whole 8B set (~{whole / 1e9:.1f} GB) at these rates: TCP plane "
         f"{best['tcp'] * scale:.0f} s, gRPC {best['grpc'] * scale:.0f} s "
         "(scaled by bytes, not measured)"
     )
@@ -317,21 +317,13 @@ def main() -> None:
         half = max(1, len(cores) // 2)
         os.sched_setaffinity(0, cores[half:] if args.replica else cores[:half])
     if args.replica:
-        secured = args.secrets is not None
         security = SecurityConfig()
-        if secured:
+        if args.secrets is not None:
             security = security_for(args.secrets, "replica", args.tls).model_copy(
                 update={"allow_plaintext": not args.tls}
             )
         serve_replica(args.host, security, args.in_clear)
         return
-    from codec import qwen2_05b_shapes
-
-    torch.manual_seed(0)
-    master = {
-        n: torch.randn(s) * (0.02 if len(s) == 2 else 1.0)
-        for n, s in qwen2_05b_shapes(0 if args.llama_8b_layers else args.layers).items()
-    }
     work = Path(tempfile.mkdtemp())
     trainer_security, prefix, host = SecurityConfig(), [], "127.0.0.1"
     replica_args = ["--split-cores"] if args.split_cores else []
@@ -363,6 +355,13 @@ def main() -> None:
         if args.llama_8b_layers:
             big_keyframes(args, address, raw_port, trainer_security, key_file, link)
             return
+        from codec import qwen2_05b_shapes
+
+        torch.manual_seed(0)
+        master = {
+            n: torch.randn(s) * (0.02 if len(s) == 2 else 1.0)
+            for n, s in qwen2_05b_shapes(args.layers).items()
+        }
         shapes = f"Qwen2-0.5B shapes, {args.layers} layers, format {args.format}"
         print(f"model: {shapes}, replica at {address} ({link})")
         print(

@@ -158,8 +158,8 @@ def unsupported_reason(config: RolloutConfig, platform: Platform) -> str | None:
         if config.tensor_parallel_size != 1:
             return "precision.consistency exact needs tensor_parallel_size 1 (the engine in this process)"
     if platform.cuda_capability is None:  # (CPU: FP8 GEMMs and FP8 KV cache are emulated)
-        reason = eager_reason(config, "cpu")
-        return f"enforce_eager false: {reason}" if config.enforce_eager is False and reason else None
+        reason = eager_reason(config, "cpu") if config.enforce_eager is False else None
+        return f"enforce_eager false: {reason}" if reason else None
     if config.activation_arithmetic != "vllm":
         return "activation_arithmetic te is for the CPU emulation: vLLM's CUDA kernels quantize as vLLM does"
     if recipe.fp8_rollout:
