@@ -2,14 +2,18 @@
 over several seeds, and the 95% confidence interval of each setting's final accuracy against bf16's.
 
 Each (setting, seed) is one embedded ``coordinator start`` (redis-server, trainer and one replica as
-child processes) on the chat sums with operands 0..99 (``--task arith-chat --max-operand 99``; a tenth
-of the 10,000 pairs is held out), validating greedily before the first and after the last step on
+child processes) on the chat sums with operands 0..49 (``--task arith-chat --max-operand 49``; a tenth
+of the 2,500 pairs is held out), validating greedily before the first and after the last step on
 ``--val-size`` held-out sums that each seed draws afresh. A run whose summary.json exists is not run
 again, so the study resumes where it stopped. The report pairs the settings by seed: the difference of
 final accuracies per seed, its mean and a t-interval over the seeds (the seed-to-seed spread of RL runs
 and the draw of validation problems are both in it).
 
-    python bench/study.py --model models/smollm2 --seeds 8 --out runs/study [--report docs/results/study.md]
+Each finished run's summary is also copied to ``--summaries`` (by default docs/results/study-smollm2/,
+committed), and a run whose summary is there is not run again either: the study, hours long on a 2-core
+machine, resumes across sessions and machines from the repository alone.
+
+    python bench/study.py --model models/smollm2 --seeds 8 --report docs/results/study-smollm2.md
 """
 
 from __future__ import annotations
@@ -58,6 +62,9 @@ def run_once(setting: Setting, seed: int, args: argparse.Namespace) -> dict[str,
     """One run's summary (run now unless its summary.json exists)."""
     run_dir = args.out / f"{setting.name}-s{seed}"
     summary = run_dir / "summary.json"
+    kept = args.summaries / f"{setting.name}-s{seed}.json"
+    if kept.exists():
+        return json.loads(kept.read_text())
     if not summary.exists():
         command = [sys.executable, "-m", "coordinator.cli", "start", "--recipe", setting.recipe]
         command += ["--consistency", setting.consistency, "--model", str(args.model), "--seed", str(seed)]
@@ -73,7 +80,11 @@ def run_once(setting: Setting, seed: int, args: argparse.Namespace) -> dict[str,
             tail = done.stdout[-3000:] + done.stderr[-3000:]
             raise RuntimeError(f"{setting.name} seed {seed}: exit {done.returncode}\n{tail}")
         print(f"{setting.name} seed {seed}: {time.monotonic() - start:.0f} s", flush=True)
-    return json.loads(summary.read_text())
+    result = json.loads(summary.read_text())
+    result["measured"] = {"date": time.strftime("%Y-%m-%d"), "commit": commit(), "machine": machine()}
+    args.summaries.mkdir(parents=True, exist_ok=True)
+    kept.write_text(json.dumps(result, indent=2) + "\n")
+    return result
 
 
 def interval(values: list[float]) -> tuple[float, float]:
@@ -96,12 +107,18 @@ def machine() -> str:
     return f"{name or platform.processor()} ({platform.machine()})"
 
 
-def report(results: dict[str, dict[int, dict[str, Any]]], args: argparse.Namespace) -> str:
+def commit() -> str:
     git = ["git", "rev-parse", "--short", "HEAD"]
-    commit = subprocess.run(git, capture_output=True, text=True).stdout.strip()
+    return subprocess.run(git, capture_output=True, text=True).stdout.strip()
+
+
+def report(results: dict[str, dict[int, dict[str, Any]]], args: argparse.Namespace) -> str:
+    measured = [r["measured"] for runs in results.values() for r in runs.values() if "measured" in r]
+    commits = ", ".join(sorted({m["commit"] for m in measured})) or commit()
     seeds = sorted(set.intersection(*(set(r) for r in results.values())))
     lines = [
-        f"Measured {time.strftime('%Y-%m-%d')} at commit {commit} on {machine()}; {len(seeds)} seeds x "
+        f"Measured up to {time.strftime('%Y-%m-%d')} at commits {commits} on {machine()}; "
+        f"{len(seeds)} seeds x "
         f"{args.val_size} validation sums each; {args.steps} GRPO steps of {args.prompts} prompts x "
         f"{args.group} samples; `python bench/study.py --seeds {args.seeds}`.",
         "",
@@ -145,8 +162,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--val-size", type=int, default=300)
-    parser.add_argument("--max-operand", type=int, default=99)
-    parser.add_argument("--out", type=Path, default=Path("runs/study"))
+    parser.add_argument("--max-operand", type=int, default=49)
+    parser.add_argument("--out", type=Path, default=Path("runs/study"), help="the runs' own folders")
+    parser.add_argument("--summaries", type=Path, default=Path("docs/results/study-smollm2"))
     parser.add_argument("--report", type=Path, help="also write the table to this markdown file")
     args = parser.parse_args(argv)
     settings = [SETTINGS[name] for name in args.settings.split(",")]
