@@ -93,6 +93,12 @@ class RolloutConfig(BaseModel):
     do: still taken only under tickets the authenticated stream names and checked by the trainer's
     signature (so security.update_public_key_file is required), but readable on the wire; TLS costs
     about half the plane's speed on a 2-core host (docs/weight-sync.md). Only on a trusted network."""
+    weight_transfer: Literal["", "fp8rl-broadcast", "fp8rl-ipc"] = ""
+    """A device plane for weight updates, as vLLM's weight-transfer engine of that name
+    (rollout_service/vllm_transfer.py): `fp8rl-broadcast` from the trainer's rank 0 (NCCL between GPUs,
+    Gloo between CPUs), `fp8rl-ipc` (CUDA IPC from a trainer on the same GPU host); each update whole
+    and checked before it is loaded. Unauthenticated fabric, as NCCL's: only on a trusted network
+    (docs/weight-sync.md#device-planes). Empty: updates come over gRPC and its planes only."""
     enforce_eager: bool | None = None
     """vLLM's eager mode. Unset: compiled, as `vllm serve` runs by default, wherever the replica's
     arithmetic compiles: on CUDA always; on CPU only a dense model under a recipe without FP8 (bf16) in

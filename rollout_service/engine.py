@@ -157,6 +157,8 @@ def unsupported_reason(config: RolloutConfig, platform: Platform) -> str | None:
             )
         if config.tensor_parallel_size != 1:
             return "precision.consistency exact needs tensor_parallel_size 1 (the engine in this process)"
+    if platform.cuda_capability is None and config.weight_transfer == "fp8rl-ipc":
+        return "weight_transfer fp8rl-ipc moves CUDA memory: on CPU use fp8rl-broadcast (Gloo)"
     if platform.cuda_capability is None:  # (CPU: FP8 GEMMs and FP8 KV cache are emulated)
         reason = eager_reason(config, "cpu") if config.enforce_eager is False else None
         return f"enforce_eager false: {reason}" if reason else None
@@ -333,6 +335,11 @@ class VllmEngine:
             tensor_parallel_size=config.tensor_parallel_size,
             worker_extension_cls="rollout_service.worker_extension.WorkerExtension",
         )
+        if config.weight_transfer:  # (registered here, and by the general plugin in worker processes)
+            from rollout_service import vllm_transfer
+
+            vllm_transfer.register()
+            self._llm_args["weight_transfer_config"] = {"backend": config.weight_transfer}
         # Mixture-of-experts models record the experts every position is routed to. On CUDA that is
         # vLLM's own capture (Model Runner V2); on CPU (an eager engine, which has no V2 runner) fp8rl's
         # recorder on the same router hook (worker_extension.RoutingRecorder).
@@ -555,6 +562,21 @@ class VllmEngine:
                 self.llm.collective_rpc(
                     "fp8rl_refit", kwargs={"weights_path": path, "is_checkpoint_format": True}
                 )
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM did not reset its prefix cache after a refit: stale KV could be reused")
+
+    def join_device_plane(self, init_info: Mapping[str, Any]) -> None:
+        """Every worker joins the trainer's device plane (``weight_transfer``; blocks until the group
+        forms, so the trainer joins at the same time)."""
+        self.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": dict(init_info)})
+
+    def load_from_device_plane(self, update_info: Mapping[str, Any]) -> None:
+        """One whole update over the device plane (the trainer sends at the same time), checked before it
+        is loaded, then the prefix cache dropped as after any refit. A refused update leaves the weights
+        as they were."""
+        self.llm.collective_rpc("start_weight_update")
+        self.llm.collective_rpc("update_weights", kwargs={"update_info": dict(update_info)})
+        self.llm.collective_rpc("finish_weight_update")
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM did not reset its prefix cache after a refit: stale KV could be reused")
 

@@ -10,6 +10,17 @@ import numpy as np
 import torch
 
 
+def rederive_tied_head(model: Any) -> None:
+    """Process a tied output layer again after its shared weight changed (see :meth:`fp8rl_refit`)."""
+    head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is None or embed is None or head.weight.data_ptr() != embed.weight.data_ptr():
+        return
+    method = getattr(head, "quant_method", None)
+    if method is not None:
+        method.process_weights_after_loading(head)
+
+
 class WorkerExtension:
     """Mixed into vLLM's worker class: ``self`` is the worker."""
 
@@ -25,14 +36,7 @@ class WorkerExtension:
         first version's embedding while the input embedding moved on. Processing it again re-derives it
         from the shared weight (on CUDA the output layer reads the weight itself; this is then a no-op)."""
         self.reload_weights(**reload_kwargs)
-        model = self.model_runner.model
-        head = getattr(model, "lm_head", None)
-        embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-        if head is None or embed is None or head.weight.data_ptr() != embed.weight.data_ptr():
-            return
-        method = getattr(head, "quant_method", None)
-        if method is not None:
-            method.process_weights_after_loading(head)
+        rederive_tied_head(self.model_runner.model)
 
     def fp8rl_exact_routing(self) -> int:
         """Route every MoE layer with fp8rl.exact.route (exact consistency); returns how many."""

@@ -3,9 +3,9 @@
     python scripts/gpu_proof.py        # from the repository root; docs/gpu.md says what to bring
 
 One PASS / FAIL / SKIP line per check, with its figures; exit status 1 if any check failed. It imports
-torch and this repository's torch-only modules (fp8rl.quant, fp8rl.accumulation, the emulated FP8 linear
-of trainer_service/fp8_linear.py, tests/vllm_reference.py) and nothing else: no pydantic, zstandard,
-vLLM, Transformer Engine or grpc. Without CUDA the CUDA checks SKIP with the reason.
+torch and this repository's torch-only modules (fp8rl.quant, fp8rl.accumulation, fp8rl.codec.device_planes,
+the emulated FP8 linear of trainer_service/fp8_linear.py, tests/vllm_reference.py) and nothing else: no
+pydantic, zstandard, vLLM, Transformer Engine or grpc. Without CUDA the CUDA checks SKIP with the reason.
 
 a  the import chain: none of those packages was loaded;
 b  fp8rl.quant on CUDA = on CPU, bit for bit: weights (fp32, pow2), activations (TE's and vLLM's
@@ -20,7 +20,10 @@ g  FP8 against BF16 GEMM time at Llama-3.1-8B's linear shapes (the "FP8 GEMMs ~2
 h  exact consistency's arithmetic (fp8rl/exact.py) on CUDA = on CPU, bit for bit (FP8 and high-precision
    linears, attention, RMSNorm, SiLU, rotary angles, routing), a row the same bits alone and inside a
    batch on CUDA, and what an exact linear costs against a bf16 GEMM at Llama-3.1-8B's shapes: the
-   arithmetic an exact CUDA engine pair would run (docs/gpu.md).
+   arithmetic an exact CUDA engine pair would run (docs/gpu.md);
+i  the device planes of weight updates (fp8rl/codec/device_planes.py): one Llama-3.1-8B layer's FP8 set,
+   quantized on the GPU, into a second process by CUDA IPC and, with two GPUs, by an NCCL broadcast, bit
+   for bit, against a copy on the device (docs/weight-sync.md#device-planes).
 
 ``--dry-run-on-cpu`` runs the CUDA checks with the CPU in the GPU's place (small GEMM shapes, no
 blockwise kernel): a test of this script's code (tests/integration/test_gpu_proof.py), not a proof of
@@ -30,7 +33,10 @@ anything.
 from __future__ import annotations
 
 import argparse
+import os
+import pickle
 import platform
+import subprocess
 import sys
 import time
 import traceback
@@ -44,6 +50,7 @@ sys.path.insert(0, str(ROOT))
 
 from fp8rl import exact, quant  # noqa: E402
 from fp8rl.accumulation import BITS, FP32_UNIT, abs_product_sum, gemm_error_bound  # noqa: E402
+from fp8rl.codec import device_planes as planes  # noqa: E402
 from tests import vllm_reference  # noqa: E402
 from trainer_service.fp8_linear import fp8_linear  # noqa: E402
 
@@ -429,6 +436,133 @@ def exact_cuda_equals_cpu() -> str:
     )
 
 
+LLAMA_8B_LAYER = {  # (out, in) of one decoder layer's linears, unfused as a checkpoint names them
+    "self_attn.q_proj": (4096, 4096),
+    "self_attn.k_proj": (1024, 4096),
+    "self_attn.v_proj": (1024, 4096),
+    "self_attn.o_proj": (4096, 4096),
+    "mlp.gate_proj": (14336, 4096),
+    "mlp.up_proj": (14336, 4096),
+    "mlp.down_proj": (4096, 14336),
+}
+
+# The receiving worker: a process of its own, given the plane, the plan and (broadcast) the rendezvous
+# on stdin; it answers each loaded tensor's fingerprint and how long receiving and checking took.
+RECEIVER = """
+import pickle, sys, time, torch
+from fp8rl.codec import device_planes as planes
+plane, device, info, init = pickle.load(sys.stdin.buffer)
+device = torch.device(device)
+if device.type == "cuda":
+    torch.cuda.set_device(device)
+receiver = (planes.IpcReceiver if plane == "ipc" else planes.BroadcastReceiver)(device, max_bytes=1 << 36)
+if init is not None:
+    receiver.init_transfer_engine(init)
+    print("joined", flush=True)
+    sys.stdin.readline()
+loaded = []
+start = time.perf_counter()
+receiver.receive_weights(info, loaded.extend)
+if device.type == "cuda":
+    torch.cuda.synchronize()
+seconds = time.perf_counter() - start
+prints = [(n, planes.fingerprint(t.contiguous().view(-1).view(torch.uint8))) for n, t in loaded]
+sys.stdout.buffer.write(pickle.dumps((seconds, prints)))
+"""
+
+
+def layer_set(device: str, scale: int) -> list[tuple[str, torch.Tensor]]:
+    """One Llama-3.1-8B decoder layer (its shapes divided by ``scale``) quantized on ``device`` as the
+    trainer publishes it: FP8 codes and float32 block scales per linear."""
+    g = torch.Generator(device=device).manual_seed(9)
+    named = []
+    for module, (n, k) in LLAMA_8B_LAYER.items():
+        codes, scales = quant.quantize_blockwise(
+            torch.randn(n // scale, k // scale, generator=g, device=device)
+        )
+        named += [
+            (f"model.layers.0.{module}.weight", codes),
+            (f"model.layers.0.{module}.weight_scale_inv", scales),
+        ]
+    return planes.named_tensors(named)
+
+
+def receive_in_another_process(
+    plane: str,
+    device: str,
+    info: planes.UpdateInfo,
+    sender: planes.BroadcastSender | None = None,
+    named: list[tuple[str, torch.Tensor]] | None = None,
+) -> tuple[float, list]:
+    """Run RECEIVER for ``plane`` on ``device``: what it took, and each tensor's fingerprint there. A
+    broadcast's ``sender`` forms the group with it, then sends ``named``."""
+    init = sender.init if sender is not None else None
+    child = subprocess.Popen(
+        [sys.executable, "-c", RECEIVER],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        assert child.stdin is not None and child.stdout is not None
+        child.stdin.write(pickle.dumps((plane, device, info, init)))
+        child.stdin.flush()
+        if sender is not None and named is not None:
+            sender.trainer_init()  # (returns once the child has joined)
+            assert child.stdout.readline().strip() == b"joined"
+            child.stdin.write(b"go\n")
+            child.stdin.flush()
+            sender.send_weights(named, info)
+        out, _ = child.communicate(timeout=300)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == 0, f"the receiving process exited {child.returncode}"
+    return pickle.loads(out)
+
+
+def device_planes() -> str:
+    device = gpu_device()
+    scale = 1 if device == "cuda" else 8  # (the dry run moves an eighth of each dimension)
+    named = layer_set(device, scale)
+    want = [(n, planes.fingerprint(t.contiguous().view(-1).view(torch.uint8))) for n, t in named]
+    total = sum(t.numel() * t.element_size() for _, t in named)
+    copy_ms = elapsed_ms(lambda: [t.clone() for _, t in named], repeat=5)
+    figures = [f"{total / 1e9:.3f} GB ({len(named)} tensors); a copy on the device {copy_ms:.1f} ms"]
+    if device == "cuda":
+        sender = planes.IpcSender(torch.device(device))
+        start = time.perf_counter()
+        info = sender.send_weights(named, bucket_bytes=256 << 20)
+        torch.cuda.synchronize()
+        send_s = time.perf_counter() - start
+        seconds, got = receive_in_another_process("ipc", device, info)
+        sender.release()
+        assert got == want, "CUDA IPC: a tensor did not arrive as sent"
+        figures.append(
+            f"CUDA IPC into another process bit for bit: packed {send_s * 1e3:.1f} ms, received and "
+            f"checked {seconds * 1e3:.1f} ms ({total / seconds / 1e9:.1f} GB/s, "
+            f"{copy_ms / (seconds * 1e3):.2f} of the copy's speed)"
+        )
+    else:
+        figures.append("CUDA IPC: not on a CPU")
+    if device == "cuda" and torch.cuda.device_count() < 2:
+        figures.append("NCCL broadcast: one GPU (NCCL takes one rank per device)")
+        return "; ".join(figures)
+    backend, other = ("nccl", "cuda:1") if device == "cuda" else ("gloo", "cpu")
+    broadcaster = planes.BroadcastSender.listen("127.0.0.1", 2, backend=backend, device=device, timeout_s=120)
+    info = broadcaster.plan(named, bucket_bytes=256 << 20)
+    seconds, got = receive_in_another_process(backend, other, info, broadcaster, named)
+    broadcaster.shutdown()
+    assert got == want, f"{backend} broadcast: a tensor did not arrive as sent"
+    figures.append(
+        f"{backend.upper()} broadcast to {other} bit for bit: received and checked {seconds * 1e3:.1f} ms "
+        f"({total / seconds / 1e9:.2f} GB/s)"
+    )
+    return "; ".join(figures)
+
+
 def main(argv: list[str] | None = None) -> int:
     global GPU
     parser = argparse.ArgumentParser(
@@ -457,6 +591,7 @@ def main(argv: list[str] | None = None) -> int:
     check("f emulated FP8 trainer step CUDA = CPU", emulated_step)
     check("g FP8 vs BF16 GEMM time, Llama-3.1-8B shapes", gemm_times)
     check("h exact consistency's arithmetic CUDA = CPU", exact_cuda_equals_cpu)
+    check("i device planes of weight updates (CUDA IPC, NCCL)", device_planes)
     counts = {word: sum(line.startswith(word) for line in results) for word in ("PASS", "FAIL", "SKIP")}
     summary = ", ".join(f"{count} {word}" for word, count in counts.items())
     print(f"gpu_proof: {summary} in {time.perf_counter() - start:.0f} s{dry}", flush=True)

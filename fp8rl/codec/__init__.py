@@ -43,6 +43,10 @@ The modules, lowest first (none imports one below it in this list):
 * :mod:`~fp8rl.codec.encode`: a set (or its changes against a base) as the parts of an update.
 * :mod:`~fp8rl.codec.apply`: a delta's chunks applied to the held bytes, and XORed back on failure.
 * :mod:`~fp8rl.codec.decode`: ``UpdateDecoder``: the parts of an update checked and applied, all or nothing.
+* :mod:`~fp8rl.codec.segments`, :mod:`~fp8rl.codec.tcp_plane`: an update's parts as shared memory on one
+  host, or over parallel TCP connections, beside its gRPC stream.
+* :mod:`~fp8rl.codec.device_planes`: a set's tensors from device to device (NCCL or Gloo broadcast, CUDA
+  IPC), shaped after vLLM's weight-transfer engines; torch alone.
 * :mod:`~fp8rl.codec.stream`: an update as gRPC messages (``WeightHeader`` and data chunks).
 * :mod:`~fp8rl.codec.testing`: whole updates in one call, for tests and benches; no service uses it.
 """

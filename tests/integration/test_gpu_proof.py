@@ -25,20 +25,21 @@ def test_on_the_cpu_the_cuda_checks_skip_and_the_rest_passes() -> None:
     assert lines[0].startswith("gpu_proof: Python") and "no CUDA device" in lines[0]
     for check in "ac":
         assert outcome(lines, check).startswith(f"PASS {check} "), outcome(lines, check)
-    for check in "bdefgh":
+    for check in "bdefghi":
         assert outcome(lines, check).startswith(f"SKIP {check} "), outcome(lines, check)
         assert "no CUDA device (torch.cuda.is_available() is False)" in outcome(lines, check)
     assert "none of pydantic, zstandard, vllm, transformer_engine" in outcome(lines, "a")
     assert "blocks come back byte for byte" in outcome(lines, "c")
-    assert lines[-1].startswith("gpu_proof: 2 PASS, 0 FAIL, 6 SKIP")
+    assert lines[-1].startswith("gpu_proof: 2 PASS, 0 FAIL, 7 SKIP")
 
 
 def test_the_cuda_checks_code_runs_with_the_cpu_in_the_gpus_place() -> None:
     lines = proof_lines("--dry-run-on-cpu")
     assert "DRY RUN" in lines[0] and "DRY RUN" in lines[-1]
-    for check in "abcefgh":
+    for check in "abcefghi":
         assert outcome(lines, check).startswith(f"PASS {check} "), outcome(lines, check)
     assert outcome(lines, "d").startswith("SKIP d ") and "no CPU kernel" in outcome(lines, "d")
     assert "of the bound" in outcome(lines, "e") and "codes equal 2/2" in outcome(lines, "f")
     assert "fp8 blockwise unavailable" in outcome(lines, "g")
     assert "bit-identical" in outcome(lines, "h") and "a row alone = in a batch" in outcome(lines, "h")
+    assert "GLOO broadcast to cpu bit for bit" in outcome(lines, "i")

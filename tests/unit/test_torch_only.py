@@ -65,7 +65,14 @@ def script_lines(script: str, *args: str) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    "module", ["fp8rl.quant", "fp8rl.accumulation", "trainer_service.fp8_linear", "tests.vllm_reference"]
+    "module",
+    [
+        "fp8rl.quant",
+        "fp8rl.accumulation",
+        "trainer_service.fp8_linear",
+        "tests.vllm_reference",
+        "fp8rl.codec.device_planes",
+    ],
 )
 def test_imports_with_torch_alone(module: str) -> None:
     done = run_torch_only(f"import {module}\n")

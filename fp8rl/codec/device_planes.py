@@ -1,0 +1,484 @@
+"""Data planes between devices: an update's tensors from the trainer's GPU straight into a replica's, as
+vLLM's weight-transfer engines move them (vllm/distributed/weight_transfer/: ``nccl``, ``ipc``), while
+gRPC stays the control plane (the version, the plan below, refusals, activation).
+
+Two planes, each a sender (the trainer's rank 0) and a receiver (a replica's worker) with the method names
+and the update fields of vLLM's engines, so that either side can stand in for vLLM's:
+
+* :class:`BroadcastSender` / :class:`BroadcastReceiver`: a collective broadcast from rank 0 to every
+  replica worker (rank ``rank_offset + i``), NCCL between GPUs (one rank per device), Gloo between CPUs
+  (the same code; that is how it runs in the suite). The group is its own (a TCPStore rendezvous and
+  a process group built on it, never torch's default group, which a sharded trainer or vLLM's workers
+  hold already).
+* :class:`IpcSender` / :class:`IpcReceiver`: CUDA IPC on one host. The sender names each bucket by
+  the fields of its CUDA IPC handle (plain values, never a pickled callable: vLLM's HTTP route needs
+  ``VLLM_ALLOW_INSECURE_SERIALIZATION`` for that), and the receiver opens the handle and copies the
+  bucket into memory of its own before anything is loaded.
+
+Both move *packed buckets*: the update's tensors laid end to end, aligned, in uint8 buffers of at most
+``bucket_bytes`` (:func:`plan_buckets`, the same plan on both sides from the update's names, dtypes and
+shapes). A receiver takes the whole update into its own buffers first and checks every bucket's
+fingerprint (:func:`fingerprint`, computed where the bytes are, on either device, to the same integers)
+against the plan's before it hands one tensor to ``load_weights``: an update is loaded whole or not at
+all, as over gRPC. The fingerprint detects corruption and misrouted buckets, not forgery: a broadcast
+group is unauthenticated, as NCCL's always are; its rendezvous crosses only the authenticated control
+plane, and these planes are for a trusted fabric (docs/weight-sync.md#device-planes).
+
+Torch alone (the bare GPU host runs it: scripts/gpu_proof.py); nothing here imports CUDA on a CPU.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import socket
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+# What a plan may carry: the dtypes of a WeightSet (FP8 codes, scales, high-precision tensors).
+DTYPES = {name: getattr(torch, name) for name in ("float8_e4m3fn", "float32", "bfloat16", "float16", "uint8")}
+ALIGN = 256  # each tensor starts at a multiple of this in its bucket (CUDA's allocation granularity)
+DEFAULT_BUCKET_BYTES = 1 << 30  # vLLM's packed default (packed_tensor.py)
+MAX_BUCKET_BYTES = 1 << 34
+_FINGERPRINT_WORDS = 1 << 22  # int32 words a fingerprint reduces at once (16 MiB: ~100 MB of scratch)
+_MIX = 0x9E3779B97F4A7C15 - (1 << 64)  # 2^64 / golden ratio, as a signed int64: spreads word positions
+
+LoadWeights = Callable[[list[tuple[str, torch.Tensor]]], None]
+
+
+# -- the plan: pure, and the same on both sides -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where tensor ``index`` of the update lies in its bucket."""
+
+    index: int
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class UpdateInfo:
+    """One update on a device plane: vLLM's ``NCCLWeightTransferUpdateInfo`` fields (``names``,
+    ``dtype_names``, ``shapes``, ``packed_buffer_size_bytes``; always packed) plus what a receiver checks
+    before loading (``fingerprints``: one per bucket, in :func:`plan_buckets` order) and, for IPC, each
+    bucket's handle (``ipc_handles``: :func:`ipc_handle`'s fields, keyed by the GPU's UUID)."""
+
+    names: tuple[str, ...]
+    dtype_names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    packed_buffer_size_bytes: int = DEFAULT_BUCKET_BYTES
+    fingerprints: tuple[int, ...] = ()
+    ipc_handles: tuple[dict[str, dict[str, object]], ...] = ()
+
+    def tensor_bytes(self) -> list[int]:
+        return [
+            math.prod(shape) * DTYPES[dtype].itemsize
+            for shape, dtype in zip(self.shapes, self.dtype_names, strict=True)
+        ]
+
+
+def update_info(
+    named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES
+) -> UpdateInfo:
+    """The plan of sending ``named`` (fingerprints and handles not yet filled in)."""
+    return UpdateInfo(
+        tuple(name for name, _ in named),
+        tuple(str(t.dtype).removeprefix("torch.") for _, t in named),
+        tuple(tuple(t.shape) for _, t in named),
+        bucket_bytes,
+    )
+
+
+def check_update_info(info: UpdateInfo, max_bytes: int, max_tensors: int = 1 << 20) -> int:
+    """Refuse a plan before anything is allocated for it: the fields agree in length, every dtype is
+    one a weight set holds, every shape is non-negative, the buckets are bounded, and the whole fits in
+    ``max_bytes``; returns the plan's bytes. Raises ValueError naming the field."""
+    n = len(info.names)
+    if not 0 < n <= max_tensors:
+        raise ValueError(f"names: {n} tensors, outside [1, {max_tensors}]")
+    if len(info.dtype_names) != n or len(info.shapes) != n:
+        raise ValueError(f"dtype_names, shapes: {len(info.dtype_names)} and {len(info.shapes)} for {n} names")
+    if len(set(info.names)) != n:
+        raise ValueError("names: a tensor is named twice")
+    unknown = sorted(set(info.dtype_names) - set(DTYPES))
+    if unknown:
+        raise ValueError(f"dtype_names: {unknown[:3]} not among {sorted(DTYPES)}")
+    if any(d < 0 for shape in info.shapes for d in shape) or any(len(s) > 8 for s in info.shapes):
+        raise ValueError("shapes: a dimension is negative, or a tensor has more than 8")
+    if not ALIGN <= info.packed_buffer_size_bytes <= MAX_BUCKET_BYTES:
+        raise ValueError(
+            f"packed_buffer_size_bytes: {info.packed_buffer_size_bytes} outside [{ALIGN}, {MAX_BUCKET_BYTES}]"
+        )
+    total = sum(info.tensor_bytes())
+    if total > max_bytes:
+        raise ValueError(f"shapes: {total} bytes in all, more than the model's {max_bytes}")
+    buckets = plan_buckets(info)
+    if info.fingerprints and len(info.fingerprints) != len(buckets):
+        raise ValueError(f"fingerprints: {len(info.fingerprints)} for {len(buckets)} buckets")
+    if info.ipc_handles and len(info.ipc_handles) != len(buckets):
+        raise ValueError(f"ipc_handles: {len(info.ipc_handles)} for {len(buckets)} buckets")
+    return total
+
+
+def plan_buckets(info: UpdateInfo) -> list[list[Slot]]:
+    """The tensors in order, each at an aligned offset of the bucket it starts, a new bucket whenever the
+    next would not fit (a tensor larger than a bucket has one of its own)."""
+    buckets: list[list[Slot]] = []
+    used = 0
+    for index, nbytes in enumerate(info.tensor_bytes()):
+        offset = -(-used // ALIGN) * ALIGN
+        if not buckets or (used > 0 and offset + nbytes > info.packed_buffer_size_bytes):
+            buckets.append([])
+            offset = 0
+        buckets[-1].append(Slot(index, offset, nbytes))
+        used = offset + nbytes
+    return buckets
+
+
+def bucket_size(bucket: Sequence[Slot]) -> int:
+    return bucket[-1].offset + bucket[-1].nbytes if bucket else 0
+
+
+def pack(bucket: Sequence[Slot], tensors: Sequence[torch.Tensor], device: torch.device | str) -> torch.Tensor:
+    """The bucket's bytes: its tensors (``tensors[slot.index]``) copied end to end into one uint8 buffer
+    on ``device`` (the gaps zeroed: they are fingerprinted too)."""
+    buffer = torch.zeros(bucket_size(bucket), dtype=torch.uint8, device=device)
+    for slot in bucket:
+        t = tensors[slot.index].detach().contiguous()
+        buffer[slot.offset : slot.offset + slot.nbytes].copy_(t.view(-1).view(torch.uint8))
+    return buffer
+
+
+def unpack(buffer: torch.Tensor, bucket: Sequence[Slot], info: UpdateInfo) -> list[tuple[str, torch.Tensor]]:
+    """The bucket's tensors, as views of ``buffer`` (no copy)."""
+    return [
+        (
+            info.names[slot.index],
+            buffer[slot.offset : slot.offset + slot.nbytes]
+            .view(DTYPES[info.dtype_names[slot.index]])
+            .view(info.shapes[slot.index]),
+        )
+        for slot in bucket
+    ]
+
+
+def fingerprint(buffer: torch.Tensor) -> int:
+    """Two sums of the buffer's int32 words, plain and weighted by position (mod 2^64, so any order of
+    adding gives the same integers on any device), folded into one int: a changed, lost or moved word
+    changes it. Computed where the buffer is, in slices (bounded scratch)."""
+    flat = buffer.view(torch.uint8).reshape(-1)
+    tail = flat.numel() % 4
+    if tail:
+        flat = torch.cat([flat, flat.new_zeros(4 - tail)])
+    words = flat.view(torch.int32)
+    plain = weighted = torch.zeros((), dtype=torch.int64, device=flat.device)
+    for start in range(0, words.numel(), _FINGERPRINT_WORDS):
+        piece = words[start : start + _FINGERPRINT_WORDS].to(torch.int64)
+        where = torch.arange(start + 1, start + 1 + piece.numel(), dtype=torch.int64, device=flat.device)
+        plain = plain + piece.sum()
+        weighted = weighted + (piece * (where * _MIX)).sum()
+    return (int(plain) & (2**64 - 1)) ^ ((int(weighted) & (2**64 - 1)) << 64)
+
+
+def with_fingerprints(info: UpdateInfo, buffers: Sequence[torch.Tensor]) -> UpdateInfo:
+    return replace(info, fingerprints=tuple(fingerprint(b) for b in buffers))
+
+
+def check_fingerprints(info: UpdateInfo, buffers: Sequence[torch.Tensor]) -> None:
+    """Every received bucket's bytes are the sender's (ValueError naming the first that is not)."""
+    if len(info.fingerprints) != len(buffers):
+        raise ValueError(f"fingerprints: {len(info.fingerprints)} for {len(buffers)} buckets")
+    for i, (want, buffer) in enumerate(zip(info.fingerprints, buffers, strict=True)):
+        if fingerprint(buffer) != want:
+            raise ValueError(f"fingerprints: bucket {i} did not arrive as sent")
+
+
+def _load_all(info: UpdateInfo, buffers: Sequence[torch.Tensor], load_weights: LoadWeights) -> None:
+    check_fingerprints(info, buffers)
+    for buffer, bucket in zip(buffers, plan_buckets(info), strict=True):
+        load_weights(unpack(buffer, bucket, info))
+
+
+# -- broadcast: NCCL between GPUs, Gloo between CPUs -----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BroadcastInit:
+    """vLLM's ``NCCLWeightTransferInitInfo`` rendezvous fields: the trainer's store at ``master_address``
+    and ``master_port``, rank 0 the trainer, replica workers from ``rank_offset``, ``world_size`` in all;
+    ``backend``: "nccl" (CUDA tensors) or "gloo" (CPU tensors)."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    backend: str = "nccl"
+    timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("nccl", "gloo"):
+            raise ValueError(f"backend: {self.backend!r} is neither 'nccl' nor 'gloo'")
+        if not 1 <= self.rank_offset < self.world_size:
+            raise ValueError(f"rank_offset: {self.rank_offset} outside [1, world_size {self.world_size})")
+        if not 0 < self.master_port < 65536:
+            raise ValueError(f"master_port: {self.master_port}")
+
+
+def _group(init: BroadcastInit, rank: int, store: Any) -> Any:
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=init.timeout_s)
+    if init.backend == "gloo":
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=_local_address(init))]
+        options._timeout = timeout
+        return dist.ProcessGroupGloo(store, rank, init.world_size, options)
+    options = dist.ProcessGroupNCCL.Options()  # (CUDA builds of torch only)
+    options._timeout = timeout
+    return dist.ProcessGroupNCCL(store, rank, init.world_size, options)
+
+
+def _local_address(init: BroadcastInit) -> str:
+    """This host's address on the route to the trainer's store (Gloo binds there, not wherever the
+    host name resolves)."""
+    family = socket.AF_INET6 if ":" in init.master_address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect((init.master_address, init.master_port))  # (UDP: nothing is sent)
+        return probe.getsockname()[0]
+
+
+def _broadcast(group: object, tensor: torch.Tensor) -> None:
+    import torch.distributed as dist
+
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    group.broadcast([tensor], options).wait()  # type: ignore[attr-defined]
+
+
+@dataclass
+class BroadcastSender:
+    """The trainer's side (rank 0): vLLM's ``trainer_init`` then ``send_weights`` per update."""
+
+    init: BroadcastInit
+    device: torch.device
+    _store: object = field(default=None, repr=False)
+    _group: object = field(default=None, repr=False)
+
+    @classmethod
+    def listen(
+        cls,
+        address: str,
+        world_size: int,
+        rank_offset: int = 1,
+        backend: str = "nccl",
+        device: torch.device | str = "cuda",
+        timeout_s: float = 300.0,
+    ) -> BroadcastSender:
+        """Open the rendezvous store on a free port of ``address``; its :attr:`init` is what each replica
+        is told (over the control plane) before :meth:`trainer_init` is called."""
+        import torch.distributed as dist
+
+        store = dist.TCPStore(
+            address,
+            0,
+            world_size,
+            is_master=True,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+        )
+        init = BroadcastInit(address, store.port, rank_offset, world_size, backend, timeout_s)
+        return cls(init, torch.device(device), store)
+
+    def trainer_init(self) -> None:
+        """Form the group (blocks until every replica worker has joined)."""
+        self._group = _group(self.init, 0, self._store)
+
+    def send_weights(
+        self, named: Sequence[tuple[str, torch.Tensor]], info: UpdateInfo | None = None
+    ) -> UpdateInfo:
+        """Broadcast ``named`` as packed buckets; returns the plan (with fingerprints), which the control
+        plane must have given every receiver first: call :meth:`plan` for it, send it, then this."""
+        info = info or self.plan(named)
+        tensors = [t for _, t in named]
+        for bucket in plan_buckets(info):
+            _broadcast(self._group, pack(bucket, tensors, self.device))
+        return info
+
+    def plan(
+        self, named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    ) -> UpdateInfo:
+        """The update's plan with every bucket's fingerprint (packs each bucket once to compute it)."""
+        info = update_info(named, bucket_bytes)
+        tensors = [t for _, t in named]
+        return with_fingerprints(info, [pack(b, tensors, self.device) for b in plan_buckets(info)])
+
+    def shutdown(self) -> None:
+        self._group = self._store = None
+
+
+@dataclass
+class BroadcastReceiver:
+    """A replica worker's side: vLLM's ``init_transfer_engine`` then ``receive_weights`` per update."""
+
+    device: torch.device
+    max_bytes: int
+    _group: object = field(default=None, repr=False)
+
+    def init_transfer_engine(self, init: BroadcastInit, local_rank: int = 0) -> None:
+        import torch.distributed as dist
+
+        store = dist.TCPStore(
+            init.master_address,
+            init.master_port,
+            init.world_size,
+            is_master=False,
+            timeout=datetime.timedelta(seconds=init.timeout_s),
+        )
+        self._group = _group(init, init.rank_offset + local_rank, store)
+
+    def receive_weights(self, info: UpdateInfo, load_weights: LoadWeights) -> None:
+        """Every bucket into buffers of this worker's, checked, then loaded (all or nothing)."""
+        check_update_info(info, self.max_bytes)
+        buffers = []
+        for bucket in plan_buckets(info):
+            buffer = torch.empty(bucket_size(bucket), dtype=torch.uint8, device=self.device)
+            _broadcast(self._group, buffer)
+            buffers.append(buffer)
+        _load_all(info, buffers, load_weights)
+
+    def shutdown(self) -> None:
+        self._group = None
+
+
+# -- CUDA IPC on one host ------------------------------------------------------------------------------
+
+# rebuild_cuda_tensor's arguments (torch/multiprocessing/reductions.py), in its order: what an IPC
+# handle is, as plain values.
+IPC_FIELDS = (
+    "tensor_cls",
+    "tensor_size",
+    "tensor_stride",
+    "tensor_offset",
+    "storage_cls",
+    "tensor_dtype",
+    "storage_device",
+    "storage_handle",
+    "storage_size_bytes",
+    "storage_offset_bytes",
+    "requires_grad",
+    "ref_counter_handle",
+    "ref_counter_offset",
+    "event_handle",
+    "event_sync_required",
+)
+
+
+def gpu_uuid(device: torch.device) -> str:
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def ipc_handle(buffer: torch.Tensor) -> dict[str, object]:
+    """The CUDA IPC handle of a uint8 CUDA buffer as plain values (its storage handle, size, offset and
+    the reference counter the producer keeps); the tensor and storage classes are implied."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
+
+    if buffer.device.type != "cuda" or buffer.dtype != torch.uint8:
+        raise ValueError("ipc_handle: a uint8 CUDA buffer is needed")
+    rebuild, args = reduce_tensor(buffer)
+    if rebuild is not rebuild_cuda_tensor:
+        raise ValueError(f"ipc_handle: torch reduces this buffer with {rebuild.__name__}")
+    fields = dict(zip(IPC_FIELDS, args, strict=True))
+    for cls in ("tensor_cls", "storage_cls", "tensor_dtype"):
+        fields.pop(cls)
+    return fields
+
+
+def open_ipc_handle(fields: dict[str, object], nbytes: int, device: torch.device) -> torch.Tensor:
+    """The producer's buffer, mapped on ``device`` (this process's index of the same GPU), once its
+    fields are plain values of the right kinds and it is the ``nbytes`` the plan says."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    kinds = {
+        "tensor_size": tuple,
+        "tensor_stride": tuple,
+        "tensor_offset": int,
+        "storage_handle": bytes,
+        "storage_size_bytes": int,
+        "storage_offset_bytes": int,
+        "requires_grad": bool,
+        "ref_counter_handle": bytes,
+        "ref_counter_offset": int,
+        "event_sync_required": bool,
+    }
+    for name, kind in kinds.items():
+        if not isinstance(fields.get(name), kind):
+            raise ValueError(f"ipc_handles: {name} is not a {kind.__name__}")
+    if fields["tensor_size"] != (nbytes,) or fields["tensor_stride"] != (1,) or fields["requires_grad"]:
+        raise ValueError(f"ipc_handles: the handle is not a buffer of the plan's {nbytes} bytes")
+    args = dict(
+        fields,
+        tensor_cls=torch.Tensor,
+        storage_cls=torch.storage.TypedStorage,
+        tensor_dtype=torch.uint8,
+        storage_device=device.index or 0,
+    )
+    return rebuild_cuda_tensor(*(args[name] for name in IPC_FIELDS))
+
+
+@dataclass
+class IpcSender:
+    """The trainer's side on the replica's host: its packed buckets stay alive (and unchanged) until
+    :meth:`release`, which the control plane calls once the replica has answered."""
+
+    device: torch.device
+    _held: list[torch.Tensor] = field(default_factory=list, repr=False)
+
+    def send_weights(
+        self, named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    ) -> UpdateInfo:
+        info = update_info(named, bucket_bytes)
+        tensors = [t for _, t in named]
+        self._held = [pack(b, tensors, self.device) for b in plan_buckets(info)]
+        uuid = gpu_uuid(self.device)
+        info = with_fingerprints(info, self._held)
+        return replace(info, ipc_handles=tuple({uuid: ipc_handle(b)} for b in self._held))
+
+    def release(self) -> None:
+        self._held = []
+
+
+@dataclass
+class IpcReceiver:
+    """A replica worker's side: each bucket opened by its handle for this worker's GPU and copied into
+    memory of its own (the trainer's may be freed or reused once the update is answered)."""
+
+    device: torch.device
+    max_bytes: int
+
+    def init_transfer_engine(self, init: object = None) -> None:
+        """Nothing to set up (as vLLM's IPC engine)."""
+
+    def receive_weights(self, info: UpdateInfo, load_weights: LoadWeights) -> None:
+        check_update_info(info, self.max_bytes)
+        uuid = gpu_uuid(self.device)
+        buffers = []
+        for bucket, handles in zip(plan_buckets(info), info.ipc_handles, strict=True):
+            if uuid not in handles:
+                raise ValueError(f"ipc_handles: none for this GPU ({uuid}): the trainer is on another device")
+            mapped = open_ipc_handle(handles[uuid], bucket_size(bucket), self.device)
+            buffers.append(mapped.clone())
+            del mapped
+        _load_all(info, buffers, load_weights)
+
+    def shutdown(self) -> None:
+        pass
+
+
+def named_tensors(weights: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """A weight set's tensors in name order: the order both sides plan by."""
+    return sorted(weights, key=lambda nt: nt[0])

@@ -1,0 +1,190 @@
+"""The device planes (fp8rl/codec/device_planes.py): the bucket plan both sides share, the fingerprint,
+and a real broadcast over Gloo from this process to replica workers in processes of their own, bit for
+bit, all or nothing. CUDA IPC and NCCL need a GPU (marked gpu; scripts/gpu_proof.py check i)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from fp8rl import quant
+from fp8rl.codec import device_planes as planes
+from fp8rl.codec.device_planes import ALIGN, BroadcastSender, UpdateInfo
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def weight_set(
+    seed: int, layers: int = 2, hidden: int = 256, inter: int = 640
+) -> list[tuple[str, torch.Tensor]]:
+    """A small FP8 weight set as the trainer publishes one: block-quantized codes and their scales,
+    bf16 norms, odd sizes (an 81-element tensor is not a multiple of anything)."""
+    g = torch.Generator().manual_seed(seed)
+    named: list[tuple[str, torch.Tensor]] = []
+    for layer in range(layers):
+        for module, shape in (("mlp.up_proj", (inter, hidden)), ("mlp.down_proj", (hidden, inter))):
+            codes, scales = quant.quantize_blockwise(torch.randn(shape, generator=g))
+            named += [(f"model.layers.{layer}.{module}.weight", codes)]
+            named += [(f"model.layers.{layer}.{module}.weight_scale_inv", scales)]
+        named.append(
+            (f"model.layers.{layer}.input_layernorm.weight", torch.randn(hidden, generator=g).bfloat16())
+        )
+    named.append(("model.odd", torch.randn(81, generator=g)))
+    return planes.named_tensors(named)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_buckets_hold_every_tensor_aligned_in_order_and_within_their_size() -> None:
+    named = weight_set(seed=1)
+    for bucket_bytes in (ALIGN, 4096, 100_000, 1 << 30):
+        info = planes.update_info(named, bucket_bytes)
+        buckets = planes.plan_buckets(info)
+        slots = [slot for bucket in buckets for slot in bucket]
+        assert [s.index for s in slots] == list(range(len(named)))
+        for bucket in buckets:
+            assert bucket[0].offset == 0 and all(s.offset % ALIGN == 0 for s in bucket)
+            # over the size only where one tensor alone is larger
+            assert planes.bucket_size(bucket) <= bucket_bytes or len(bucket) == 1
+            ends = [s.offset + s.nbytes for s in bucket]
+            assert all(end <= nxt.offset for end, nxt in zip(ends, bucket[1:], strict=False))
+        if bucket_bytes == 1 << 30:
+            assert len(buckets) == 1
+        packed = [planes.pack(b, [t for _, t in named], "cpu") for b in buckets]
+        back = [
+            nt for buffer, b in zip(packed, buckets, strict=True) for nt in planes.unpack(buffer, b, info)
+        ]
+        assert [n for n, _ in back] == [n for n, _ in named]
+        assert all(same_bits(t, u) for (_, t), (_, u) in zip(named, back, strict=True))
+
+
+def test_a_plan_is_refused_by_the_field_that_is_wrong_before_anything_is_allocated() -> None:
+    info = planes.update_info(weight_set(seed=2), 4096)
+    total = planes.check_update_info(info, max_bytes=1 << 20)
+    assert total == sum(info.tensor_bytes())
+    cases = {
+        "dtype_names": UpdateInfo(info.names, ("int64",) * len(info.names), info.shapes),
+        "shapes": UpdateInfo(info.names[:1], info.dtype_names[:1], ((-1, 4),)),
+        "names": UpdateInfo((info.names[0],) * 2, info.dtype_names[:2], info.shapes[:2]),
+        "packed_buffer_size_bytes": UpdateInfo(info.names, info.dtype_names, info.shapes, 16),
+        "fingerprints": UpdateInfo(info.names, info.dtype_names, info.shapes, 4096, (1,)),
+    }
+    for field, bad in cases.items():
+        with pytest.raises(ValueError, match=field):
+            planes.check_update_info(bad, max_bytes=1 << 20)
+    with pytest.raises(ValueError, match="more than the model's"):  # (before a byte is allocated)
+        planes.check_update_info(UpdateInfo(("w",), ("float32",), ((1 << 40,),)), max_bytes=1 << 20)
+
+
+def test_the_fingerprint_sees_a_changed_and_a_moved_word_and_not_how_it_is_sliced() -> None:
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    buffer = torch.randint(0, 256, ((1 << 23) + 7,), dtype=torch.uint8, generator=g)  # (2 slices and a tail)
+    base = planes.fingerprint(buffer)
+    flipped = buffer.clone()
+    flipped[12345] ^= 1
+    swapped = buffer.clone()
+    swapped[:4], swapped[4:8] = buffer[4:8].clone(), buffer[:4].clone()
+    assert planes.fingerprint(flipped) != base and (
+        swapped.equal(buffer) or planes.fingerprint(swapped) != base
+    )
+    assert planes.fingerprint(buffer.clone()) == base  # (plain integers: a copy anywhere gives the same)
+
+
+RECEIVER = textwrap.dedent(
+    """
+    import json, sys, torch
+    from fp8rl.codec import device_planes as planes
+    init = planes.BroadcastInit(**json.loads(sys.argv[1]))
+    receiver = planes.BroadcastReceiver(torch.device("cpu"), max_bytes=1 << 30)
+    receiver.init_transfer_engine(init, local_rank=int(sys.argv[2]))
+    for line in sys.stdin:
+        raw = json.loads(line)
+        info = planes.UpdateInfo(tuple(raw["names"]), tuple(raw["dtype_names"]),
+                                 tuple(tuple(s) for s in raw["shapes"]), raw["bucket_bytes"],
+                                 tuple(int(f) for f in raw["fingerprints"]))
+        loaded = []
+        try:
+            receiver.receive_weights(info, lambda batch: loaded.extend(
+                (n, planes.fingerprint(t.contiguous().view(-1).view(torch.uint8))) for n, t in batch))
+            print(json.dumps({"loaded": [[n, str(f)] for n, f in loaded]}), flush=True)
+        except ValueError as exc:
+            print(json.dumps({"refused": str(exc), "loaded": len(loaded)}), flush=True)
+    """
+)
+
+
+def test_a_broadcast_over_gloo_reaches_every_worker_bit_for_bit_and_a_damaged_plan_loads_nothing() -> None:
+    sender = BroadcastSender.listen("127.0.0.1", world_size=3, backend="gloo", device="cpu", timeout_s=60)
+    init = json.dumps(
+        {
+            k: getattr(sender.init, k)
+            for k in ("master_address", "master_port", "rank_offset", "world_size", "backend", "timeout_s")
+        }
+    )
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-c", RECEIVER, init, str(rank)],
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    try:
+        sender.trainer_init()
+        for seed, damaged in ((torch.seed() % 2**31, False), (7, True)):
+            named = weight_set(seed)
+            info = sender.plan(named, bucket_bytes=64 << 10)  # (several buckets)
+            assert len(planes.plan_buckets(info)) > 3
+            told = info
+            if damaged:  # the plan a worker is told does not match the bytes broadcast
+                told = planes.replace(info, fingerprints=(info.fingerprints[0] ^ 1, *info.fingerprints[1:]))
+            message = {
+                "names": told.names,
+                "dtype_names": told.dtype_names,
+                "shapes": told.shapes,
+                "bucket_bytes": told.packed_buffer_size_bytes,
+                "fingerprints": [str(f) for f in told.fingerprints],
+            }
+            for worker in workers:
+                worker.stdin.write(json.dumps(message) + "\n")
+                worker.stdin.flush()
+            sender.send_weights(named, info)
+            answers = [json.loads(worker.stdout.readline()) for worker in workers]
+            if damaged:
+                assert all(
+                    "bucket 0 did not arrive as sent" in a["refused"] and a["loaded"] == 0 for a in answers
+                )
+                continue
+            want = [[n, str(planes.fingerprint(t.contiguous().view(-1).view(torch.uint8)))] for n, t in named]
+            assert all(a["loaded"] == want for a in answers)
+    finally:
+        for worker in workers:
+            worker.stdin.close()
+            worker.wait(timeout=60)
+        sender.shutdown()
+    assert [w.returncode for w in workers] == [0, 0]
+
+
+@pytest.mark.gpu
+def test_cuda_ipc_moves_a_weight_set_into_another_process_bit_for_bit() -> None:
+    """scripts/gpu_proof.py check i runs the same plane with a second process; here one process opens
+    its own handles (torch maps them as the same storage), which checks the fields round trip."""
+    device = torch.device("cuda")
+    named = [(n, t.to(device)) for n, t in weight_set(seed=3)]
+    sender = planes.IpcSender(device)
+    info = sender.send_weights(named, bucket_bytes=64 << 10)
+    loaded: list[tuple[str, torch.Tensor]] = []
+    planes.IpcReceiver(device, max_bytes=1 << 30).receive_weights(info, loaded.extend)
+    sender.release()
+    assert [n for n, _ in loaded] == [n for n, _ in named]
+    assert all(same_bits(t, u) for (_, t), (_, u) in zip(named, loaded, strict=True))
