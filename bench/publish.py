@@ -23,6 +23,14 @@ two machines: only then can one side encode while the other decodes (on shared c
 overlaps the codec with gRPC's own work).
 
     python bench/publish.py [--layers 24] [--format fp8-block128] [--split-cores]
+
+``--serving`` measures time to serving instead: the same publisher into a real replica (the rollout
+service, vLLM on CPU, a random Qwen2-0.5B-shaped model of ``--layers`` layers stored in bf16), a keyframe
+and a delta over each plane, from the publish call to the replica's reply, which it sends once its
+engine has been refit (``apply_s``, the refit alone, comes with it): the time until it serves the new
+version, from a set already quantized (the trainer's ``build s`` is apart, as above).
+
+    python bench/publish.py --serving [--layers 24]
 """
 
 from __future__ import annotations
@@ -280,6 +288,97 @@ def big_keyframes(
     )
 
 
+def qwen2_checkpoint(layers: int, out: Path) -> Path:
+    """A random Qwen2-0.5B-shaped checkpoint (``layers`` of its 24 layers, tied, bf16 on disk as real ones
+    are) with the tiny model's tokenizer (the ids it uses are the first of the 151,936)."""
+    from codec import HIDDEN, MLP, VOCAB
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fp8rl.models import TINY_ARITH
+
+    config = AutoConfig.for_model(
+        "qwen2",
+        hidden_size=HIDDEN,
+        intermediate_size=MLP,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        num_hidden_layers=layers,
+        vocab_size=VOCAB,
+        tie_word_embeddings=True,
+        max_position_embeddings=2048,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(out)
+    for tokenizer_file in TINY_ARITH.glob("tokenizer*"):
+        (out / tokenizer_file.name).write_bytes(tokenizer_file.read_bytes())
+    return out
+
+
+def serving_table(args: argparse.Namespace, work: Path) -> None:
+    """Time to serving over each plane (see the module's docstring): a real replica, refit each time."""
+    from safetensors.torch import load_file
+
+    model = qwen2_checkpoint(args.layers, work / "qwen2")
+    command = [sys.executable, "-m", "rollout_service.cli", "serve", "--model", str(model), "--port", "0"]
+    command += ["--recipe", "fp8", "--device", "cpu", "--max-model-len", "256"]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    log = (work / "rollout.log").open("w+")
+    replica = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        address = ""
+        while not address:
+            time.sleep(1)
+            if replica.poll() is not None:
+                log.seek(0)
+                raise RuntimeError(f"the replica exited {replica.returncode}:\n{log.read()[-3000:]}")
+            log.seek(0)
+            address = next((ln.split("serving on ")[1].split()[0] for ln in log if "serving on " in ln), "")
+        master = {n: t.float() for n, t in load_file(model / "model.safetensors").items()}
+        print(f"model: Qwen2-0.5B shapes, {args.layers} layers, fp8-block128, a real replica at {address}")
+        print(f"{'update':9} {'plane':14} {'wire MB':>8} {'serving s':>9} {'refit s':>8} {'delivery s':>10}")
+        version = 0
+        best: dict[tuple[str, str], tuple[float, float]] = {}
+        for mode in ("grpc", "shared-memory", "tcp", "grpc", "shared-memory", "tcp"):
+            publisher = Publisher(
+                "fp8-block128",
+                torch.bfloat16,
+                "fp8",
+                SecurityConfig(),
+                shared_memory=mode == "shared-memory",
+                tcp_streams=4 if mode == "tcp" else 0,
+            )
+            held = -1
+            for kind in ("keyframe", "delta"):
+                version += 1
+                master = {n: w + 1e-4 * w.abs() * torch.randn(w.shape) for n, w in master.items()}
+                built = publisher.build(master)  # (the trainer's quantization: not part of the sync)
+                start = time.perf_counter()
+                [d] = publisher.publish(version, dict, [Target(address, held)], built=built)
+                serving = time.perf_counter() - start
+                assert d.ok and d.encoding == kind and d.plane == mode, d
+                held = version
+                best[kind, mode] = min(best.get((kind, mode), (math.inf, math.inf)), (serving, d.apply_s))
+                print(
+                    f"{kind:9} {mode:14} {d.wire_bytes / 1e6:8.1f} {serving:9.2f} {d.apply_s:8.2f} "
+                    f"{serving - d.apply_s:10.2f}"
+                )
+            publisher.close()
+        for kind in ("keyframe", "delta"):
+            grpc_s = best[kind, "grpc"][0]
+            print(
+                f"{kind} time to serving, best of two: "
+                + ", ".join(
+                    f"{m} {best[kind, m][0]:.2f} s ({best[kind, m][0] / grpc_s:.2f}x gRPC)"
+                    for m in ("grpc", "shared-memory", "tcp")
+                )
+                + f"; the refit alone {min(best[kind, m][1] for m in ('grpc', 'shared-memory', 'tcp')):.2f} s"
+            )
+    finally:
+        replica.terminate()
+        replica.wait(timeout=120)
+        log.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=24)
@@ -308,6 +407,11 @@ def main() -> None:
         default=0,
         help="instead: keyframes of Llama-3.1-8B shapes with this many of its 32 layers, TCP plane and gRPC",
     )
+    parser.add_argument(
+        "--serving",
+        action="store_true",
+        help="instead: time to serving, into a real replica (vLLM on CPU) refit by each update",
+    )
     parser.add_argument("--replica", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
     parser.add_argument("--secrets", type=Path, help=argparse.SUPPRESS)
@@ -325,6 +429,12 @@ def main() -> None:
         serve_replica(args.host, security, args.in_clear)
         return
     work = Path(tempfile.mkdtemp())
+    if args.serving:
+        try:
+            serving_table(args, work)
+        finally:
+            subprocess.run(["rm", "-rf", str(work)], check=False)
+        return
     trainer_security, prefix, host = SecurityConfig(), [], "127.0.0.1"
     replica_args = ["--split-cores"] if args.split_cores else []
     if args.netns:

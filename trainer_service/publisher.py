@@ -66,6 +66,7 @@ class Delivery:
     seconds: float
     error: str = ""
     plane: str = GRPC  # what carried the data: one plane for every part, or MIXED
+    apply_s: float = 0.0  # the replica's refit: its engine loading the update (``seconds`` includes it)
 
 
 @dataclass
@@ -150,10 +151,10 @@ class Publisher:
     def _deliver(self, target: Target, updates: _Updates) -> Delivery:
         start = time.perf_counter()
         update = updates.for_held(target.held_version)
-        plane = GRPC
+        plane, reply = GRPC, weights_pb2.UpdateWeightsResponse()
         try:
             try:
-                plane = self._send(target.address, update, fresh=target.held_version < 0)
+                plane, reply = self._send(target.address, update, fresh=target.held_version < 0)
             except grpc.RpcError as exc:
                 if update.encoding == "keyframe" or update.error is not None or exc.code() in _NOT_HEALED:
                     raise
@@ -166,7 +167,7 @@ class Publisher:
                     exc.details(),
                 )
                 update = updates.keyframe()
-                plane = self._send(target.address, update)
+                plane, reply = self._send(target.address, update)
         except grpc.RpcError as exc:
             if update.error is not None:  # our encoder failed, not the target: the publish fails
                 raise RuntimeError(f"encoding the {update.encoding} failed") from update.error
@@ -181,19 +182,22 @@ class Publisher:
                 plane,
             )
         wire_bytes, density = update.totals()
+        seconds = time.perf_counter() - start
         return Delivery(
-            target.address, True, update.encoding, wire_bytes, density, time.perf_counter() - start, "", plane
+            target.address, True, update.encoding, wire_bytes, density, seconds, "", plane, reply.apply_s
         )
 
-    def _send(self, address: str, update: _Streamed, fresh: bool = False) -> str:
-        """Stream ``update`` to ``address``; returns the plane that carried its data."""
+    def _send(
+        self, address: str, update: _Streamed, fresh: bool = False
+    ) -> tuple[str, weights_pb2.UpdateWeightsResponse]:
+        """Stream ``update`` to ``address``; returns the plane that carried its data, and the reply."""
         stub = rollout_pb2_grpc.RolloutStub(self._channel(address))
         reach = self._reach_of(address, stub, fresh)
         tcp_streams = self.tcp_streams if time.monotonic() >= self._tcp_paused.get(address, 0.0) else 0
         if reach.inbox or (reach.tcp_port and tcp_streams):
             planes = _Planes(reach, address, tcp_streams, self._tcp_tls if reach.tcp_tls else None)
             try:
-                stub.UpdateWeights(update.chunks(planes), timeout=UPDATE_DEADLINE_S)
+                reply = stub.UpdateWeights(update.chunks(planes), timeout=UPDATE_DEADLINE_S)
             except grpc.RpcError as exc:
                 planes.close(abort=True)
                 self._reach.pop(address, None)  # asked again next time
@@ -207,13 +211,12 @@ class Publisher:
                     raise
                 log.warning("update to %s over %s failed (%s); over gRPC", address, planes.plane, details)
             else:
-                return planes.plane
+                return planes.plane, reply
             finally:
                 planes.close()
                 if planes.tcp_failed or planes.broken:  # (not tried again for a while: a link in trouble)
                     self._tcp_paused[address] = time.monotonic() + TCP_PAUSE_S
-        stub.UpdateWeights(update.chunks(), timeout=UPDATE_DEADLINE_S)
-        return GRPC
+        return GRPC, stub.UpdateWeights(update.chunks(), timeout=UPDATE_DEADLINE_S)
 
     def _channel(self, address: str) -> grpc.Channel:
         with self._channels_lock:

@@ -163,7 +163,7 @@ class PublishWeightsRequest(_message.Message):
     def __init__(self, version: _Optional[int] = ..., targets: _Optional[_Iterable[_Union[PublishTarget, _Mapping]]] = ...) -> None: ...
 
 class PublishResult(_message.Message):
-    __slots__ = ("address", "ok", "encoding", "wire_bytes", "density", "seconds", "error", "plane")
+    __slots__ = ("address", "ok", "encoding", "wire_bytes", "density", "seconds", "error", "plane", "apply_s")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     ENCODING_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +172,7 @@ class PublishResult(_message.Message):
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     PLANE_FIELD_NUMBER: _ClassVar[int]
+    APPLY_S_FIELD_NUMBER: _ClassVar[int]
     address: str
     ok: bool
     encoding: str
@@ -180,7 +181,8 @@ class PublishResult(_message.Message):
     seconds: float
     error: str
     plane: str
-    def __init__(self, address: _Optional[str] = ..., ok: _Optional[bool] = ..., encoding: _Optional[str] = ..., wire_bytes: _Optional[int] = ..., density: _Optional[float] = ..., seconds: _Optional[float] = ..., error: _Optional[str] = ..., plane: _Optional[str] = ...) -> None: ...
+    apply_s: float
+    def __init__(self, address: _Optional[str] = ..., ok: _Optional[bool] = ..., encoding: _Optional[str] = ..., wire_bytes: _Optional[int] = ..., density: _Optional[float] = ..., seconds: _Optional[float] = ..., error: _Optional[str] = ..., plane: _Optional[str] = ..., apply_s: _Optional[float] = ...) -> None: ...
 
 class PublishWeightsResponse(_message.Message):
     __slots__ = ("version", "results")

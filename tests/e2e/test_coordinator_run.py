@@ -150,6 +150,7 @@ def test_embedded_run_writes_metrics_and_leaves_no_child(tiny_model_dir_f32: Pat
     assert "failed" not in proc.stdout + proc.stderr
     assert all(r["sync_keyframes"] == 0 for r in recs[1:])  # every step's weights travel as a delta
     assert all(r["sync_shared_memory"] == 1 for r in recs[1:])  # its bytes as shared memory (one host)
+    assert all(0 < r["sync_refit_s"] < r["publish_s"] for r in recs[1:])  # the replica's engine refit
     scalars = tensorboard_scalars(run_dir)
     assert [s for s, _ in scalars["token_mult_prob_error"]] == [1, 2, 3]
     assert [s for s, _ in scalars["val_accuracy"]] == [0, 3]
