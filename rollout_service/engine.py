@@ -157,8 +157,11 @@ def unsupported_reason(config: RolloutConfig, platform: Platform) -> str | None:
             )
         if config.tensor_parallel_size != 1:
             return "precision.consistency exact needs tensor_parallel_size 1 (the engine in this process)"
-    if platform.cuda_capability is None and config.weight_transfer == "fp8rl-ipc":
-        return "weight_transfer fp8rl-ipc moves CUDA memory: on CPU use fp8rl-broadcast (Gloo)"
+    if config.weight_transfer == "fp8rl-ipc":
+        if platform.cuda_capability is None:
+            return "weight_transfer fp8rl-ipc moves CUDA memory: on CPU use fp8rl-broadcast (Gloo)"
+        if config.tensor_parallel_size != 1:
+            return "weight_transfer fp8rl-ipc needs tensor_parallel_size 1 (one GPU shares the trainer's)"
     if platform.cuda_capability is None:  # (CPU: FP8 GEMMs and FP8 KV cache are emulated)
         reason = eager_reason(config, "cpu") if config.enforce_eager is False else None
         return f"enforce_eager false: {reason}" if reason else None
@@ -575,7 +578,11 @@ class VllmEngine:
         is loaded, then the prefix cache dropped as after any refit. A refused update leaves the weights
         as they were."""
         self.llm.collective_rpc("start_weight_update")
-        self.llm.collective_rpc("update_weights", kwargs={"update_info": dict(update_info)})
+        try:  # every worker stages (receives and checks) its copy; none loads until all have
+            self.llm.collective_rpc("update_weights", kwargs={"update_info": dict(update_info)})
+        except BaseException:
+            self.llm.collective_rpc("fp8rl_abort_weight_update")
+            raise
         self.llm.collective_rpc("finish_weight_update")
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM did not reset its prefix cache after a refit: stale KV could be reused")

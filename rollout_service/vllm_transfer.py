@@ -6,17 +6,21 @@ vLLM's ``WeightTransferEngineFactory`` as ``fp8rl-broadcast`` (NCCL between GPUs
 through ``collective_rpc`` on every worker), and the trainer's side is
 :class:`~fp8rl.codec.device_planes.BroadcastSender` / :class:`~fp8rl.codec.device_planes.IpcSender`.
 
-Unlike vLLM's own engines, an update is taken whole into buffers of the worker's and checked (every
-bucket's fingerprint) before one weight is loaded, and then refit as a gRPC update is: vLLM's in-place
-``reload_weights`` from checkpoint-format tensors (FP8 codes with their block scales), the tied output
-layer processed again. A refused update leaves the weights as they were.
+Unlike vLLM's own engines, ``update_weights`` only stages the update (every bucket received and checked
+against its fingerprint: fp8rl/codec/device_planes.py), and ``finish_weight_update`` loads it, once every
+worker has staged its copy: the caller (``VllmEngine.load_from_device_plane``) finishes only where every
+worker staged, and otherwise drops what was staged on each (``fp8rl_abort_weight_update``), so that a
+refused update leaves every worker's weights as they were. The load is a refit as a gRPC update's: vLLM's
+in-place ``reload_weights`` from checkpoint-format tensors (FP8 codes with their block scales), then the
+tied output layer processed again.
 
-Imported by the worker extension (rollout_service/worker_extension.py), so that every worker process
-has the engines registered before vLLM builds its engine.
+Registered by vLLM's general plugin (pyproject.toml) in every engine process, and by the engine wrapper
+before it builds an engine with ``weight_transfer``.
 """
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -64,50 +68,71 @@ class UpdateInfo(WeightTransferUpdateInfo):
     ipc_handles: list[dict[str, dict[str, Any]]] | None = None
 
     def plan(self) -> planes.UpdateInfo:
+        """The plan, its numbers as given (check_update_info refuses what is not an integer)."""
+        fingerprints = tuple(
+            int(f) if isinstance(f, str) and f.isdigit() else f for f in self.fingerprints or ()
+        )
         return planes.UpdateInfo(
             tuple(self.names),
             tuple(self.dtype_names),
-            tuple(tuple(int(d) for d in shape) for shape in self.shapes),
-            int(self.packed_buffer_size_bytes),
-            tuple(int(f) for f in self.fingerprints or ()),
+            tuple(tuple(shape) for shape in self.shapes),
+            self.packed_buffer_size_bytes,
+            fingerprints,  # type: ignore[arg-type]
             tuple(self.ipc_handles or ()),
         )
 
 
 def update_info_dict(info: planes.UpdateInfo) -> dict[str, Any]:
-    """What a trainer passes as ``update_info`` (fingerprints as strings: 128-bit integers)."""
+    """What a trainer passes as ``update_info``: plain JSON (fingerprints as decimal strings, 128-bit
+    integers; an IPC handle's bytes in base64)."""
     out: dict[str, Any] = {f.name: getattr(info, f.name) for f in fields(info)}
     out["fingerprints"] = [str(f) for f in info.fingerprints]
-    out["ipc_handles"] = list(info.ipc_handles) or None
+    out["ipc_handles"] = [
+        {
+            uuid: {k: base64.b64encode(v).decode() if isinstance(v, bytes) else v for k, v in h.items()}
+            for uuid, h in handles.items()
+        }
+        for handles in info.ipc_handles
+    ] or None
     return out
 
 
 class _DevicePlaneEngine(WeightTransferEngine):
     update_info_cls = UpdateInfo
+    supports_draft_weight_update = False  # (the refit reloads the main model, under its config)
     receiver: Any = None
+    staged: planes.Staged | None = None
 
     def start_weight_update(self) -> None:
-        """Nothing: each ``update_weights`` is one whole update, loaded once it has been checked."""
+        self.staged = None
+
+    def receive_weights(self, update_info: UpdateInfo) -> None:
+        """Stage the update (received and checked); nothing is loaded yet."""
+        if self.receiver is None:
+            raise RuntimeError("init_weight_transfer_engine was not called")
+        self.staged = self.receiver.stage(update_info.plan())
 
     def finish_weight_update(self) -> None:
-        pass
+        """Load what was staged: vLLM's in-place reload, then the tied output layer processed again."""
+        staged, self.staged = self.staged, None
+        if staged is None:
+            raise RuntimeError("finish_weight_update without a staged update")
+        received: list[tuple[str, torch.Tensor]] = []
+        staged.load(received.extend)
+        reload_weights(self.vllm_config, self.model, received, None, is_checkpoint_format=True)
+        rederive_tied_head(self.model)
+
+    def abort_weight_update(self) -> None:
+        self.staged = None
 
     def max_bytes(self) -> int:
         """The most an update may announce: the model's parameters, counted at four bytes a value."""
         return sum(p.numel() * 4 for p in self.model.parameters()) + (1 << 20)
 
-    def receive_weights(self, update_info: UpdateInfo) -> None:
-        if self.receiver is None:
-            raise RuntimeError("init_weight_transfer_engine was not called")
-        received: list[tuple[str, torch.Tensor]] = []
-        self.receiver.receive_weights(update_info.plan(), received.extend)  # (raises before loading)
-        reload_weights(self.vllm_config, self.model, received, None, is_checkpoint_format=True)
-        rederive_tied_head(self.model)
-
     def shutdown(self) -> None:
         if self.receiver is not None:
             self.receiver.shutdown()
-        self.receiver = None
+        self.receiver = self.staged = None
 
 
 class BroadcastEngine(_DevicePlaneEngine):

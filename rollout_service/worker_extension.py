@@ -38,6 +38,15 @@ class WorkerExtension:
         self.reload_weights(**reload_kwargs)
         rederive_tied_head(self.model_runner.model)
 
+    def fp8rl_abort_weight_update(self) -> None:
+        """Drop a device-plane update staged on this worker and end its update session (vLLM ends it
+        only on the worker that failed): another worker refused the same update, so none loads it."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        if engine is not None and hasattr(engine, "abort_weight_update"):
+            engine.abort_weight_update()
+            engine.reset_weight_update_target()
+        self._weight_update_active = False
+
     def fp8rl_exact_routing(self) -> int:
         """Route every MoE layer with fp8rl.exact.route (exact consistency); returns how many."""
         from rollout_service.vllm_exact import exact_routing

@@ -454,6 +454,7 @@ from fp8rl.codec import device_planes as planes
 plane, device, info, init = pickle.load(sys.stdin.buffer)
 device = torch.device(device)
 if device.type == "cuda":
+    device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
     torch.cuda.set_device(device)
 receiver = (planes.IpcReceiver if plane == "ipc" else planes.BroadcastReceiver)(device, max_bytes=1 << 36)
 if init is not None:
@@ -532,7 +533,7 @@ def device_planes() -> str:
     copy_ms = elapsed_ms(lambda: [t.clone() for _, t in named], repeat=5)
     figures = [f"{total / 1e9:.3f} GB ({len(named)} tensors); a copy on the device {copy_ms:.1f} ms"]
     if device == "cuda":
-        sender = planes.IpcSender(torch.device(device))
+        sender = planes.IpcSender(torch.device("cuda", torch.cuda.current_device()))
         start = time.perf_counter()
         info = sender.send_weights(named, bucket_bytes=256 << 20)
         torch.cuda.synchronize()
@@ -551,6 +552,7 @@ def device_planes() -> str:
         figures.append("NCCL broadcast: one GPU (NCCL takes one rank per device)")
         return "; ".join(figures)
     backend, other = ("nccl", "cuda:1") if device == "cuda" else ("gloo", "cpu")
+    # (a receiver that never joins leaves NCCL's watchdog to end this process: the timeout bounds it)
     broadcaster = planes.BroadcastSender.listen("127.0.0.1", 2, backend=backend, device=device, timeout_s=120)
     info = broadcaster.plan(named, bucket_bytes=256 << 20)
     seconds, got = receive_in_another_process(backend, other, info, broadcaster, named)

@@ -17,10 +17,14 @@ and the update fields of vLLM's engines, so that either side can stand in for vL
 
 Both move *packed buckets*: the update's tensors laid end to end, aligned, in uint8 buffers of at most
 ``bucket_bytes`` (:func:`plan_buckets`, the same plan on both sides from the update's names, dtypes and
-shapes). A receiver takes the whole update into its own buffers first and checks every bucket's
-fingerprint (:func:`fingerprint`, computed where the bytes are, on either device, to the same integers)
-against the plan's before it hands one tensor to ``load_weights``: an update is loaded whole or not at
-all, as over gRPC. The fingerprint detects corruption and misrouted buckets, not forgery: a broadcast
+shapes). A receiver *stages* the whole update and checks every bucket's fingerprint
+(:func:`fingerprint`, computed where the bytes are, on either device, to the same integers) against the
+plan's before one tensor reaches ``load_weights``: an update is loaded whole or not at all, as over
+gRPC. A broadcast stages in host memory (pinned), each bucket through one scratch buffer on the device,
+so that a GPU whose memory the engine has claimed needs no room for a second copy of the model; a
+refusing receiver still takes every bucket, so that the sender never waits on it. CUDA IPC stages
+nothing: the receiver checks and loads from the trainer's buffers, which stay unchanged until the
+trainer releases them. The fingerprint detects corruption and misrouted buckets, not forgery: a broadcast
 group is unauthenticated, as NCCL's always are; its rendezvous crosses only the authenticated control
 plane, and these planes are for a trusted fabric (docs/weight-sync.md#device-planes).
 
@@ -29,6 +33,8 @@ Torch alone (the bare GPU host runs it: scripts/gpu_proof.py); nothing here impo
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import datetime
 import math
 import socket
@@ -43,6 +49,7 @@ DTYPES = {name: getattr(torch, name) for name in ("float8_e4m3fn", "float32", "b
 ALIGN = 256  # each tensor starts at a multiple of this in its bucket (CUDA's allocation granularity)
 DEFAULT_BUCKET_BYTES = 1 << 30  # vLLM's packed default (packed_tensor.py)
 MAX_BUCKET_BYTES = 1 << 34
+MAX_DIMENSION = 1 << 40
 _FINGERPRINT_WORDS = 1 << 22  # int32 words a fingerprint reduces at once (16 MiB: ~100 MB of scratch)
 _MIX = 0x9E3779B97F4A7C15 - (1 << 64)  # 2^64 / golden ratio, as a signed int64: spreads word positions
 
@@ -94,10 +101,11 @@ def update_info(
     )
 
 
-def check_update_info(info: UpdateInfo, max_bytes: int, max_tensors: int = 1 << 20) -> int:
+def check_update_info(info: UpdateInfo, max_bytes: int, ipc: bool = False, max_tensors: int = 1 << 20) -> int:
     """Refuse a plan before anything is allocated for it: the fields agree in length, every dtype is
-    one a weight set holds, every shape is non-negative, the buckets are bounded, and the whole fits in
-    ``max_bytes``; returns the plan's bytes. Raises ValueError naming the field."""
+    one a weight set holds, every shape is of non-negative integers, the buckets are bounded, the whole
+    fits in ``max_bytes``, and there is a fingerprint (and, for ``ipc``, a handle) for every bucket;
+    returns the plan's bytes. Raises ValueError naming the field."""
     n = len(info.names)
     if not 0 < n <= max_tensors:
         raise ValueError(f"names: {n} tensors, outside [1, {max_tensors}]")
@@ -108,8 +116,10 @@ def check_update_info(info: UpdateInfo, max_bytes: int, max_tensors: int = 1 << 
     unknown = sorted(set(info.dtype_names) - set(DTYPES))
     if unknown:
         raise ValueError(f"dtype_names: {unknown[:3]} not among {sorted(DTYPES)}")
-    if any(d < 0 for shape in info.shapes for d in shape) or any(len(s) > 8 for s in info.shapes):
-        raise ValueError("shapes: a dimension is negative, or a tensor has more than 8")
+    for shape in info.shapes:
+        whole = all(type(d) is int and 0 <= d <= MAX_DIMENSION for d in shape)
+        if not whole or len(shape) > 8:
+            raise ValueError(f"shapes: {shape} is not up to 8 integer dimensions in [0, {MAX_DIMENSION}]")
     if not ALIGN <= info.packed_buffer_size_bytes <= MAX_BUCKET_BYTES:
         raise ValueError(
             f"packed_buffer_size_bytes: {info.packed_buffer_size_bytes} outside [{ALIGN}, {MAX_BUCKET_BYTES}]"
@@ -117,11 +127,11 @@ def check_update_info(info: UpdateInfo, max_bytes: int, max_tensors: int = 1 << 
     total = sum(info.tensor_bytes())
     if total > max_bytes:
         raise ValueError(f"shapes: {total} bytes in all, more than the model's {max_bytes}")
-    buckets = plan_buckets(info)
-    if info.fingerprints and len(info.fingerprints) != len(buckets):
-        raise ValueError(f"fingerprints: {len(info.fingerprints)} for {len(buckets)} buckets")
-    if info.ipc_handles and len(info.ipc_handles) != len(buckets):
-        raise ValueError(f"ipc_handles: {len(info.ipc_handles)} for {len(buckets)} buckets")
+    buckets = len(plan_buckets(info))
+    if len(info.fingerprints) != buckets or not all(type(f) is int for f in info.fingerprints):
+        raise ValueError(f"fingerprints: {len(info.fingerprints)} for {buckets} buckets")
+    if ipc and len(info.ipc_handles) != buckets:
+        raise ValueError(f"ipc_handles: {len(info.ipc_handles)} for {buckets} buckets")
     return total
 
 
@@ -132,7 +142,8 @@ def plan_buckets(info: UpdateInfo) -> list[list[Slot]]:
     used = 0
     for index, nbytes in enumerate(info.tensor_bytes()):
         offset = -(-used // ALIGN) * ALIGN
-        if not buckets or (used > 0 and offset + nbytes > info.packed_buffer_size_bytes):
+        # (an empty tensor never opens a bucket: every bucket holds bytes)
+        if not buckets or (used > 0 and nbytes > 0 and offset + nbytes > info.packed_buffer_size_bytes):
             buckets.append([])
             offset = 0
         buckets[-1].append(Slot(index, offset, nbytes))
@@ -168,40 +179,52 @@ def unpack(buffer: torch.Tensor, bucket: Sequence[Slot], info: UpdateInfo) -> li
 
 
 def fingerprint(buffer: torch.Tensor) -> int:
-    """Two sums of the buffer's int32 words, plain and weighted by position (mod 2^64, so any order of
-    adding gives the same integers on any device), folded into one int: a changed, lost or moved word
-    changes it. Computed where the buffer is, in slices (bounded scratch)."""
-    flat = buffer.view(torch.uint8).reshape(-1)
-    tail = flat.numel() % 4
-    if tail:
-        flat = torch.cat([flat, flat.new_zeros(4 - tail)])
-    words = flat.view(torch.int32)
+    """Two sums of the buffer's int32 words (the last 1-3 bytes, if any, as one more word), plain and
+    weighted by position, mod 2^64 (so any order of adding gives the same integers on any device),
+    folded into one int: a changed, lost or moved word changes it. Computed where the buffer is, in
+    slices (bounded scratch)."""
+    flat = buffer.reshape(-1).view(torch.uint8)
+    whole = flat.numel() // 4 * 4
+    body = flat[:whole] if flat.storage_offset() % 4 == 0 else flat[:whole].clone()  # (int32-aligned)
+    words = body.view(torch.int32)
     plain = weighted = torch.zeros((), dtype=torch.int64, device=flat.device)
     for start in range(0, words.numel(), _FINGERPRINT_WORDS):
         piece = words[start : start + _FINGERPRINT_WORDS].to(torch.int64)
         where = torch.arange(start + 1, start + 1 + piece.numel(), dtype=torch.int64, device=flat.device)
         plain = plain + piece.sum()
         weighted = weighted + (piece * (where * _MIX)).sum()
-    return (int(plain) & (2**64 - 1)) ^ ((int(weighted) & (2**64 - 1)) << 64)
+    low, high = int(plain), int(weighted)
+    if whole < flat.numel():
+        last = int.from_bytes(bytes(flat[whole:].cpu().tolist()), "little")
+        low, high = low + last, high + last * (words.numel() + 1) * _MIX
+    mask = 2**64 - 1
+    return (low & mask) ^ ((high & mask) << 64)
 
 
 def with_fingerprints(info: UpdateInfo, buffers: Sequence[torch.Tensor]) -> UpdateInfo:
     return replace(info, fingerprints=tuple(fingerprint(b) for b in buffers))
 
 
-def check_fingerprints(info: UpdateInfo, buffers: Sequence[torch.Tensor]) -> None:
-    """Every received bucket's bytes are the sender's (ValueError naming the first that is not)."""
-    if len(info.fingerprints) != len(buffers):
-        raise ValueError(f"fingerprints: {len(info.fingerprints)} for {len(buffers)} buckets")
-    for i, (want, buffer) in enumerate(zip(info.fingerprints, buffers, strict=True)):
-        if fingerprint(buffer) != want:
-            raise ValueError(f"fingerprints: bucket {i} did not arrive as sent")
+@dataclass
+class Staged:
+    """A received update whose every bucket matched its fingerprint, held until it is loaded (or
+    dropped): host buffers (a broadcast) or views of the trainer's (CUDA IPC)."""
+
+    info: UpdateInfo
+    buffers: list[torch.Tensor]
+
+    def load(self, load_weights: LoadWeights) -> None:
+        for buffer, bucket in zip(self.buffers, plan_buckets(self.info), strict=True):
+            load_weights(unpack(buffer, bucket, self.info))
 
 
-def _load_all(info: UpdateInfo, buffers: Sequence[torch.Tensor], load_weights: LoadWeights) -> None:
-    check_fingerprints(info, buffers)
-    for buffer, bucket in zip(buffers, plan_buckets(info), strict=True):
-        load_weights(unpack(buffer, bucket, info))
+def check_named(info: UpdateInfo, named: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """The sender's tensors are the plan's, in its order (before a byte is sent: a receiver that gets
+    other bytes than the plan's refuses them, but only after the whole broadcast)."""
+    planned = list(zip(info.names, info.dtype_names, info.shapes, strict=True))
+    actual = [(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in named]
+    if actual != planned:
+        raise ValueError("named: the tensors are not the plan's (names, dtypes and shapes, in order)")
 
 
 # -- broadcast: NCCL between GPUs, Gloo between CPUs -----------------------------------------------------
@@ -229,9 +252,12 @@ class BroadcastInit:
             raise ValueError(f"master_port: {self.master_port}")
 
 
-def _group(init: BroadcastInit, rank: int, store: Any) -> Any:
+def _group(init: BroadcastInit, rank: int, store: Any, device: torch.device) -> Any:
+    """The process group on ``store``; formed when this returns (NCCL connects lazily unless told to)."""
     import torch.distributed as dist
 
+    if (init.backend == "nccl") != (device.type == "cuda"):
+        raise ValueError(f"backend: {init.backend} does not move tensors on {device.type}")
     timeout = datetime.timedelta(seconds=init.timeout_s)
     if init.backend == "gloo":
         options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
@@ -240,7 +266,14 @@ def _group(init: BroadcastInit, rank: int, store: Any) -> Any:
         return dist.ProcessGroupGloo(store, rank, init.world_size, options)
     options = dist.ProcessGroupNCCL.Options()  # (CUDA builds of torch only)
     options._timeout = timeout
-    return dist.ProcessGroupNCCL(store, rank, init.world_size, options)
+    group = dist.ProcessGroupNCCL(store, rank, init.world_size, options)
+    group.eager_connect_single_device(device)
+    return group
+
+
+def _shutdown(group: Any) -> None:
+    if group is not None and hasattr(group, "shutdown"):
+        group.shutdown()
 
 
 def _local_address(init: BroadcastInit) -> str:
@@ -296,7 +329,7 @@ class BroadcastSender:
 
     def trainer_init(self) -> None:
         """Form the group (blocks until every replica worker has joined)."""
-        self._group = _group(self.init, 0, self._store)
+        self._group = _group(self.init, 0, self._store, self.device)
 
     def send_weights(
         self, named: Sequence[tuple[str, torch.Tensor]], info: UpdateInfo | None = None
@@ -304,6 +337,7 @@ class BroadcastSender:
         """Broadcast ``named`` as packed buckets; returns the plan (with fingerprints), which the control
         plane must have given every receiver first: call :meth:`plan` for it, send it, then this."""
         info = info or self.plan(named)
+        check_named(info, named)
         tensors = [t for _, t in named]
         for bucket in plan_buckets(info):
             _broadcast(self._group, pack(bucket, tensors, self.device))
@@ -318,6 +352,7 @@ class BroadcastSender:
         return with_fingerprints(info, [pack(b, tensors, self.device) for b in plan_buckets(info)])
 
     def shutdown(self) -> None:
+        _shutdown(self._group)
         self._group = self._store = None
 
 
@@ -339,19 +374,40 @@ class BroadcastReceiver:
             is_master=False,
             timeout=datetime.timedelta(seconds=init.timeout_s),
         )
-        self._group = _group(init, init.rank_offset + local_rank, store)
+        self._group = _group(init, init.rank_offset + local_rank, store, self.device)
+
+    def stage(self, info: UpdateInfo) -> Staged:
+        """Every bucket received and checked, into host memory (see the module's docstring). A bucket
+        that does not match its fingerprint fails the update, after the rest of the broadcast."""
+        check_update_info(info, self.max_bytes)
+        buckets = plan_buckets(info)
+        on_cpu = self.device.type == "cpu"
+        scratch = (
+            None
+            if on_cpu
+            else torch.empty(max(map(bucket_size, buckets)), dtype=torch.uint8, device=self.device)
+        )
+        staged, refused = [], None
+        for i, bucket in enumerate(buckets):
+            size = bucket_size(bucket)
+            buffer = torch.empty(size, dtype=torch.uint8) if scratch is None else scratch[:size]
+            _broadcast(self._group, buffer)
+            if refused is None and fingerprint(buffer) != info.fingerprints[i]:
+                refused = i
+            if refused is None:
+                staged.append(
+                    buffer if on_cpu else torch.empty(size, dtype=torch.uint8, pin_memory=True).copy_(buffer)
+                )
+        if refused is not None:
+            raise ValueError(f"fingerprints: bucket {refused} did not arrive as sent")
+        return Staged(info, staged)
 
     def receive_weights(self, info: UpdateInfo, load_weights: LoadWeights) -> None:
-        """Every bucket into buffers of this worker's, checked, then loaded (all or nothing)."""
-        check_update_info(info, self.max_bytes)
-        buffers = []
-        for bucket in plan_buckets(info):
-            buffer = torch.empty(bucket_size(bucket), dtype=torch.uint8, device=self.device)
-            _broadcast(self._group, buffer)
-            buffers.append(buffer)
-        _load_all(info, buffers, load_weights)
+        """vLLM's engine method: stage, then load (all or nothing)."""
+        self.stage(info).load(load_weights)
 
     def shutdown(self) -> None:
+        _shutdown(self._group)
         self._group = None
 
 
@@ -449,7 +505,9 @@ class IpcSender:
         return replace(info, ipc_handles=tuple({uuid: ipc_handle(b)} for b in self._held))
 
     def release(self) -> None:
+        """Let the buckets go (once every receiver has answered: it loaded from them, or refused)."""
         self._held = []
+        torch.cuda.ipc_collect()  # (frees those whose receivers have closed their mappings)
 
 
 @dataclass
@@ -463,20 +521,41 @@ class IpcReceiver:
     def init_transfer_engine(self, init: object = None) -> None:
         """Nothing to set up (as vLLM's IPC engine)."""
 
-    def receive_weights(self, info: UpdateInfo, load_weights: LoadWeights) -> None:
-        check_update_info(info, self.max_bytes)
+    def stage(self, info: UpdateInfo) -> Staged:
+        """Every bucket mapped from the trainer's memory and checked there; nothing copied. A handle not
+        opened (a refusal before it) has its reference released, so that the trainer can free it."""
+        check_update_info(info, self.max_bytes, ipc=True)
         uuid = gpu_uuid(self.device)
-        buffers = []
-        for bucket, handles in zip(plan_buckets(info), info.ipc_handles, strict=True):
-            if uuid not in handles:
-                raise ValueError(f"ipc_handles: none for this GPU ({uuid}): the trainer is on another device")
-            mapped = open_ipc_handle(handles[uuid], bucket_size(bucket), self.device)
-            buffers.append(mapped.clone())
-            del mapped
-        _load_all(info, buffers, load_weights)
+        buckets = plan_buckets(info)
+        mapped: list[torch.Tensor] = []
+        try:
+            for i, (bucket, handles) in enumerate(zip(buckets, info.ipc_handles, strict=True)):
+                if uuid not in handles:
+                    raise ValueError(f"ipc_handles: none for this GPU ({uuid}); the trainer is on another")
+                mapped.append(open_ipc_handle(handles[uuid], bucket_size(bucket), self.device))
+                if fingerprint(mapped[-1]) != info.fingerprints[i]:
+                    raise ValueError(f"fingerprints: bucket {i} did not arrive as sent")
+        except BaseException:
+            for handles in info.ipc_handles[len(mapped) :]:
+                _release_unopened(handles.get(uuid))
+            raise
+        return Staged(info, mapped)
+
+    def receive_weights(self, info: UpdateInfo, load_weights: LoadWeights) -> None:
+        self.stage(info).load(load_weights)
 
     def shutdown(self) -> None:
         pass
+
+
+def _release_unopened(fields: dict[str, object] | None) -> None:
+    """Give back the producer's reference counter of a handle this process never opened."""
+    handle, offset = (fields or {}).get("ref_counter_handle"), (fields or {}).get("ref_counter_offset")
+    if isinstance(handle, str):
+        handle = base64.b64decode(handle)
+    if isinstance(handle, bytes) and isinstance(offset, int):
+        with contextlib.suppress(RuntimeError):
+            torch.UntypedStorage._release_ipc_counter_cuda(handle, offset)
 
 
 def named_tensors(weights: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:

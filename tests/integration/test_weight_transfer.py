@@ -107,6 +107,12 @@ def test_a_replica_takes_a_broadcast_update_through_vllms_weight_transfer_engine
                 loading.result(timeout=120)
             assert same_parameters(engine.named_parameters(), broadcast[0])
             assert greedy(engine, prompt) == broadcast[1]
+
+            # ... and the next update lands: the refusal ended every worker's update session.
+            loading = pool.submit(engine.load_from_device_plane, update_info_dict(info0))
+            sender.send_weights(named[0], info0)
+            loading.result(timeout=120)
+            assert greedy(engine, prompt) == before
     finally:
         sender.shutdown()
         engine.llm.collective_rpc("shutdown_weight_transfer_engine")

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -66,36 +67,61 @@ def test_buckets_hold_every_tensor_aligned_in_order_and_within_their_size() -> N
         assert all(same_bits(t, u) for (_, t), (_, u) in zip(named, back, strict=True))
 
 
+def planned(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> UpdateInfo:
+    info = planes.update_info(named, bucket_bytes)
+    tensors = [t for _, t in named]
+    return planes.with_fingerprints(info, [planes.pack(b, tensors, "cpu") for b in planes.plan_buckets(info)])
+
+
 def test_a_plan_is_refused_by_the_field_that_is_wrong_before_anything_is_allocated() -> None:
-    info = planes.update_info(weight_set(seed=2), 4096)
+    named = weight_set(seed=2)
+    info = planned(named, 4096)
     total = planes.check_update_info(info, max_bytes=1 << 20)
     assert total == sum(info.tensor_bytes())
     cases = {
-        "dtype_names": UpdateInfo(info.names, ("int64",) * len(info.names), info.shapes),
-        "shapes": UpdateInfo(info.names[:1], info.dtype_names[:1], ((-1, 4),)),
-        "names": UpdateInfo((info.names[0],) * 2, info.dtype_names[:2], info.shapes[:2]),
-        "packed_buffer_size_bytes": UpdateInfo(info.names, info.dtype_names, info.shapes, 16),
-        "fingerprints": UpdateInfo(info.names, info.dtype_names, info.shapes, 4096, (1,)),
+        "dtype_names": replace(info, dtype_names=("int64",) * len(info.names)),
+        "shapes": replace(info, names=info.names[:1], dtype_names=info.dtype_names[:1], shapes=((-1, 4),)),
+        "names": replace(info, names=(info.names[0],) * len(info.names)),
+        "packed_buffer_size_bytes": replace(info, packed_buffer_size_bytes=16),
+        "fingerprints": replace(info, fingerprints=info.fingerprints[:1]),
     }
+    cases["shapes "] = replace(info, shapes=((0, 2**70), *info.shapes[1:]))  # (no product overflows)
+    cases["fingerprints "] = replace(info, fingerprints=())  # (a plan without them is never received)
+    cases["ipc_handles"] = info  # (none, where IPC needs one per bucket)
     for field, bad in cases.items():
-        with pytest.raises(ValueError, match=field):
-            planes.check_update_info(bad, max_bytes=1 << 20)
+        with pytest.raises(ValueError, match=field.strip()):
+            planes.check_update_info(bad, max_bytes=1 << 20, ipc=field == "ipc_handles")
     with pytest.raises(ValueError, match="more than the model's"):  # (before a byte is allocated)
         planes.check_update_info(UpdateInfo(("w",), ("float32",), ((1 << 40,),)), max_bytes=1 << 20)
+    with pytest.raises(ValueError, match="named: the tensors are not the plan's"):  # (the sender's side)
+        planes.check_named(info, named[::-1])
 
 
-def test_the_fingerprint_sees_a_changed_and_a_moved_word_and_not_how_it_is_sliced() -> None:
+def test_the_fingerprint_sees_a_changed_and_a_moved_word_and_not_how_it_is_sliced(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
-    buffer = torch.randint(0, 256, ((1 << 23) + 7,), dtype=torch.uint8, generator=g)  # (2 slices and a tail)
+    buffer = torch.randint(0, 256, ((1 << 20) + 7,), dtype=torch.uint8, generator=g)  # (with a 3-byte tail)
     base = planes.fingerprint(buffer)
-    flipped = buffer.clone()
-    flipped[12345] ^= 1
+    for where in (12345, len(buffer) - 1):  # a word, and the tail
+        flipped = buffer.clone()
+        flipped[where] ^= 1
+        assert planes.fingerprint(flipped) != base
     swapped = buffer.clone()
     swapped[:4], swapped[4:8] = buffer[4:8].clone(), buffer[:4].clone()
-    assert planes.fingerprint(flipped) != base and (
-        swapped.equal(buffer) or planes.fingerprint(swapped) != base
-    )
+    assert swapped.equal(buffer) or planes.fingerprint(swapped) != base
     assert planes.fingerprint(buffer.clone()) == base  # (plain integers: a copy anywhere gives the same)
+    monkeypatch.setattr(planes, "_FINGERPRINT_WORDS", 1000)  # summed in many more slices: the same
+    assert planes.fingerprint(buffer) == base
+    shifted = torch.empty(len(buffer) + 1, dtype=torch.uint8)
+    shifted[1:] = buffer
+    assert planes.fingerprint(shifted[1:]) == base  # (a view whose words are not 4-byte aligned)
+
+
+def test_an_empty_tensor_never_opens_a_bucket_of_its_own() -> None:
+    named = [("a", torch.zeros(63, dtype=torch.uint8)), ("b", torch.zeros(0)), ("c", torch.zeros((0, 4)))]
+    buckets = planes.plan_buckets(planes.update_info(named, bucket_bytes=256))
+    assert len(buckets) == 1 and [s.nbytes for s in buckets[0]] == [63, 0, 0]
 
 
 RECEIVER = textwrap.dedent(
@@ -147,7 +173,7 @@ def test_a_broadcast_over_gloo_reaches_every_worker_bit_for_bit_and_a_damaged_pl
             assert len(planes.plan_buckets(info)) > 3
             told = info
             if damaged:  # the plan a worker is told does not match the bytes broadcast
-                told = planes.replace(info, fingerprints=(info.fingerprints[0] ^ 1, *info.fingerprints[1:]))
+                told = replace(info, fingerprints=(info.fingerprints[0] ^ 1, *info.fingerprints[1:]))
             message = {
                 "names": told.names,
                 "dtype_names": told.dtype_names,
@@ -170,21 +196,25 @@ def test_a_broadcast_over_gloo_reaches_every_worker_bit_for_bit_and_a_damaged_pl
     finally:
         for worker in workers:
             worker.stdin.close()
-            worker.wait(timeout=60)
+            try:
+                worker.wait(timeout=60)
+            except subprocess.TimeoutExpired:  # (hung in a broadcast: never left behind)
+                worker.kill()
+                worker.wait()
         sender.shutdown()
     assert [w.returncode for w in workers] == [0, 0]
 
 
 @pytest.mark.gpu
 def test_cuda_ipc_moves_a_weight_set_into_another_process_bit_for_bit() -> None:
-    """scripts/gpu_proof.py check i runs the same plane with a second process; here one process opens
-    its own handles (torch maps them as the same storage), which checks the fields round trip."""
-    device = torch.device("cuda")
+    """The receiver in a process of its own (scripts/gpu_proof.py's, as its check i runs it), every
+    tensor's fingerprint there equal to the sender's."""
+    from scripts.gpu_proof import receive_in_another_process
+
+    device = torch.device("cuda", torch.cuda.current_device())
     named = [(n, t.to(device)) for n, t in weight_set(seed=3)]
     sender = planes.IpcSender(device)
     info = sender.send_weights(named, bucket_bytes=64 << 10)
-    loaded: list[tuple[str, torch.Tensor]] = []
-    planes.IpcReceiver(device, max_bytes=1 << 30).receive_weights(info, loaded.extend)
+    _, got = receive_in_another_process("ipc", str(device), info)
     sender.release()
-    assert [n for n, _ in loaded] == [n for n, _ in named]
-    assert all(same_bits(t, u) for (_, t), (_, u) in zip(named, loaded, strict=True))
+    assert got == [(n, planes.fingerprint(t.contiguous().view(-1).view(torch.uint8))) for n, t in named]
