@@ -175,7 +175,7 @@ class TcpInbox:
             threading.Thread(target=self._serve, args=(conn,), name="tcp-inbox-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
-        trusted = False  # (once a frame came under a named ticket)
+        served: set[bytes] = set()  # the tickets this connection carried frames of (trusted once any)
         try:
             deadline = time.monotonic() + self.idle_s  # handshake and first frame, however slow the bytes
             conn.settimeout(self.idle_s)
@@ -187,31 +187,39 @@ class TcpInbox:
                     return
                 self._connections.add(conn)
             while True:
-                head = _receive_exactly(conn, FRAME.size, None if trusted else deadline)
-                if head is None or not self._frame(conn, head, trusted):
+                head = _receive_exactly(conn, FRAME.size, None if served else deadline)
+                if head is None or not self._frame(conn, head, served):
                     return
-                trusted = True
         except (OSError, ValueError) as exc:
             log.debug("tcp inbox: a connection ended (%s)", exc)
         finally:
             with self._lock:
                 self._connections.discard(conn)
-                if trusted:  # the trainer's connection ended: the parts still arriving never will whole
-                    for incoming in self._named.values():
-                        if incoming.arrived < len(incoming.buffer) and not incoming.failure:
-                            incoming.failure = "a connection of the trainer's ended"
-                    self._lock.notify_all()
+                # A connection of the trainer's ended: the parts it was carrying never arrive whole. (Only
+                # those: a part another update named meanwhile comes on connections of its own; parts of
+                # this update it had not begun fail as its call ends, which the trainer ends at once.)
+                for ticket in served:
+                    incoming = self._named.get(ticket)
+                    if (
+                        incoming is not None
+                        and incoming.arrived < len(incoming.buffer)
+                        and not incoming.failure
+                    ):
+                        incoming.failure = "a connection of the trainer's ended"
+                self._lock.notify_all()
             conn.close()
             self._slots.release()
 
-    def _frame(self, conn: socket.socket, head: bytes, trusted: bool) -> bool:
-        """Receive the rest of the frame ``head`` starts; False where the connection must be closed."""
+    def _frame(self, conn: socket.socket, head: bytes, served: set[bytes]) -> bool:
+        """Receive the rest of the frame ``head`` starts (its ticket joins ``served``); False where the
+        connection must be closed."""
         ticket, offset, length = FRAME.unpack(head)
-        incoming = self._named_part(ticket, TRUSTED_WAIT_S if trusted else self.idle_s)
+        incoming = self._named_part(ticket, TRUSTED_WAIT_S if served else self.idle_s)
         if incoming is None:
             return False  # never named (not the trainer's), or long gone: nothing of it is read
         conn.settimeout(TRUSTED_WAIT_S)  # the trainer's: no longer held to the first header's deadline
         with self._lock:
+            served.add(ticket)
             if offset + length > len(incoming.buffer) or incoming.claimed + length > len(incoming.buffer):
                 incoming.failure = f"a frame at {offset}+{length} falls outside the part"
                 self._lock.notify_all()

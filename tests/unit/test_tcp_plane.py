@@ -185,3 +185,33 @@ def test_a_sender_killed_mid_part_fails_the_part_at_once_and_the_inbox_goes_on(i
     assert bytes(inbox.take(again, len(data))) == data
     fresh.close()
     assert fresh.error is None
+
+
+def test_a_trainer_connection_that_ends_fails_only_the_parts_it_carried(inbox: TcpInbox) -> None:
+    """A connection that carried part A ends while part B (named meanwhile, as the next update's first
+    part is while the last one's connections close) waits for bytes on a connection of its own: B is not
+    failed for it, and arrives whole."""
+    a, b = new_ticket(), new_ticket()
+    first = socket.create_connection(("127.0.0.1", inbox.port), timeout=10)
+    first.sendall(FRAME.pack(a, 0, 8) + b"aaaaaaaa")
+    assert bytes(inbox.take(a, 8)) == b"aaaaaaaa" and first.recv(1) == b"+"
+    got: dict[str, bytes | Exception] = {}
+
+    def take_b() -> None:
+        try:
+            got["b"] = bytes(inbox.take(b, 16))
+        except Exception as exc:
+            got["b"] = exc
+
+    taker = threading.Thread(target=take_b)
+    taker.start()
+    deadline = time.monotonic() + 5
+    while b not in inbox._named and time.monotonic() < deadline:  # (named: waiting for its bytes)
+        time.sleep(0.01)
+    assert b in inbox._named
+    first.close()  # the connection that carried A ends
+    time.sleep(0.5)
+    with socket.create_connection(("127.0.0.1", inbox.port), timeout=10) as second:
+        second.sendall(FRAME.pack(b, 0, 16) + b"b" * 16)
+        taker.join(timeout=10)
+        assert got["b"] == b"b" * 16
