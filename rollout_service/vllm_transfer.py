@@ -39,16 +39,8 @@ from rollout_service.worker_extension import rederive_tied_head
 BROADCAST, IPC = "fp8rl-broadcast", "fp8rl-ipc"
 
 
-@dataclass
-class BroadcastInitInfo(WeightTransferInitInfo):
-    """:class:`~fp8rl.codec.device_planes.BroadcastInit`'s fields, as vLLM's init dicts carry them."""
-
-    master_address: str
-    master_port: int
-    rank_offset: int
-    world_size: int
-    backend: str = "nccl"
-    timeout_s: float = 300.0
+class BroadcastInitInfo(planes.BroadcastInit, WeightTransferInitInfo):
+    """:class:`~fp8rl.codec.device_planes.BroadcastInit` as vLLM's init info (its dict's keys)."""
 
 
 @dataclass
@@ -139,11 +131,10 @@ class BroadcastEngine(_DevicePlaneEngine):
     init_info_cls = BroadcastInitInfo
 
     def init_transfer_engine(self, init_info: BroadcastInitInfo) -> None:
-        init = planes.BroadcastInit(**{f.name: getattr(init_info, f.name) for f in fields(init_info)})
         parallel = self.parallel_config
         local_rank = parallel.data_parallel_index * parallel.world_size + parallel.rank  # (vLLM's order)
         self.receiver = planes.BroadcastReceiver(self.device, self.max_bytes())
-        self.receiver.init_transfer_engine(init, local_rank)
+        self.receiver.init_transfer_engine(init_info, local_rank)
 
 
 class IpcEngine(_DevicePlaneEngine):
