@@ -66,6 +66,7 @@ class Publishing:
             "sync_keyframes": sum(r.encoding == "keyframe" for r in ok),
             "sync_shared_memory": sum(r.plane == "shared-memory" for r in ok),
             "sync_tcp": sum(r.plane == "tcp" for r in ok),
+            "sync_device": sum(r.plane == "device" for r in ok),
             "sync_refit_s": max((r.apply_s for r in ok), default=0.0),
         }
 

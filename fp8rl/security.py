@@ -53,6 +53,8 @@ SERVER_NAMES = {"trainer": "trainer", "rollout": "replica"}
 
 WRITERS: dict[str, frozenset[str]] = {
     "/fp8rl.v1.Rollout/UpdateWeights": frozenset({"trainer"}),
+    "/fp8rl.v1.Rollout/JoinWeightTransfer": frozenset({"trainer"}),
+    "/fp8rl.v1.Rollout/UpdateWeightsOnDevice": frozenset({"trainer"}),
     "/fp8rl.v1.Trainer/TrainStep": frozenset({"coordinator"}),
     "/fp8rl.v1.Trainer/PublishWeights": frozenset({"coordinator"}),
     "/fp8rl.v1.Trainer/SaveCheckpoint": frozenset({"coordinator"}),

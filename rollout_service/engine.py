@@ -41,6 +41,10 @@ BLOCK_FP8_QUANT_CONFIG = {
 }
 
 
+class DeviceUpdateRefused(Exception):
+    """A device-plane update a worker did not stage (it did not arrive as planned): no worker loaded it."""
+
+
 class UnsupportedPlatform(ValueError):
     """This machine cannot serve the configured recipe (the message says why and what to do)."""
 
@@ -570,7 +574,8 @@ class VllmEngine:
 
     def join_device_plane(self, init_info: Mapping[str, Any]) -> None:
         """Every worker joins the trainer's device plane (``weight_transfer``; blocks until the group
-        forms, so the trainer joins at the same time)."""
+        forms, so the trainer joins at the same time), leaving the group it was in, if any."""
+        self.llm.collective_rpc("shutdown_weight_transfer_engine")
         self.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": dict(init_info)})
 
     def load_from_device_plane(self, update_info: Mapping[str, Any]) -> None:
@@ -580,9 +585,9 @@ class VllmEngine:
         self.llm.collective_rpc("start_weight_update")
         try:  # every worker stages (receives and checks) its copy; none loads until all have
             self.llm.collective_rpc("update_weights", kwargs={"update_info": dict(update_info)})
-        except BaseException:
+        except BaseException as exc:
             self.llm.collective_rpc("fp8rl_abort_weight_update")
-            raise
+            raise DeviceUpdateRefused(f"{exc}") from exc
         self.llm.collective_rpc("finish_weight_update")
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM did not reset its prefix cache after a refit: stale KV could be reused")

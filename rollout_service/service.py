@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import json
 import logging
 import threading
 import time
@@ -20,7 +21,9 @@ import torch
 
 from fp8rl import routing
 from fp8rl.architectures import moe_layers, num_experts, read_config
+from fp8rl.codec import device_planes
 from fp8rl.codec.decode import DecodedUpdate
+from fp8rl.codec.device_planes import BroadcastInit
 from fp8rl.codec.schema import (
     SCALE_SUFFIX,
     attention_scale_names,
@@ -32,19 +35,20 @@ from fp8rl.codec.segments import SegmentInbox
 from fp8rl.codec.stream import decode_parts
 from fp8rl.codec.tcp_plane import TcpInbox, server_context
 from fp8rl.codec.weight_set import WeightSet
-from fp8rl.errors import InvalidRequest, Overloaded, PreconditionFailed
+from fp8rl.errors import CorruptUpdateError, InvalidRequest, Overloaded, PreconditionFailed
 from fp8rl.prometheus import Sample
 from fp8rl.recipes import WeightFormat, get_recipe, is_fp8, weight_scale_format
-from fp8rl.security import registration_proof, signer_id
+from fp8rl.security import PartHash, registration_proof, signer_id, verify_update
 from fp8rl.v1 import common_pb2, rollout_pb2, weights_pb2
 from rollout_service.config import RolloutConfig
-from rollout_service.engine import Alternatives, FinishedSample, VllmEngine
+from rollout_service.engine import Alternatives, DeviceUpdateRefused, FinishedSample, VllmEngine
 from rollout_service.generation import GenerationLoop, Ticket
 from rollout_service.high_water import HighWater
 from rollout_service.validation import Limits, Slot, Tokenizer, parse_generate, required_version
 
 log = logging.getLogger(__name__)
 UPDATE_WAIT_S = 120.0  # how long an update waits for the one being applied before it is refused
+BROADCAST_INIT_FIELDS = ("master_address", "master_port", "rank_offset", "world_size", "backend", "timeout_s")
 
 
 Schema = dict[str, tuple[tuple[int, ...], bool]]  # name -> (shape, is FP8)
@@ -342,14 +346,7 @@ class RolloutService:
         blob: bytearray,
         stream: Iterator[tuple[weights_pb2.WeightHeader, bytearray]],
     ) -> UpdateResult:
-        if header.format != self.recipe.rollout_weights:
-            raise PreconditionFailed(
-                f"replica serves {self.recipe.rollout_weights} weights, got {header.format}"
-            )
-        if header.version < 0 or header.epoch < 0:
-            raise InvalidRequest(
-                "header.version", f"version {header.version} and epoch {header.epoch} must be >= 0"
-            )
+        self._admit_header(header)
         self._check_forward(header)
         if header.encoding == "delta" and (self.held is None or header.base_version != self.version):
             holds = "no weight set (needs keyframe)" if self.held is None else f"version {self.version}"
@@ -387,6 +384,104 @@ class RolloutService:
             time.perf_counter() - start,
             received,
         )
+
+    def join_weight_transfer(self, request: weights_pb2.WeightTransferJoin) -> int:
+        """Every engine worker joins the trainer's broadcast group (``weight_transfer``); returns how many.
+        Blocks until the group forms (the trainer forms it at the same time)."""
+        if self.config.weight_transfer != "fp8rl-broadcast":
+            raise PreconditionFailed("weight_transfer: this replica takes no broadcast updates")
+        ranks = self.config.tensor_parallel_size
+        init = {f: getattr(request, f) for f in BROADCAST_INIT_FIELDS}
+        try:
+            BroadcastInit(**init)
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequest("weight_transfer", str(exc)) from exc
+        if request.world_size != request.rank_offset + ranks:
+            raise InvalidRequest("world_size", f"{request.world_size}: this replica joins with {ranks} ranks")
+        if not self._update_lock.acquire(timeout=UPDATE_WAIT_S):
+            raise Overloaded(f"another weight update held this replica for {UPDATE_WAIT_S:g} s; retry later")
+        try:
+            self.loop.run_exclusive(lambda: self.engine.join_device_plane(init))
+        finally:
+            self._update_lock.release()
+        return ranks
+
+    def update_on_device(self, request: weights_pb2.DeviceUpdate) -> UpdateResult:
+        """A keyframe over the device plane: its plan checked (signature, version, the model's tensors)
+        before the engine receives the broadcast, staged and checked by every worker, then loaded (all
+        or nothing: a refused update leaves the weights as they were)."""
+        header, plan_bytes = request.header, request.plan
+        if self.config.weight_transfer != "fp8rl-broadcast":
+            raise PreconditionFailed("weight_transfer: this replica takes no broadcast updates")
+        if header.encoding != "keyframe" or header.parts != 1 or header.part != 0:
+            raise InvalidRequest("header", "a device-plane update is one keyframe part")
+        if header.total_bytes != len(plan_bytes):
+            raise InvalidRequest("header.total_bytes", f"not the plan's {len(plan_bytes)} bytes")
+        if self.update_public_key is not None:
+            signed = PartHash(header)
+            signed.update(plan_bytes)
+            verify_update(self.update_public_key, signed, header.signature)
+        self._admit_header(header)
+        try:
+            raw = json.loads(plan_bytes)
+            plan = device_planes.from_json_dict(raw)
+            device_planes.check_update_info(plan, self.max_update_bytes)
+        except ValueError as exc:  # (json's errors among them)
+            raise InvalidRequest("plan", str(exc)) from exc
+        if set(plan.names) != set(self.schema):
+            missing, extra = (
+                sorted(set(self.schema) - set(plan.names)),
+                sorted(set(plan.names) - set(self.schema)),
+            )
+            raise InvalidRequest(
+                "plan.names", f"differ from the model's: missing {missing[:3]}, extra {extra[:3]}"
+            )
+        for name, dtype, shape in zip(plan.names, plan.dtype_names, plan.shapes, strict=True):
+            admit_tensor(self.schema, name, device_planes.DTYPES[dtype], shape)
+        if not self._update_lock.acquire(timeout=UPDATE_WAIT_S):
+            raise Overloaded(f"another weight update held this replica for {UPDATE_WAIT_S:g} s; retry later")
+        try:
+            self._check_forward(header)
+            if self.high_water is not None:  # before the engine: a crash past here cannot lower the mark
+                self.high_water.raise_to(header.epoch, header.version)
+            start = time.perf_counter()
+            self.loop.run_exclusive(lambda: self._apply_on_device(raw, header.version))
+            self.held, self.held_epoch = None, header.epoch  # (no host copy: the next delta is refused)
+            self.updates_applied += 1
+            self.update_seconds += time.perf_counter() - start
+            return UpdateResult(header.version, "keyframe", len(plan.names), time.perf_counter() - start, 0)
+        finally:
+            self._update_lock.release()
+
+    def _apply_on_device(self, update_info: dict[str, object], version: int) -> None:
+        """Runs on the engine thread with no request in flight. A refused update left every worker's
+        weights as they were; one that failed while loading leaves the engine to be restarted."""
+        try:
+            self.engine.load_from_device_plane(update_info)
+        except DeviceUpdateRefused as exc:
+            raise CorruptUpdateError(f"plan: the broadcast did not arrive as planned ({exc})") from exc
+        except BaseException:
+            self.loop.needs_keyframe = True
+            self.held = None
+            log.exception("device-plane update to version %d failed midway; restarting the engine", version)
+            try:
+                self.engine.restart()
+            except Exception:
+                log.exception("engine restart failed: this replica cannot recover; restart the process")
+            raise
+        self.loop.version = version
+        self.loop.needs_keyframe = False
+
+    def _admit_header(self, header: weights_pb2.WeightHeader) -> None:
+        """The update is of this replica's format, at a version and epoch that can be."""
+        if header.format != self.recipe.rollout_weights:
+            raise PreconditionFailed(
+                f"replica serves {self.recipe.rollout_weights} weights, got {header.format}"
+            )
+        if header.version < 0 or header.epoch < 0:
+            raise InvalidRequest(
+                "header.version", f"version {header.version} and epoch {header.epoch} must be >= 0"
+            )
 
     def _check_forward(self, header: weights_pb2.WeightHeader) -> None:
         """With the trainer's key, (epoch, version) never goes back. The healing cases, signed like any
@@ -454,6 +549,8 @@ class RolloutService:
             segment_inbox=self.segments.name if self.segments is not None else "",
             tcp_updates_port=self.tcp_inbox.port if self.tcp_inbox is not None else 0,
             tcp_updates_tls=self.tcp_inbox is not None and self.tcp_inbox.tls is not None,
+            weight_transfer=self.config.weight_transfer,
+            weight_transfer_ranks=self.config.tensor_parallel_size if self.config.weight_transfer else 0,
         )
 
     def registration_proof(self) -> str:

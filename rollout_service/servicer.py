@@ -103,6 +103,26 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         )
 
     @map_errors
+    def JoinWeightTransfer(
+        self, request: weights_pb2.WeightTransferJoin, context: grpc.ServicerContext
+    ) -> weights_pb2.WeightTransferJoined:
+        with self.updating.slot():
+            return weights_pb2.WeightTransferJoined(ranks=self.service.join_weight_transfer(request))
+
+    @map_errors
+    def UpdateWeightsOnDevice(
+        self, request: weights_pb2.DeviceUpdate, context: grpc.ServicerContext
+    ) -> weights_pb2.UpdateWeightsResponse:
+        with self.updating.slot():
+            result = self.service.update_on_device(request)
+        return weights_pb2.UpdateWeightsResponse(
+            version=result.version,
+            encoding=result.encoding,
+            tensors_updated=result.tensors_updated,
+            apply_s=result.apply_s,
+        )
+
+    @map_errors
     def GetStatus(
         self, request: common_pb2.GetStatusRequest, context: grpc.ServicerContext
     ) -> rollout_pb2.RolloutStatus:

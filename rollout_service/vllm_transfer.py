@@ -20,7 +20,6 @@ before it builds an engine with ``weight_transfer``.
 
 from __future__ import annotations
 
-import base64
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -60,33 +59,12 @@ class UpdateInfo(WeightTransferUpdateInfo):
     ipc_handles: list[dict[str, dict[str, Any]]] | None = None
 
     def plan(self) -> planes.UpdateInfo:
-        """The plan, its numbers as given (check_update_info refuses what is not an integer)."""
-        fingerprints = tuple(
-            int(f) if isinstance(f, str) and f.isdigit() else f for f in self.fingerprints or ()
-        )
-        return planes.UpdateInfo(
-            tuple(self.names),
-            tuple(self.dtype_names),
-            tuple(tuple(shape) for shape in self.shapes),
-            self.packed_buffer_size_bytes,
-            fingerprints,  # type: ignore[arg-type]
-            tuple(self.ipc_handles or ()),
-        )
+        return planes.from_json_dict({f.name: getattr(self, f.name) for f in fields(self)})
 
 
 def update_info_dict(info: planes.UpdateInfo) -> dict[str, Any]:
-    """What a trainer passes as ``update_info``: plain JSON (fingerprints as decimal strings, 128-bit
-    integers; an IPC handle's bytes in base64)."""
-    out: dict[str, Any] = {f.name: getattr(info, f.name) for f in fields(info)}
-    out["fingerprints"] = [str(f) for f in info.fingerprints]
-    out["ipc_handles"] = [
-        {
-            uuid: {k: base64.b64encode(v).decode() if isinstance(v, bytes) else v for k, v in h.items()}
-            for uuid, h in handles.items()
-        }
-        for handles in info.ipc_handles
-    ] or None
-    return out
+    """What a trainer passes as ``update_info`` (plain JSON values)."""
+    return planes.to_json_dict(info)
 
 
 class _DevicePlaneEngine(WeightTransferEngine):

@@ -142,6 +142,11 @@ class TrainerConfig(LearnerConfig):
     """Connections per replica for the parts that cannot go as shared memory, to the TCP port the replica
     names (fp8rl/codec/tcp_plane.py: beside the gRPC stream, TLS where the trainer's channels have it);
     gRPC carries them where that port is not reachable or a connection fails. 0: over gRPC."""
+    weight_transfer: bool = False
+    """Send each update as a keyframe over the device plane of the replicas that offer one (their
+    `weight_transfer`: fp8rl/codec/device_planes.py), from the trainer's device: NCCL from a GPU, Gloo
+    from a CPU; gRPC and its planes carry it where that fails. Unauthenticated bytes (checked by
+    fingerprints under the signed plan), as NCCL's are: only on a trusted network."""
     publish_to: list[str] = []
     """host:port of replicas the trainer may publish to besides those that prove they hold the run's
     registration key (their registration_proof); without a key and this list, only loopback replicas."""

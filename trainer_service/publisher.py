@@ -7,7 +7,11 @@ The stream always carries the headers; each part's bytes take a data plane where
 shared memory for a target on this host (its inbox answers: fp8rl/codec/segments.py; written once for
 every such target), else parallel TCP connections to its TCP port (fp8rl/codec/tcp_plane.py), else the
 stream itself. Where a plane cannot be reached the part goes by the next one, and an update that fails
-on a plane is sent again over gRPC."""
+on a plane is sent again over gRPC.
+
+With ``weight_transfer``, a target whose status offers a device plane (its ``weight_transfer``) gets the
+whole set as a keyframe over it instead, from this process's device (trainer_service/device_plane.py);
+where that fails, the update goes as above."""
 
 from __future__ import annotations
 
@@ -34,9 +38,10 @@ from fp8rl.recipes import WeightFormat
 from fp8rl.security import SecurityConfig
 from fp8rl.transport import channel
 from fp8rl.v1 import common_pb2, rollout_pb2_grpc, weights_pb2
+from trainer_service.device_plane import BROADCAST, DevicePlane
 
 log = logging.getLogger(__name__)
-SHARED_MEMORY, TCP, GRPC, MIXED = "shared-memory", "tcp", "grpc", "mixed"
+SHARED_MEMORY, TCP, GRPC, MIXED, DEVICE = "shared-memory", "tcp", "grpc", "mixed", "device"
 UPDATE_DEADLINE_S = 600.0
 TCP_PAUSE_S = 60.0  # a TCP plane that could not be reached, or broke, is left alone this long
 # A refused delta is followed by a keyframe, except where the target is busy, away or refuses the caller:
@@ -77,6 +82,8 @@ class Reach:
     inbox: str = ""
     tcp_port: int = 0
     tcp_tls: bool = False  # the port speaks TLS (else its bytes go in clear, checked by signature)
+    weight_transfer: str = ""  # its device plane ("fp8rl-broadcast"), and the workers that join it
+    transfer_ranks: int = 0
 
 
 class Publisher:
@@ -90,11 +97,16 @@ class Publisher:
         high_precision: Collection[str] = frozenset(),
         shared_memory: bool = True,
         tcp_streams: int = 4,
+        weight_transfer: bool = False,
+        device: torch.device | str = "cpu",
+        transfer_timeout_s: float = 120.0,
     ) -> None:
         """``part_bytes``: tensor bytes per part of a streamed update (fp8rl.codec.encode);
         ``high_precision``: the block linears (module names) an FP8 format ships in ``hp_dtype``
         (fp8rl.architectures); ``shared_memory``: hand parts to same-host targets as shared memory;
-        ``tcp_streams``: connections per target on its TCP plane (0: the plane is not used)."""
+        ``tcp_streams``: connections per target on its TCP plane (0: the plane is not used);
+        ``weight_transfer``: send to a target's device plane where it offers one, from ``device`` (NCCL
+        from a GPU, Gloo from a CPU), each collective waiting at most ``transfer_timeout_s``."""
         self.weight_format, self.hp_dtype, self.recipe = weight_format, hp_dtype, recipe
         self.high_precision = frozenset(high_precision)
         self.part_bytes = part_bytes
@@ -106,6 +118,10 @@ class Publisher:
         self._channels: dict[str, grpc.Channel] = {}
         self._reach: dict[str, Reach] = {}  # address -> its data planes, asked once
         self._tcp_paused: dict[str, float] = {}  # address -> when its TCP plane may be tried again
+        self.weight_transfer, self.transfer_timeout_s = weight_transfer, transfer_timeout_s
+        self.device = torch.device(device)
+        self._device_planes: dict[str, DevicePlane] = {}  # address -> its broadcast group, once formed
+        self._device_paused: dict[str, float] = {}
         self._channels_lock = threading.Lock()
         self._publish_lock = threading.Lock()
 
@@ -150,6 +166,10 @@ class Publisher:
 
     def _deliver(self, target: Target, updates: _Updates) -> Delivery:
         start = time.perf_counter()
+        if self.weight_transfer:
+            delivered = self._deliver_on_device(target, updates, start)
+            if delivered is not None:
+                return delivered
         update = updates.for_held(target.held_version)
         plane, reply = GRPC, weights_pb2.UpdateWeightsResponse()
         try:
@@ -218,6 +238,35 @@ class Publisher:
                     self._tcp_paused[address] = time.monotonic() + TCP_PAUSE_S
         return GRPC, stub.UpdateWeights(update.chunks(), timeout=UPDATE_DEADLINE_S)
 
+    def _deliver_on_device(self, target: Target, updates: _Updates, start: float) -> Delivery | None:
+        """The set as a keyframe over the target's device plane; None where it has none, or it failed
+        (then the plane is left alone for a while, and the update goes over gRPC)."""
+        address = target.address
+        stub = rollout_pb2_grpc.RolloutStub(self._channel(address))
+        reach = self._reach_of(address, stub, fresh=target.held_version < 0)
+        if reach.weight_transfer != BROADCAST or time.monotonic() < self._device_paused.get(address, 0.0):
+            return None
+        try:
+            plane = self._device_planes.get(address)
+            if plane is None:
+                plane = DevicePlane(address, stub, reach.transfer_ranks, self.device, self.transfer_timeout_s)
+                self._device_planes[address] = plane
+            reply = plane.send(
+                updates.weights, updates.version, updates.epoch, self.recipe, self.signer, UPDATE_DEADLINE_S
+            )
+        except (grpc.RpcError, OSError, RuntimeError, ValueError) as exc:
+            details = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
+            log.warning("update to %s over its device plane failed (%s); over gRPC", address, details)
+            failed = self._device_planes.pop(address, None)
+            if failed is not None:
+                failed.close()
+            self._device_paused[address] = time.monotonic() + TCP_PAUSE_S
+            self._reach.pop(address, None)
+            return None
+        seconds = time.perf_counter() - start
+        nbytes = updates.weights.nbytes
+        return Delivery(address, True, "keyframe", nbytes, 1.0, seconds, "", DEVICE, reply.apply_s)
+
     def _channel(self, address: str) -> grpc.Channel:
         with self._channels_lock:
             if address not in self._channels:
@@ -228,7 +277,7 @@ class Publisher:
     def _reach_of(self, address: str, stub: rollout_pb2_grpc.RolloutStub, fresh: bool) -> Reach:
         """The target's data planes, asked once per address, and again when the target holds nothing
         (``fresh``: a replica that restarted names a new inbox and port) or an update to it failed."""
-        if not self.shared_memory and not self.tcp_streams:
+        if not self.shared_memory and not self.tcp_streams and not self.weight_transfer:
             return Reach()
         if fresh or address not in self._reach:
             try:
@@ -242,10 +291,15 @@ class Publisher:
                 status.segment_inbox if self.shared_memory else "",
                 status.tcp_updates_port if tcp else 0,
                 status.tcp_updates_tls,
+                status.weight_transfer if self.weight_transfer else "",
+                status.weight_transfer_ranks,
             )
         return self._reach[address]
 
     def close(self) -> None:
+        for plane in self._device_planes.values():
+            plane.close()
+        self._device_planes.clear()
         with self._channels_lock:
             for channel in self._channels.values():
                 channel.close()

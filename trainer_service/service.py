@@ -152,6 +152,8 @@ class TrainerService:
             high_precision=config.fp8_plan.high_precision,
             shared_memory=config.shared_memory_updates,
             tcp_streams=config.tcp_update_streams,
+            weight_transfer=config.weight_transfer,
+            device=self.learner.device,
         )
         self.registration_key = config.security.registration_key()  # checks replicas' proofs
         self.run_id = ""

@@ -89,6 +89,55 @@ class UpdateInfo:
         ]
 
 
+def to_json_dict(info: UpdateInfo) -> dict[str, Any]:
+    """The plan as JSON values (vLLM's ``update_info`` dict): fingerprints as decimal strings (128-bit
+    integers), an IPC handle's bytes in base64."""
+    return {
+        "names": list(info.names),
+        "dtype_names": list(info.dtype_names),
+        "shapes": [list(shape) for shape in info.shapes],
+        "packed_buffer_size_bytes": info.packed_buffer_size_bytes,
+        "fingerprints": [str(f) for f in info.fingerprints],
+        "ipc_handles": [
+            {
+                uuid: {k: base64.b64encode(v).decode() if isinstance(v, bytes) else v for k, v in h.items()}
+                for uuid, h in handles.items()
+            }
+            for handles in info.ipc_handles
+        ]
+        or None,
+    }
+
+
+def from_json_dict(raw: Any) -> UpdateInfo:
+    """A plan from JSON values (:func:`to_json_dict`'s, or vLLM's ``update_info`` dict): ValueError naming
+    the field that is not of its kind; :func:`check_update_info` bounds the rest."""
+    if not isinstance(raw, dict):
+        raise ValueError("plan: not a JSON object")
+
+    def listed(field: str, kind: type) -> list[Any]:
+        value = raw.get(field) or []
+        if not isinstance(value, list | tuple) or not all(isinstance(v, kind) for v in value):
+            raise ValueError(f"{field}: not a list of {kind.__name__}")
+        return list(value)
+
+    shapes = listed("shapes", list | tuple)  # type: ignore[arg-type]
+    fingerprints = listed("fingerprints", str | int)  # type: ignore[arg-type]
+    if not all(isinstance(f, int) or f.isdigit() for f in fingerprints):
+        raise ValueError("fingerprints: not decimal integers")
+    bucket = raw.get("packed_buffer_size_bytes", DEFAULT_BUCKET_BYTES)
+    if type(bucket) is not int:
+        raise ValueError("packed_buffer_size_bytes: not an integer")
+    return UpdateInfo(
+        tuple(listed("names", str)),
+        tuple(listed("dtype_names", str)),
+        tuple(tuple(shape) for shape in shapes),
+        bucket,
+        tuple(int(f) for f in fingerprints),
+        tuple(listed("ipc_handles", dict)),
+    )
+
+
 def update_info(
     named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES
 ) -> UpdateInfo:
@@ -261,7 +310,9 @@ def _group(init: BroadcastInit, rank: int, store: Any, device: torch.device) -> 
     timeout = datetime.timedelta(seconds=init.timeout_s)
     if init.backend == "gloo":
         options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname=_local_address(init))]
+        options._devices = [
+            dist.ProcessGroupGloo.create_device(hostname=route_address(init.master_address, init.master_port))
+        ]
         options._timeout = timeout
         return dist.ProcessGroupGloo(store, rank, init.world_size, options)
     options = dist.ProcessGroupNCCL.Options()  # (CUDA builds of torch only)
@@ -276,13 +327,13 @@ def _shutdown(group: Any) -> None:
         group.shutdown()
 
 
-def _local_address(init: BroadcastInit) -> str:
-    """This host's address on the route to the trainer's store (Gloo binds there, not wherever the
-    host name resolves)."""
-    family = socket.AF_INET6 if ":" in init.master_address else socket.AF_INET
+def route_address(host: str, port: int = 9) -> str:
+    """This host's address on the route to ``host`` (where a group's peer reaches it; Gloo binds there,
+    not wherever the host name resolves)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_DGRAM) as probe:
-        probe.connect((init.master_address, init.master_port))  # (UDP: nothing is sent)
-        return probe.getsockname()[0]
+        probe.connect((host, port))  # (UDP: nothing is sent)
+        return str(probe.getsockname()[0])
 
 
 def _broadcast(group: object, tensor: torch.Tensor) -> None:

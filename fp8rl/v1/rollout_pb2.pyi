@@ -115,7 +115,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., weight_version: _Optional[int] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class RolloutStatus(_message.Message):
-    __slots__ = ("model", "recipe", "engine", "device", "weight_version", "requests_in_flight", "tokens_generated", "uptime_s", "weight_format", "needs_keyframe", "registration_proof", "weight_epoch", "http_address", "segment_inbox", "tcp_updates_port", "tcp_updates_tls")
+    __slots__ = ("model", "recipe", "engine", "device", "weight_version", "requests_in_flight", "tokens_generated", "uptime_s", "weight_format", "needs_keyframe", "registration_proof", "weight_epoch", "http_address", "segment_inbox", "tcp_updates_port", "tcp_updates_tls", "weight_transfer", "weight_transfer_ranks")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     RECIPE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +132,8 @@ class RolloutStatus(_message.Message):
     SEGMENT_INBOX_FIELD_NUMBER: _ClassVar[int]
     TCP_UPDATES_PORT_FIELD_NUMBER: _ClassVar[int]
     TCP_UPDATES_TLS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_TRANSFER_RANKS_FIELD_NUMBER: _ClassVar[int]
     model: str
     recipe: str
     engine: str
@@ -148,4 +150,6 @@ class RolloutStatus(_message.Message):
     segment_inbox: str
     tcp_updates_port: int
     tcp_updates_tls: bool
-    def __init__(self, model: _Optional[str] = ..., recipe: _Optional[str] = ..., engine: _Optional[str] = ..., device: _Optional[str] = ..., weight_version: _Optional[int] = ..., requests_in_flight: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., uptime_s: _Optional[float] = ..., weight_format: _Optional[str] = ..., needs_keyframe: _Optional[bool] = ..., registration_proof: _Optional[str] = ..., weight_epoch: _Optional[int] = ..., http_address: _Optional[str] = ..., segment_inbox: _Optional[str] = ..., tcp_updates_port: _Optional[int] = ..., tcp_updates_tls: _Optional[bool] = ...) -> None: ...
+    weight_transfer: str
+    weight_transfer_ranks: int
+    def __init__(self, model: _Optional[str] = ..., recipe: _Optional[str] = ..., engine: _Optional[str] = ..., device: _Optional[str] = ..., weight_version: _Optional[int] = ..., requests_in_flight: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., uptime_s: _Optional[float] = ..., weight_format: _Optional[str] = ..., needs_keyframe: _Optional[bool] = ..., registration_proof: _Optional[str] = ..., weight_epoch: _Optional[int] = ..., http_address: _Optional[str] = ..., segment_inbox: _Optional[str] = ..., tcp_updates_port: _Optional[int] = ..., tcp_updates_tls: _Optional[bool] = ..., weight_transfer: _Optional[str] = ..., weight_transfer_ranks: _Optional[int] = ...) -> None: ...

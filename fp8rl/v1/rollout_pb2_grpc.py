@@ -57,6 +57,16 @@ class RolloutStub:
                 request_serializer=fp8rl_dot_v1_dot_common__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=fp8rl_dot_v1_dot_rollout__pb2.RolloutStatus.FromString,
                 _registered_method=True)
+        self.JoinWeightTransfer = channel.unary_unary(
+                '/fp8rl.v1.Rollout/JoinWeightTransfer',
+                request_serializer=fp8rl_dot_v1_dot_weights__pb2.WeightTransferJoin.SerializeToString,
+                response_deserializer=fp8rl_dot_v1_dot_weights__pb2.WeightTransferJoined.FromString,
+                _registered_method=True)
+        self.UpdateWeightsOnDevice = channel.unary_unary(
+                '/fp8rl.v1.Rollout/UpdateWeightsOnDevice',
+                request_serializer=fp8rl_dot_v1_dot_weights__pb2.DeviceUpdate.SerializeToString,
+                response_deserializer=fp8rl_dot_v1_dot_weights__pb2.UpdateWeightsResponse.FromString,
+                _registered_method=True)
 
 
 class RolloutServicer:
@@ -89,6 +99,21 @@ class RolloutServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def JoinWeightTransfer(self, request, context):
+        """The device plane (RolloutStatus.weight_transfer; fp8rl.codec.device_planes): join the trainer's
+        broadcast group (returns once it has formed), then take whole keyframes over it, each named by a
+        signed plan while the trainer broadcasts its bytes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateWeightsOnDevice(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +136,16 @@ def add_RolloutServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=fp8rl_dot_v1_dot_common__pb2.GetStatusRequest.FromString,
                     response_serializer=fp8rl_dot_v1_dot_rollout__pb2.RolloutStatus.SerializeToString,
+            ),
+            'JoinWeightTransfer': grpc.unary_unary_rpc_method_handler(
+                    servicer.JoinWeightTransfer,
+                    request_deserializer=fp8rl_dot_v1_dot_weights__pb2.WeightTransferJoin.FromString,
+                    response_serializer=fp8rl_dot_v1_dot_weights__pb2.WeightTransferJoined.SerializeToString,
+            ),
+            'UpdateWeightsOnDevice': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateWeightsOnDevice,
+                    request_deserializer=fp8rl_dot_v1_dot_weights__pb2.DeviceUpdate.FromString,
+                    response_serializer=fp8rl_dot_v1_dot_weights__pb2.UpdateWeightsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,6 +257,60 @@ class Rollout:
             '/fp8rl.v1.Rollout/GetStatus',
             fp8rl_dot_v1_dot_common__pb2.GetStatusRequest.SerializeToString,
             fp8rl_dot_v1_dot_rollout__pb2.RolloutStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def JoinWeightTransfer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fp8rl.v1.Rollout/JoinWeightTransfer',
+            fp8rl_dot_v1_dot_weights__pb2.WeightTransferJoin.SerializeToString,
+            fp8rl_dot_v1_dot_weights__pb2.WeightTransferJoined.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeightsOnDevice(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fp8rl.v1.Rollout/UpdateWeightsOnDevice',
+            fp8rl_dot_v1_dot_weights__pb2.DeviceUpdate.SerializeToString,
+            fp8rl_dot_v1_dot_weights__pb2.UpdateWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,

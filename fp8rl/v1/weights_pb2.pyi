@@ -68,3 +68,33 @@ class UpdateWeightsResponse(_message.Message):
     tensors_updated: int
     apply_s: float
     def __init__(self, version: _Optional[int] = ..., encoding: _Optional[str] = ..., bytes_received: _Optional[int] = ..., tensors_updated: _Optional[int] = ..., apply_s: _Optional[float] = ...) -> None: ...
+
+class WeightTransferJoin(_message.Message):
+    __slots__ = ("master_address", "master_port", "rank_offset", "world_size", "backend", "timeout_s")
+    MASTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
+    RANK_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    backend: str
+    timeout_s: float
+    def __init__(self, master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., rank_offset: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class WeightTransferJoined(_message.Message):
+    __slots__ = ("ranks",)
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    ranks: int
+    def __init__(self, ranks: _Optional[int] = ...) -> None: ...
+
+class DeviceUpdate(_message.Message):
+    __slots__ = ("header", "plan")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    header: WeightHeader
+    plan: bytes
+    def __init__(self, header: _Optional[_Union[WeightHeader, _Mapping]] = ..., plan: _Optional[bytes] = ...) -> None: ...

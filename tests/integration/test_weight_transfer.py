@@ -2,24 +2,35 @@
 real vLLM engine on CPU built with ``weight_transfer_config={"backend": "fp8rl-broadcast"}`` joins a
 trainer's group and takes an FP8 update broadcast over Gloo (the code NCCL runs on GPUs), driven through
 vLLM's own worker methods. It then computes with exactly what a gRPC refit of the same update gives,
-and a plan that does not match the bytes is refused with nothing loaded."""
+and a plan that does not match the bytes is refused with nothing loaded. End to end, the trainer's
+Publisher sends each update over the replica's device plane through its gRPC control plane
+(``JoinWeightTransfer``, ``UpdateWeightsOnDevice``), and a plane that breaks leaves the update to gRPC."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from fp8rl.codec import device_planes as planes
 from fp8rl.codec.schema import build_weight_set
+from fp8rl.serving import start_server
+from fp8rl.v1 import common_pb2, rollout_pb2_grpc
 from rollout_service.config import RolloutConfig
 from rollout_service.engine import UnsupportedPlatform, VllmEngine
+from rollout_service.service import RolloutService
+from rollout_service.servicer import SERVICE_NAME, RolloutServicer
 from rollout_service.vllm_transfer import update_info_dict
+from tests.conftest import InProcessRollout
 from tests.integration.test_compiled_replica import perturbed
+from tests.integration.test_rollout import assert_engine_holds
+from trainer_service.publisher import Publisher, Target
 
 
 def greedy(engine: VllmEngine, prompt: list[int]) -> tuple[list[int], list[float]]:
@@ -39,9 +50,9 @@ def same_parameters(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> b
     )
 
 
-def test_a_replica_takes_a_broadcast_update_through_vllms_weight_transfer_engine(
-    tiny_model_dir_f32: Path, gen: torch.Generator
-) -> None:
+@pytest.fixture(scope="module")
+def replica(tiny_model_dir_f32: Path) -> Iterator[InProcessRollout]:
+    """A replica whose engine takes updates over its device plane, behind a real gRPC server."""
     config = RolloutConfig(
         model=tiny_model_dir_f32,
         recipe="fp8",
@@ -55,6 +66,27 @@ def test_a_replica_takes_a_broadcast_update_through_vllms_weight_transfer_engine
         engine = VllmEngine(config)
     except UnsupportedPlatform as exc:  # (a CUDA build of vLLM)
         pytest.skip(str(exc))
+    service = RolloutService(config, engine)
+    servicer = RolloutServicer(service)
+    running = start_server(
+        lambda s: rollout_pb2_grpc.add_RolloutServicer_to_server(servicer, s), [SERVICE_NAME]
+    )
+    running.set_serving()
+    channel = grpc.insecure_channel(running.address)
+    try:
+        yield InProcessRollout(
+            service, running, channel, rollout_pb2_grpc.RolloutStub(channel), tiny_model_dir_f32, servicer
+        )
+    finally:
+        channel.close()
+        running.stop(0)
+        service.close()
+
+
+def test_a_replica_takes_a_broadcast_update_through_vllms_weight_transfer_engine(
+    replica: InProcessRollout, gen: torch.Generator
+) -> None:
+    engine, tiny_model_dir_f32 = replica.service.engine, replica.model_dir
     sender = planes.BroadcastSender.listen(
         "127.0.0.1", world_size=2, backend="gloo", device="cpu", timeout_s=120
     )
@@ -116,3 +148,43 @@ def test_a_replica_takes_a_broadcast_update_through_vllms_weight_transfer_engine
     finally:
         sender.shutdown()
         engine.llm.collective_rpc("shutdown_weight_transfer_engine")
+
+
+def test_the_publisher_sends_each_update_over_the_replicas_device_plane_and_grpc_where_it_breaks(
+    replica: InProcessRollout, gen: torch.Generator
+) -> None:
+    address = replica.server.address
+    status = replica.stub.GetStatus(common_pb2.GetStatusRequest(), timeout=10)
+    assert (status.weight_transfer, status.weight_transfer_ranks) == ("fp8rl-broadcast", 1)
+    base = load_file(replica.model_dir / "model.safetensors")
+    seed = int(torch.randint(0, 2**31, (), generator=gen))
+    sets = [build_weight_set(perturbed(base, seed + i), "fp8-block128", torch.float32) for i in range(3)]
+    publisher = Publisher(
+        "fp8-block128",
+        torch.float32,
+        "fp8",
+        shared_memory=False,
+        tcp_streams=0,
+        weight_transfer=True,
+        transfer_timeout_s=5,
+    )
+    try:
+        for version in (40, 41):
+            [delivery] = publisher.publish(
+                version, dict, [Target(address, version - 1)], built=sets[version - 40]
+            )
+            assert delivery.ok and (delivery.encoding, delivery.plane) == ("keyframe", "device"), delivery
+            assert 0 < delivery.apply_s < delivery.seconds
+            assert replica.service.version == version
+            assert_engine_holds(replica, sets[version - 40])
+        assert len(publisher._device_planes) == 1  # (one group, formed once)
+
+        # The trainer's end of the group goes away: the replica's collective times out (5 s here), refuses
+        # the update with its weights as they were, and the same update goes over gRPC.
+        publisher._device_planes[address].close()
+        [delivery] = publisher.publish(42, dict, [Target(address, 41)], built=sets[2])
+        assert delivery.ok and delivery.plane == "grpc" and delivery.encoding == "keyframe", delivery
+        assert replica.service.version == 42
+        assert_engine_holds(replica, sets[2])
+    finally:
+        publisher.close()

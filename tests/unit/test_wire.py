@@ -48,6 +48,8 @@ def test_services_have_the_contracted_methods() -> None:
         "GenerateStream": (False, True),
         "UpdateWeights": (True, False),
         "GetStatus": (False, False),
+        "JoinWeightTransfer": (False, False),
+        "UpdateWeightsOnDevice": (False, False),
     }
     from fp8rl.v1 import trainer_pb2
 
