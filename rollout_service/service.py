@@ -12,7 +12,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +48,8 @@ from rollout_service.validation import Limits, Slot, Tokenizer, parse_generate, 
 
 log = logging.getLogger(__name__)
 UPDATE_WAIT_S = 120.0  # how long an update waits for the one being applied before it is refused
+MAX_TRANSFER_WAIT_S = 600.0  # the longest a device plane's collective may wait for the other side
+DEVICE_KEYFRAME = "device-keyframe"  # a device-plane update's header encoding (its own signing domain)
 BROADCAST_INIT_FIELDS = ("master_address", "master_port", "rank_offset", "world_size", "backend", "timeout_s")
 
 
@@ -385,9 +387,11 @@ class RolloutService:
             received,
         )
 
-    def join_weight_transfer(self, request: weights_pb2.WeightTransferJoin) -> int:
+    def join_weight_transfer(self, request: weights_pb2.WeightTransferJoin, caller_host: str) -> int:
         """Every engine worker joins the trainer's broadcast group (``weight_transfer``); returns how many.
-        Blocks until the group forms (the trainer forms it at the same time)."""
+        The group's store must be on the caller's own host (a replica dials no one else), and a
+        collective may wait at most MAX_TRANSFER_WAIT_S. Blocks until the group forms (the trainer forms
+        it at the same time)."""
         if self.config.weight_transfer != "fp8rl-broadcast":
             raise PreconditionFailed("weight_transfer: this replica takes no broadcast updates")
         ranks = self.config.tensor_parallel_size
@@ -396,8 +400,15 @@ class RolloutService:
             BroadcastInit(**init)
         except (TypeError, ValueError) as exc:
             raise InvalidRequest("weight_transfer", str(exc)) from exc
-        if request.world_size != request.rank_offset + ranks:
-            raise InvalidRequest("world_size", f"{request.world_size}: this replica joins with {ranks} ranks")
+        if request.master_address != caller_host:
+            raise InvalidRequest("master_address", f"{request.master_address} is not the caller's host")
+        if (request.rank_offset, request.world_size) != (1, 1 + ranks):
+            raise InvalidRequest("world_size", f"the trainer and this replica's {ranks} ranks: 1 + {ranks}")
+        if not 1 <= request.timeout_s <= MAX_TRANSFER_WAIT_S:  # (NaN fails too)
+            raise InvalidRequest("timeout_s", f"{request.timeout_s} outside [1, {MAX_TRANSFER_WAIT_S:g}]")
+        expected = "nccl" if self.engine.device == "cuda" else "gloo"
+        if request.backend != expected:
+            raise InvalidRequest("backend", f"{request.backend}: this replica's workers take {expected}")
         if not self._update_lock.acquire(timeout=UPDATE_WAIT_S):
             raise Overloaded(f"another weight update held this replica for {UPDATE_WAIT_S:g} s; retry later")
         try:
@@ -406,15 +417,19 @@ class RolloutService:
             self._update_lock.release()
         return ranks
 
-    def update_on_device(self, request: weights_pb2.DeviceUpdate) -> UpdateResult:
+    def update_on_device(
+        self, request: weights_pb2.DeviceUpdate, receiving: Callable[[], None] = lambda: None
+    ) -> UpdateResult:
         """A keyframe over the device plane: its plan checked (signature, version, the model's tensors)
-        before the engine receives the broadcast, staged and checked by every worker, then loaded (all
-        or nothing: a refused update leaves the weights as they were)."""
+        before the engine receives the broadcast, staged and checked by every worker (each bucket's
+        digest, which the signature vouches for), then loaded (all or nothing: a refused update leaves
+        the weights as they were). ``receiving`` is called once every check passed and the engine is
+        about to receive: only then may the trainer broadcast."""
         header, plan_bytes = request.header, request.plan
         if self.config.weight_transfer != "fp8rl-broadcast":
             raise PreconditionFailed("weight_transfer: this replica takes no broadcast updates")
-        if header.encoding != "keyframe" or header.parts != 1 or header.part != 0:
-            raise InvalidRequest("header", "a device-plane update is one keyframe part")
+        if header.encoding != DEVICE_KEYFRAME or header.parts != 1 or header.part != 0:
+            raise InvalidRequest("header", f"a device-plane update is one {DEVICE_KEYFRAME} part")
         if header.total_bytes != len(plan_bytes):
             raise InvalidRequest("header.total_bytes", f"not the plan's {len(plan_bytes)} bytes")
         if self.update_public_key is not None:
@@ -426,8 +441,8 @@ class RolloutService:
             raw = json.loads(plan_bytes)
             plan = device_planes.from_json_dict(raw)
             device_planes.check_update_info(plan, self.max_update_bytes)
-        except ValueError as exc:  # (json's errors among them)
-            raise InvalidRequest("plan", str(exc)) from exc
+        except (ValueError, RecursionError) as exc:  # (json's errors among them)
+            raise InvalidRequest("plan", str(exc)[:200]) from exc
         if set(plan.names) != set(self.schema):
             missing, extra = (
                 sorted(set(self.schema) - set(plan.names)),
@@ -445,7 +460,7 @@ class RolloutService:
             if self.high_water is not None:  # before the engine: a crash past here cannot lower the mark
                 self.high_water.raise_to(header.epoch, header.version)
             start = time.perf_counter()
-            self.loop.run_exclusive(lambda: self._apply_on_device(raw, header.version))
+            self.loop.run_exclusive(lambda: self._apply_on_device(raw, header.version, receiving))
             self.held, self.held_epoch = None, header.epoch  # (no host copy: the next delta is refused)
             self.updates_applied += 1
             self.update_seconds += time.perf_counter() - start
@@ -453,9 +468,12 @@ class RolloutService:
         finally:
             self._update_lock.release()
 
-    def _apply_on_device(self, update_info: dict[str, object], version: int) -> None:
+    def _apply_on_device(
+        self, update_info: dict[str, object], version: int, receiving: Callable[[], None]
+    ) -> None:
         """Runs on the engine thread with no request in flight. A refused update left every worker's
         weights as they were; one that failed while loading leaves the engine to be restarted."""
+        receiving()
         try:
             self.engine.load_from_device_plane(update_info)
         except DeviceUpdateRefused as exc:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+import queue
+import threading
+from collections.abc import Callable, Iterable, Iterator
 
 import grpc
 
@@ -12,7 +14,7 @@ from fp8rl.errors import Cancelled, NotReady
 from fp8rl.security import is_run_caller
 from fp8rl.serving import Capacity, idle_limited, map_errors, read_ahead
 from fp8rl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, weights_pb2
-from rollout_service.service import RolloutService
+from rollout_service.service import RolloutService, UpdateResult
 
 SERVICE_NAME = "fp8rl.v1.Rollout"
 
@@ -107,23 +109,62 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         self, request: weights_pb2.WeightTransferJoin, context: grpc.ServicerContext
     ) -> weights_pb2.WeightTransferJoined:
         with self.updating.slot():
-            return weights_pb2.WeightTransferJoined(ranks=self.service.join_weight_transfer(request))
+            ranks = self.service.join_weight_transfer(request, peer_host(context.peer()))
+            return weights_pb2.WeightTransferJoined(ranks=ranks)
 
     @map_errors
     def UpdateWeightsOnDevice(
         self, request: weights_pb2.DeviceUpdate, context: grpc.ServicerContext
-    ) -> weights_pb2.UpdateWeightsResponse:
+    ) -> Iterator[weights_pb2.DeviceUpdateReply]:
+        """``receiving`` once the plan passed every check (the trainer broadcasts only then), ``applied``
+        once the engine serves it: the update runs on a thread of its own while this call answers."""
         with self.updating.slot():
-            result = self.service.update_on_device(request)
-        return weights_pb2.UpdateWeightsResponse(
-            version=result.version,
-            encoding=result.encoding,
-            tensors_updated=result.tensors_updated,
-            apply_s=result.apply_s,
-        )
+            events: queue.Queue[object] = queue.Queue()
+            work = threading.Thread(
+                target=_run_into,
+                args=(events, lambda: self.service.update_on_device(request, lambda: events.put(_RECEIVING))),
+                name="device-update",
+                daemon=True,
+            )
+            work.start()
+            while True:
+                event = events.get()
+                if event is _RECEIVING:
+                    yield weights_pb2.DeviceUpdateReply(receiving=True)
+                elif isinstance(event, BaseException):
+                    raise event
+                else:
+                    assert isinstance(event, UpdateResult)
+                    applied = weights_pb2.UpdateWeightsResponse(
+                        version=event.version,
+                        encoding=event.encoding,
+                        tensors_updated=event.tensors_updated,
+                        apply_s=event.apply_s,
+                    )
+                    yield weights_pb2.DeviceUpdateReply(applied=applied)
+                    return
 
     @map_errors
     def GetStatus(
         self, request: common_pb2.GetStatusRequest, context: grpc.ServicerContext
     ) -> rollout_pb2.RolloutStatus:
         return self.service.status()
+
+
+_RECEIVING = object()
+
+
+def _run_into(events: queue.Queue[object], work: Callable[[], object]) -> None:
+    """``work``'s result, or what it raised, into ``events``."""
+    try:
+        events.put(work())
+    except BaseException as exc:
+        events.put(exc)
+
+
+def peer_host(peer: str) -> str:
+    """The host of a gRPC peer string ("ipv4:10.0.0.1:5000", "ipv6:[::1]:5000"): "" for another kind."""
+    kind, _, rest = peer.partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        return ""
+    return rest.rsplit(":", 1)[0].strip("[]")

@@ -57,6 +57,7 @@ class UpdateInfo(WeightTransferUpdateInfo):
     packed_buffer_size_bytes: int = planes.DEFAULT_BUCKET_BYTES
     fingerprints: list[int | str] | None = None
     ipc_handles: list[dict[str, dict[str, Any]]] | None = None
+    digests: list[str] | None = None
 
     def plan(self) -> planes.UpdateInfo:
         return planes.from_json_dict({f.name: getattr(self, f.name) for f in fields(self)})

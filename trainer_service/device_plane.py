@@ -1,14 +1,18 @@
 """The trainer's side of a replica's device plane (fp8rl/codec/device_planes.py): a broadcast group with
 that replica's workers, formed on first use through the replica's ``JoinWeightTransfer``, and each
-update sent whole over it as a keyframe: the plan goes, signed, in ``UpdateWeightsOnDevice`` while its
-buckets are broadcast, and the replica answers once its engine serves the new version. gRPC stays the
-control plane (versions, signatures, refusals); the publisher falls back to it where this fails."""
+update sent whole over it as a keyframe. The plan goes first, signed, in ``UpdateWeightsOnDevice``; the
+replica answers ``receiving`` once it passed every check, and only then are its buckets broadcast; it
+answers ``applied`` once its engine serves them. gRPC stays the control plane (versions, signatures,
+refusals); the publisher falls back to it where this fails."""
 
 from __future__ import annotations
 
 import json
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -19,6 +23,46 @@ from fp8rl.security import sign_update
 from fp8rl.v1 import rollout_pb2_grpc, weights_pb2
 
 BROADCAST = "fp8rl-broadcast"  # the replica's weight_transfer this side speaks
+DEVICE_KEYFRAME = "device-keyframe"  # the header's encoding: a signing domain of its own
+
+
+@dataclass(frozen=True)
+class DevicePayload:
+    """One update as every device plane of a publish sends it: the tensors on the trainer's device, their
+    plan (fingerprints, digests) and the signed request naming it. Built once per publish."""
+
+    named: list[tuple[str, torch.Tensor]]
+    info: planes.UpdateInfo
+    request: weights_pb2.DeviceUpdate
+
+    @classmethod
+    def build(
+        cls,
+        weights: WeightSet,
+        version: int,
+        epoch: int,
+        recipe: str,
+        signer: Ed25519PrivateKey | None,
+        device: torch.device,
+        bucket_bytes: int = planes.DEFAULT_BUCKET_BYTES,
+    ) -> DevicePayload:
+        named = [(n, t.to(device)) for n, t in planes.named_tensors(weights.tensors.items())]
+        info = planes.plan_update(named, device, bucket_bytes)
+        plan = json.dumps(planes.to_json_dict(info), sort_keys=True).encode()
+        header = weights_pb2.WeightHeader(
+            version=version,
+            base_version=-1,
+            encoding=DEVICE_KEYFRAME,
+            total_bytes=len(plan),
+            format=weights.format,
+            recipe=recipe,
+            epoch=epoch,
+            part=0,
+            parts=1,
+        )
+        if signer is not None:
+            header.signature = sign_update(signer, header, [plan])
+        return cls(named, info, weights_pb2.DeviceUpdate(header=header, plan=plan))
 
 
 class DevicePlane:
@@ -31,10 +75,10 @@ class DevicePlane:
         ranks: int,
         device: torch.device,
         timeout_s: float,
-        bucket_bytes: int = planes.DEFAULT_BUCKET_BYTES,
     ) -> None:
-        """Form the group (blocks until the replica's workers have joined; raises where they do not)."""
-        self.stub, self.device, self.timeout_s, self.bucket_bytes = stub, device, timeout_s, bucket_bytes
+        """Form the group: returns once the replica's workers joined; raises as soon as the replica
+        refuses to join (the half-formed group is then dropped)."""
+        self.stub, self.timeout_s = stub, timeout_s
         host = address.rsplit(":", 1)[0].strip("[]")
         backend = "nccl" if device.type == "cuda" else "gloo"
         here = planes.route_address(host)
@@ -48,62 +92,42 @@ class DevicePlane:
             backend=init.backend,
             timeout_s=init.timeout_s,
         )
+        # The group forms on a thread of its own (it waits for the replica's workers); the replica's
+        # answer decides: a refusal ends this at once, not when the group gives up.
+        forming: Future[None] = Future()
+        threading.Thread(target=_settle, args=(forming, self.sender.trainer_init), daemon=True).start()
         with ThreadPoolExecutor(1) as pool:
-            joined = pool.submit(stub.JoinWeightTransfer, join, timeout=timeout_s)
             try:
-                self.sender.trainer_init()
+                pool.submit(stub.JoinWeightTransfer, join, timeout=timeout_s).result()
+                forming.result(timeout=timeout_s)
             except BaseException:
-                joined.cancel()
+                self.sender.shutdown()
                 raise
-            joined.result()
 
-    def send(
-        self,
-        weights: WeightSet,
-        version: int,
-        epoch: int,
-        recipe: str,
-        signer: Ed25519PrivateKey | None,
-        deadline_s: float,
-    ) -> weights_pb2.UpdateWeightsResponse:
-        """``weights`` as a keyframe of ``version``: the replica's reply, once it serves them. Raises
-        grpc.RpcError where the replica refused (the broadcast is then abandoned with the group)."""
-        named = [(n, t.to(self.device)) for n, t in planes.named_tensors(weights.tensors.items())]
-        info = self.sender.plan(named, self.bucket_bytes)
-        plan = json.dumps(planes.to_json_dict(info), sort_keys=True).encode()
-        header = weights_pb2.WeightHeader(
-            version=version,
-            base_version=-1,
-            encoding="keyframe",
-            total_bytes=len(plan),
-            format=weights.format,
-            recipe=recipe,
-            epoch=epoch,
-            part=0,
-            parts=1,
-        )
-        if signer is not None:
-            header.signature = sign_update(signer, header, [plan])
-        failure: list[BaseException] = []
-
-        def broadcast() -> None:
-            try:
-                self.sender.send_weights(named, info)
-            except BaseException as exc:  # (the reply says what happened; this only explains it)
-                failure.append(exc)
-
-        # The buckets go on a thread of their own: a replica that refuses before it receives answers at
-        # once, and the group (left waiting until its timeout) is dropped with this plane.
-        sending = threading.Thread(target=broadcast, name="device-plane-broadcast", daemon=True)
-        sending.start()
-        request = weights_pb2.DeviceUpdate(header=header, plan=plan)
-        reply: weights_pb2.UpdateWeightsResponse = self.stub.UpdateWeightsOnDevice(
-            request, timeout=deadline_s
-        )
-        sending.join(timeout=self.timeout_s)
-        if failure or sending.is_alive():
-            raise RuntimeError(f"the broadcast did not finish: {failure[0] if failure else 'still sending'}")
-        return reply
+    def send(self, payload: DevicePayload, deadline_s: float) -> weights_pb2.UpdateWeightsResponse:
+        """The update: its plan, then (once the replica is receiving) its buckets; the replica's answer
+        once it serves them. Raises grpc.RpcError where the replica refused (before a byte was sent)."""
+        replies: Any = self.stub.UpdateWeightsOnDevice(payload.request, timeout=deadline_s)  # (a grpc call)
+        first = next(replies)
+        if first.WhichOneof("stage") != "receiving":
+            raise RuntimeError(f"the replica answered {first.WhichOneof('stage')} before receiving")
+        try:
+            self.sender.send_weights(payload.named, payload.info)
+        except BaseException:
+            replies.cancel()
+            raise
+        done = next(replies)
+        if done.WhichOneof("stage") != "applied":
+            raise RuntimeError(f"the replica answered {done.WhichOneof('stage')} after the broadcast")
+        return done.applied
 
     def close(self) -> None:
         self.sender.shutdown()
+
+
+def _settle(future: Future[None], work: Callable[[], None]) -> None:
+    try:
+        work()
+        future.set_result(None)
+    except BaseException as exc:
+        future.set_exception(exc)

@@ -38,7 +38,7 @@ from fp8rl.recipes import WeightFormat
 from fp8rl.security import SecurityConfig
 from fp8rl.transport import channel
 from fp8rl.v1 import common_pb2, rollout_pb2_grpc, weights_pb2
-from trainer_service.device_plane import BROADCAST, DevicePlane
+from trainer_service.device_plane import BROADCAST, DevicePayload, DevicePlane
 
 log = logging.getLogger(__name__)
 SHARED_MEMORY, TCP, GRPC, MIXED, DEVICE = "shared-memory", "tcp", "grpc", "mixed", "device"
@@ -84,6 +84,7 @@ class Reach:
     tcp_tls: bool = False  # the port speaks TLS (else its bytes go in clear, checked by signature)
     weight_transfer: str = ""  # its device plane ("fp8rl-broadcast"), and the workers that join it
     transfer_ranks: int = 0
+    device: str = ""  # its engine's ("cpu", "cuda"): a broadcast joins like devices
 
 
 class Publisher:
@@ -239,21 +240,25 @@ class Publisher:
         return GRPC, stub.UpdateWeights(update.chunks(), timeout=UPDATE_DEADLINE_S)
 
     def _deliver_on_device(self, target: Target, updates: _Updates, start: float) -> Delivery | None:
-        """The set as a keyframe over the target's device plane; None where it has none, or it failed
-        (then the plane is left alone for a while, and the update goes over gRPC)."""
+        """The set as a keyframe over the target's device plane; None where it has none (or one of
+        another device), or it failed (then the plane is left alone for a while, and the update goes
+        over gRPC)."""
         address = target.address
         stub = rollout_pb2_grpc.RolloutStub(self._channel(address))
-        reach = self._reach_of(address, stub, fresh=target.held_version < 0)
-        if reach.weight_transfer != BROADCAST or time.monotonic() < self._device_paused.get(address, 0.0):
+        fresh = target.held_version < 0  # (a restarted replica: its group went with its engine)
+        reach = self._reach_of(address, stub, fresh)
+        usable = reach.weight_transfer == BROADCAST and reach.device == self.device.type
+        if not usable or time.monotonic() < self._device_paused.get(address, 0.0):
             return None
         try:
-            plane = self._device_planes.get(address)
+            plane = self._device_planes.pop(address, None) if fresh else self._device_planes.get(address)
+            if plane is not None and fresh:
+                plane.close()
+                plane = None
             if plane is None:
                 plane = DevicePlane(address, stub, reach.transfer_ranks, self.device, self.transfer_timeout_s)
                 self._device_planes[address] = plane
-            reply = plane.send(
-                updates.weights, updates.version, updates.epoch, self.recipe, self.signer, UPDATE_DEADLINE_S
-            )
+            reply = plane.send(updates.device_payload(self.device), UPDATE_DEADLINE_S)
         except (grpc.RpcError, OSError, RuntimeError, ValueError) as exc:
             details = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
             log.warning("update to %s over its device plane failed (%s); over gRPC", address, details)
@@ -293,6 +298,7 @@ class Publisher:
                 status.tcp_updates_tls,
                 status.weight_transfer if self.weight_transfer else "",
                 status.weight_transfer_ranks,
+                status.device,
             )
         return self._reach[address]
 
@@ -510,6 +516,17 @@ class _Updates:
         self.epoch, self.signer, self.part_bytes = epoch, signer, part_bytes
         self._cache: dict[str, _Streamed] = {}
         self._lock = threading.Lock()
+        self._payload: DevicePayload | None = None  # the device planes' update, built once if needed
+        self._payload_lock = threading.Lock()
+
+    def device_payload(self, device: torch.device) -> DevicePayload:
+        """The update as every device plane sends it (tensors on ``device``, their signed plan)."""
+        with self._payload_lock:
+            if self._payload is None:
+                self._payload = DevicePayload.build(
+                    self.weights, self.version, self.epoch, self.recipe, self.signer, device
+                )
+            return self._payload
 
     def for_held(self, held_version: int) -> _Streamed:
         """A delta for a target holding the last published version (a tiny one if that is ``version``

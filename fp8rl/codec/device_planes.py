@@ -24,9 +24,11 @@ gRPC. A broadcast stages in host memory (pinned), each bucket through one scratc
 so that a GPU whose memory the engine has claimed needs no room for a second copy of the model; a
 refusing receiver still takes every bucket, so that the sender never waits on it. CUDA IPC stages
 nothing: the receiver checks and loads from the trainer's buffers, which stay unchanged until the
-trainer releases them. The fingerprint detects corruption and misrouted buckets, not forgery: a broadcast
-group is unauthenticated, as NCCL's always are; its rendezvous crosses only the authenticated control
-plane, and these planes are for a trusted fabric (docs/weight-sync.md#device-planes).
+trainer releases them. The fingerprint detects corruption and misrouted buckets, not forgery; a
+broadcast group is unauthenticated, as NCCL's always are, so a broadcast's plan also carries each
+bucket's BLAKE2b-256 digest, checked over the staged host bytes: the trainer signs the plan
+(rollout_service checks it), so a replica loads only bytes the trainer vouched for. CUDA IPC's buckets
+are the trainer's own memory, named over the authenticated control plane (docs/weight-sync.md).
 
 Torch alone (the bare GPU host runs it: scripts/gpu_proof.py); nothing here imports CUDA on a CPU.
 """
@@ -36,6 +38,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import datetime
+import hashlib
 import math
 import socket
 from collections.abc import Callable, Iterable, Sequence
@@ -50,6 +53,7 @@ ALIGN = 256  # each tensor starts at a multiple of this in its bucket (CUDA's al
 DEFAULT_BUCKET_BYTES = 1 << 30  # vLLM's packed default (packed_tensor.py)
 MAX_BUCKET_BYTES = 1 << 34
 MAX_DIMENSION = 1 << 40
+DIGEST_BYTES = 32
 _FINGERPRINT_WORDS = 1 << 22  # int32 words a fingerprint reduces at once (16 MiB: ~100 MB of scratch)
 _MIX = 0x9E3779B97F4A7C15 - (1 << 64)  # 2^64 / golden ratio, as a signed int64: spreads word positions
 
@@ -81,6 +85,7 @@ class UpdateInfo:
     packed_buffer_size_bytes: int = DEFAULT_BUCKET_BYTES
     fingerprints: tuple[int, ...] = ()
     ipc_handles: tuple[dict[str, dict[str, object]], ...] = ()
+    digests: tuple[str, ...] = ()  # a broadcast's buckets, BLAKE2b-256 (hex): what the signed plan vouches
 
     def tensor_bytes(self) -> list[int]:
         return [
@@ -98,6 +103,7 @@ def to_json_dict(info: UpdateInfo) -> dict[str, Any]:
         "shapes": [list(shape) for shape in info.shapes],
         "packed_buffer_size_bytes": info.packed_buffer_size_bytes,
         "fingerprints": [str(f) for f in info.fingerprints],
+        "digests": list(info.digests),
         "ipc_handles": [
             {
                 uuid: {k: base64.b64encode(v).decode() if isinstance(v, bytes) else v for k, v in h.items()}
@@ -135,6 +141,7 @@ def from_json_dict(raw: Any) -> UpdateInfo:
         bucket,
         tuple(int(f) for f in fingerprints),
         tuple(listed("ipc_handles", dict)),
+        tuple(listed("digests", str)),
     )
 
 
@@ -181,6 +188,9 @@ def check_update_info(info: UpdateInfo, max_bytes: int, ipc: bool = False, max_t
         raise ValueError(f"fingerprints: {len(info.fingerprints)} for {buckets} buckets")
     if ipc and len(info.ipc_handles) != buckets:
         raise ValueError(f"ipc_handles: {len(info.ipc_handles)} for {buckets} buckets")
+    hexes = all(len(d) == 2 * DIGEST_BYTES and all(c in "0123456789abcdef" for c in d) for d in info.digests)
+    if not ipc and (len(info.digests) != buckets or not hexes):
+        raise ValueError(f"digests: {len(info.digests)} for {buckets} buckets, or not BLAKE2b-256 in hex")
     return total
 
 
@@ -252,6 +262,28 @@ def fingerprint(buffer: torch.Tensor) -> int:
 
 def with_fingerprints(info: UpdateInfo, buffers: Sequence[torch.Tensor]) -> UpdateInfo:
     return replace(info, fingerprints=tuple(fingerprint(b) for b in buffers))
+
+
+def plan_update(
+    named: Sequence[tuple[str, torch.Tensor]], device: torch.device, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+) -> UpdateInfo:
+    """The plan of broadcasting ``named`` from ``device``, with every bucket's fingerprint and digest
+    (packs each bucket once for them, one at a time)."""
+    info = update_info(named, bucket_bytes)
+    tensors = [t for _, t in named]
+    fingerprints, digests = [], []
+    for bucket in plan_buckets(info):
+        packed = pack(bucket, tensors, device)
+        fingerprints.append(fingerprint(packed))
+        digests.append(bucket_digest(packed))
+    return replace(info, fingerprints=tuple(fingerprints), digests=tuple(digests))
+
+
+def bucket_digest(buffer: torch.Tensor) -> str:
+    """BLAKE2b-256 of a bucket's bytes, read on the host: collision-resistant, so that the trainer's
+    signature over the plan vouches for every byte (the fingerprint only catches accidents)."""
+    data = buffer.detach().reshape(-1).view(torch.uint8).cpu().numpy()
+    return hashlib.blake2b(data.data, digest_size=DIGEST_BYTES).hexdigest()
 
 
 @dataclass
@@ -339,6 +371,8 @@ def route_address(host: str, port: int = 9) -> str:
 def _broadcast(group: object, tensor: torch.Tensor) -> None:
     import torch.distributed as dist
 
+    if group is None:
+        raise RuntimeError("the broadcast group is not formed, or was shut down")
     options = dist.BroadcastOptions()
     options.rootRank = 0
     group.broadcast([tensor], options).wait()  # type: ignore[attr-defined]
@@ -397,10 +431,8 @@ class BroadcastSender:
     def plan(
         self, named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES
     ) -> UpdateInfo:
-        """The update's plan with every bucket's fingerprint (packs each bucket once to compute it)."""
-        info = update_info(named, bucket_bytes)
-        tensors = [t for _, t in named]
-        return with_fingerprints(info, [pack(b, tensors, self.device) for b in plan_buckets(info)])
+        """The update's plan (:func:`plan_update`)."""
+        return plan_update(named, self.device, bucket_bytes)
 
     def shutdown(self) -> None:
         _shutdown(self._group)
@@ -438,19 +470,22 @@ class BroadcastReceiver:
             if on_cpu
             else torch.empty(max(map(bucket_size, buckets)), dtype=torch.uint8, device=self.device)
         )
-        staged, refused = [], None
+        staged, refused, why = [], None, ""
         for i, bucket in enumerate(buckets):
             size = bucket_size(bucket)
             buffer = torch.empty(size, dtype=torch.uint8) if scratch is None else scratch[:size]
             _broadcast(self._group, buffer)
             if refused is None and fingerprint(buffer) != info.fingerprints[i]:
-                refused = i
+                refused, why = i, "fingerprints: bucket {} did not arrive as sent"
             if refused is None:
-                staged.append(
+                host = (
                     buffer if on_cpu else torch.empty(size, dtype=torch.uint8, pin_memory=True).copy_(buffer)
                 )
+                staged.append(host)
+                if bucket_digest(host) != info.digests[i]:
+                    refused, why = i, "digests: bucket {} is not the bytes the plan vouches for"
         if refused is not None:
-            raise ValueError(f"fingerprints: bucket {refused} did not arrive as sent")
+            raise ValueError(why.format(refused))
         return Staged(info, staged)
 
     def receive_weights(self, info: UpdateInfo, load_weights: LoadWeights) -> None:

@@ -62,10 +62,10 @@ class RolloutStub:
                 request_serializer=fp8rl_dot_v1_dot_weights__pb2.WeightTransferJoin.SerializeToString,
                 response_deserializer=fp8rl_dot_v1_dot_weights__pb2.WeightTransferJoined.FromString,
                 _registered_method=True)
-        self.UpdateWeightsOnDevice = channel.unary_unary(
+        self.UpdateWeightsOnDevice = channel.unary_stream(
                 '/fp8rl.v1.Rollout/UpdateWeightsOnDevice',
                 request_serializer=fp8rl_dot_v1_dot_weights__pb2.DeviceUpdate.SerializeToString,
-                response_deserializer=fp8rl_dot_v1_dot_weights__pb2.UpdateWeightsResponse.FromString,
+                response_deserializer=fp8rl_dot_v1_dot_weights__pb2.DeviceUpdateReply.FromString,
                 _registered_method=True)
 
 
@@ -102,7 +102,8 @@ class RolloutServicer:
     def JoinWeightTransfer(self, request, context):
         """The device plane (RolloutStatus.weight_transfer; fp8rl.codec.device_planes): join the trainer's
         broadcast group (returns once it has formed), then take whole keyframes over it, each named by a
-        signed plan while the trainer broadcasts its bytes.
+        signed plan: the replica answers `receiving` once the plan passed every check, the trainer then
+        broadcasts its bytes, and the replica answers `applied` once it serves them.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -142,10 +143,10 @@ def add_RolloutServicer_to_server(servicer, server):
                     request_deserializer=fp8rl_dot_v1_dot_weights__pb2.WeightTransferJoin.FromString,
                     response_serializer=fp8rl_dot_v1_dot_weights__pb2.WeightTransferJoined.SerializeToString,
             ),
-            'UpdateWeightsOnDevice': grpc.unary_unary_rpc_method_handler(
+            'UpdateWeightsOnDevice': grpc.unary_stream_rpc_method_handler(
                     servicer.UpdateWeightsOnDevice,
                     request_deserializer=fp8rl_dot_v1_dot_weights__pb2.DeviceUpdate.FromString,
-                    response_serializer=fp8rl_dot_v1_dot_weights__pb2.UpdateWeightsResponse.SerializeToString,
+                    response_serializer=fp8rl_dot_v1_dot_weights__pb2.DeviceUpdateReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -305,12 +306,12 @@ class Rollout:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
+        return grpc.experimental.unary_stream(
             request,
             target,
             '/fp8rl.v1.Rollout/UpdateWeightsOnDevice',
             fp8rl_dot_v1_dot_weights__pb2.DeviceUpdate.SerializeToString,
-            fp8rl_dot_v1_dot_weights__pb2.UpdateWeightsResponse.FromString,
+            fp8rl_dot_v1_dot_weights__pb2.DeviceUpdateReply.FromString,
             options,
             channel_credentials,
             insecure,

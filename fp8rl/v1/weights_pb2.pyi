@@ -98,3 +98,11 @@ class DeviceUpdate(_message.Message):
     header: WeightHeader
     plan: bytes
     def __init__(self, header: _Optional[_Union[WeightHeader, _Mapping]] = ..., plan: _Optional[bytes] = ...) -> None: ...
+
+class DeviceUpdateReply(_message.Message):
+    __slots__ = ("receiving", "applied")
+    RECEIVING_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    receiving: bool
+    applied: UpdateWeightsResponse
+    def __init__(self, receiving: _Optional[bool] = ..., applied: _Optional[_Union[UpdateWeightsResponse, _Mapping]] = ...) -> None: ...

@@ -8,9 +8,10 @@ Publisher sends each update over the replica's device plane through its gRPC con
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import grpc
@@ -20,13 +21,14 @@ from safetensors.torch import load_file
 
 from fp8rl.codec import device_planes as planes
 from fp8rl.codec.schema import build_weight_set
+from fp8rl.codec.weight_set import WeightSet
 from fp8rl.serving import start_server
-from fp8rl.v1 import common_pb2, rollout_pb2_grpc
+from fp8rl.v1 import common_pb2, rollout_pb2_grpc, weights_pb2
 from rollout_service.config import RolloutConfig
 from rollout_service.engine import UnsupportedPlatform, VllmEngine
 from rollout_service.service import RolloutService
 from rollout_service.servicer import SERVICE_NAME, RolloutServicer
-from rollout_service.vllm_transfer import update_info_dict
+from rollout_service.vllm_transfer import UpdateInfo, update_info_dict
 from tests.conftest import InProcessRollout
 from tests.integration.test_compiled_replica import perturbed
 from tests.integration.test_rollout import assert_engine_holds
@@ -116,6 +118,7 @@ def test_a_replica_takes_a_broadcast_update_through_vllms_weight_transfer_engine
             before = greedy(engine, prompt)
 
             info = sender.plan(named[1], bucket_bytes=256 << 10)  # (several buckets)
+            assert {f.name for f in fields(UpdateInfo)} == set(update_info_dict(info))  # (vLLM's dict)
             assert len(planes.plan_buckets(info)) > 2
             loading = pool.submit(engine.load_from_device_plane, update_info_dict(info))
             sender.send_weights(named[1], info)
@@ -166,7 +169,7 @@ def test_the_publisher_sends_each_update_over_the_replicas_device_plane_and_grpc
         shared_memory=False,
         tcp_streams=0,
         weight_transfer=True,
-        transfer_timeout_s=5,
+        transfer_timeout_s=10,
     )
     try:
         for version in (40, 41):
@@ -179,8 +182,9 @@ def test_the_publisher_sends_each_update_over_the_replicas_device_plane_and_grpc
             assert_engine_holds(replica, sets[version - 40])
         assert len(publisher._device_planes) == 1  # (one group, formed once)
 
-        # The trainer's end of the group goes away: the replica's collective times out (5 s here), refuses
-        # the update with its weights as they were, and the same update goes over gRPC.
+        # The trainer's end of the group goes away: the replica, receiving, sees its peer gone (or its
+        # collective times out), refuses the update with its weights as they were, and the same update
+        # goes over gRPC.
         publisher._device_planes[address].close()
         [delivery] = publisher.publish(42, dict, [Target(address, 41)], built=sets[2])
         assert delivery.ok and delivery.plane == "grpc" and delivery.encoding == "keyframe", delivery
@@ -188,3 +192,49 @@ def test_the_publisher_sends_each_update_over_the_replicas_device_plane_and_grpc
         assert_engine_holds(replica, sets[2])
     finally:
         publisher.close()
+
+
+def test_a_plan_the_replica_refuses_is_refused_before_a_byte_is_broadcast(
+    replica: InProcessRollout, gen: torch.Generator
+) -> None:
+    """A plan that is not the model's (a tensor missing) is refused by the replica's checks, so the trainer
+    never broadcasts (no collective waits for its timeout); a join that names another host's store, or
+    an unbounded wait, is refused."""
+    address = replica.server.address
+    ws = build_weight_set(load_file(replica.model_dir / "model.safetensors"), "fp8-block128", torch.float32)
+    partial = WeightSet(ws.format, dict(list(ws.tensors.items())[1:]))
+    publisher = Publisher(
+        "fp8-block128",
+        torch.float32,
+        "fp8",
+        shared_memory=False,
+        tcp_streams=0,
+        weight_transfer=True,
+        transfer_timeout_s=60,
+    )
+    try:
+        started = time.monotonic()
+        [delivery] = publisher.publish(50, dict, [Target(address, -1)], built=partial)
+        assert not delivery.ok and "names" in delivery.error, delivery  # (gRPC refuses it too)
+        assert time.monotonic() - started < 30  # (not the group's 60 s)
+        assert replica.service.version != 50
+    finally:
+        publisher.close()
+    join = weights_pb2.WeightTransferJoin(
+        master_address="10.9.8.7", master_port=1234, rank_offset=1, world_size=2, backend="gloo", timeout_s=10
+    )
+    for bad, field in (
+        (join, "master_address"),
+        (_with(join, master_address="127.0.0.1", timeout_s=float("nan")), "timeout_s"),
+    ):
+        with pytest.raises(grpc.RpcError) as refused:
+            replica.stub.JoinWeightTransfer(bad, timeout=10)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in refused.value.details()
+
+
+def _with(message: weights_pb2.WeightTransferJoin, **fields: object) -> weights_pb2.WeightTransferJoin:
+    changed = weights_pb2.WeightTransferJoin()
+    changed.CopyFrom(message)
+    for name, value in fields.items():
+        setattr(changed, name, value)
+    return changed

@@ -68,9 +68,7 @@ def test_buckets_hold_every_tensor_aligned_in_order_and_within_their_size() -> N
 
 
 def planned(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> UpdateInfo:
-    info = planes.update_info(named, bucket_bytes)
-    tensors = [t for _, t in named]
-    return planes.with_fingerprints(info, [planes.pack(b, tensors, "cpu") for b in planes.plan_buckets(info)])
+    return planes.plan_update(named, torch.device("cpu"), bucket_bytes)
 
 
 def test_a_plan_is_refused_by_the_field_that_is_wrong_before_anything_is_allocated() -> None:
@@ -88,6 +86,8 @@ def test_a_plan_is_refused_by_the_field_that_is_wrong_before_anything_is_allocat
     cases["shapes "] = replace(info, shapes=((0, 2**70), *info.shapes[1:]))  # (no product overflows)
     cases["fingerprints "] = replace(info, fingerprints=())  # (a plan without them is never received)
     cases["ipc_handles"] = info  # (none, where IPC needs one per bucket)
+    cases["digests"] = replace(info, digests=("00" * 32,) * (len(info.digests) - 1))
+    cases["digests "] = replace(info, digests=("not hex",) * len(info.digests))
     for field, bad in cases.items():
         with pytest.raises(ValueError, match=field.strip()):
             planes.check_update_info(bad, max_bytes=1 << 20, ipc=field == "ipc_handles")
@@ -132,10 +132,7 @@ RECEIVER = textwrap.dedent(
     receiver = planes.BroadcastReceiver(torch.device("cpu"), max_bytes=1 << 30)
     receiver.init_transfer_engine(init, local_rank=int(sys.argv[2]))
     for line in sys.stdin:
-        raw = json.loads(line)
-        info = planes.UpdateInfo(tuple(raw["names"]), tuple(raw["dtype_names"]),
-                                 tuple(tuple(s) for s in raw["shapes"]), raw["bucket_bytes"],
-                                 tuple(int(f) for f in raw["fingerprints"]))
+        info = planes.from_json_dict(json.loads(line))
         loaded = []
         try:
             receiver.receive_weights(info, lambda batch: loaded.extend(
@@ -147,14 +144,23 @@ RECEIVER = textwrap.dedent(
 )
 
 
+def forged(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """``named`` with three consecutive int32 words of its first tensor moved by +1000, -2000, +1000:
+    other bytes with the same fingerprint (both its sums are linear), which only the digest tells apart."""
+    name, first = named[0]
+    changed = first.clone()
+    words = changed.view(-1).view(torch.uint8)[:12].view(torch.int32)
+    words += torch.tensor([1000, -2000, 1000], dtype=torch.int32)
+    return [(name, changed), *named[1:]]
+
+
 def test_a_broadcast_over_gloo_reaches_every_worker_bit_for_bit_and_a_damaged_plan_loads_nothing() -> None:
+    """Each worker loads exactly the plan's bytes; a plan whose fingerprint does not match, and bytes
+    forged to match the fingerprint but not the digest the plan vouches for, load nothing (and every
+    worker still takes the whole broadcast)."""
     sender = BroadcastSender.listen("127.0.0.1", world_size=3, backend="gloo", device="cpu", timeout_s=60)
-    init = json.dumps(
-        {
-            k: getattr(sender.init, k)
-            for k in ("master_address", "master_port", "rank_offset", "world_size", "backend", "timeout_s")
-        }
-    )
+    fields = ("master_address", "master_port", "rank_offset", "world_size", "backend", "timeout_s")
+    init = json.dumps({k: getattr(sender.init, k) for k in fields})
     workers = [
         subprocess.Popen(
             [sys.executable, "-c", RECEIVER, init, str(rank)],
@@ -167,35 +173,40 @@ def test_a_broadcast_over_gloo_reaches_every_worker_bit_for_bit_and_a_damaged_pl
     ]
     try:
         sender.trainer_init()
-        for seed, damaged in ((torch.seed() % 2**31, False), (7, True)):
+        for seed, damage in ((torch.seed() % 2**31, ""), (7, "fingerprint"), (8, "forged")):
             named = weight_set(seed)
             info = sender.plan(named, bucket_bytes=64 << 10)  # (several buckets)
             assert len(planes.plan_buckets(info)) > 3
-            told = info
-            if damaged:  # the plan a worker is told does not match the bytes broadcast
+            told, sent = info, named
+            if damage == "fingerprint":  # the plan a worker is told does not match the bytes broadcast
                 told = replace(info, fingerprints=(info.fingerprints[0] ^ 1, *info.fingerprints[1:]))
-            message = {
-                "names": told.names,
-                "dtype_names": told.dtype_names,
-                "shapes": told.shapes,
-                "bucket_bytes": told.packed_buffer_size_bytes,
-                "fingerprints": [str(f) for f in told.fingerprints],
-            }
-            for worker in workers:
-                worker.stdin.write(json.dumps(message) + "\n")
-                worker.stdin.flush()
-            sender.send_weights(named, info)
-            answers = [json.loads(worker.stdout.readline()) for worker in workers]
-            if damaged:
-                assert all(
-                    "bucket 0 did not arrive as sent" in a["refused"] and a["loaded"] == 0 for a in answers
+            if damage == "forged":
+                sent = forged(named)
+                assert not torch.equal(sent[0][1].view(torch.uint8), named[0][1].view(torch.uint8))
+                assert (
+                    planes.plan_update(sent, torch.device("cpu"), 64 << 10).fingerprints == info.fingerprints
                 )
-                continue
-            want = [[n, str(planes.fingerprint(t.contiguous().view(-1).view(torch.uint8)))] for n, t in named]
-            assert all(a["loaded"] == want for a in answers)
+            for worker in workers:
+                assert worker.stdin is not None
+                worker.stdin.write(json.dumps(planes.to_json_dict(told)) + "\n")
+                worker.stdin.flush()
+            sender.send_weights(sent, info)
+            answers = [json.loads(worker.stdout.readline()) for worker in workers if worker.stdout]
+            refusal = {
+                "fingerprint": "fingerprints: bucket 0 did not arrive",
+                "forged": "digests: bucket 0 is not",
+            }
+            if damage:
+                assert all(refusal[damage] in a["refused"] and not a["loaded"] for a in answers), answers
+            else:
+                want = [
+                    [n, str(planes.fingerprint(t.contiguous().view(-1).view(torch.uint8)))] for n, t in named
+                ]
+                assert all(a["loaded"] == want for a in answers)
     finally:
         for worker in workers:
-            worker.stdin.close()
+            if worker.stdin is not None:
+                worker.stdin.close()
             try:
                 worker.wait(timeout=60)
             except subprocess.TimeoutExpired:  # (hung in a broadcast: never left behind)

@@ -49,7 +49,7 @@ def test_services_have_the_contracted_methods() -> None:
         "UpdateWeights": (True, False),
         "GetStatus": (False, False),
         "JoinWeightTransfer": (False, False),
-        "UpdateWeightsOnDevice": (False, False),
+        "UpdateWeightsOnDevice": (False, True),
     }
     from fp8rl.v1 import trainer_pb2
 
