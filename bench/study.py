@@ -134,7 +134,8 @@ def report(results: dict[str, dict[int, dict[str, Any]]], args: argparse.Namespa
             difference = f"{d_mean:+.3f} ± {d_half:.3f}"
 
         def median(key: str, runs: dict[int, dict[str, Any]] = runs) -> float:
-            return statistics.median(float(runs[s].get(key) or math.nan) for s in seeds)
+            values = [runs[s].get(key) for s in seeds]  # (0.0 is a value: exact mode's gen_kl_error)
+            return statistics.median(math.nan if v is None else float(v) for v in values)
 
         base = statistics.mean(runs[s]["base_val_accuracy"] for s in seeds)
         lines.append(
