@@ -28,7 +28,9 @@ overlaps the codec with gRPC's own work).
 service, vLLM on CPU, a random Qwen2-0.5B-shaped model of ``--layers`` layers stored in bf16), a keyframe
 and a delta over each plane, from the publish call to the replica's reply, which it sends once its
 engine has been refit (``apply_s``, the refit alone, comes with it): the time until it serves the new
-version, from a set already quantized (the trainer's ``build s`` is apart, as above).
+version, from a set already quantized (the trainer's ``build s`` is apart, as above). The replica also
+offers its device plane (``weight_transfer: fp8rl-broadcast``, Gloo here), whose rows send every update
+as a keyframe; its ``refit s`` includes receiving the broadcast.
 
     python bench/publish.py --serving [--layers 24]
 """
@@ -321,6 +323,7 @@ def serving_table(args: argparse.Namespace, work: Path) -> None:
     model = qwen2_checkpoint(args.layers, work / "qwen2")
     command = [sys.executable, "-m", "rollout_service.cli", "serve", "--model", str(model), "--port", "0"]
     command += ["--recipe", "fp8", "--device", "cpu", "--max-model-len", "256"]
+    command += ["--weight-transfer", "fp8rl-broadcast"]  # (its device plane: Gloo on a CPU)
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     log = (work / "rollout.log").open("w+")
     replica = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -338,7 +341,8 @@ def serving_table(args: argparse.Namespace, work: Path) -> None:
         print(f"{'update':9} {'plane':14} {'wire MB':>8} {'serving s':>9} {'refit s':>8} {'delivery s':>10}")
         version = 0
         best: dict[tuple[str, str], tuple[float, float]] = {}
-        for mode in ("grpc", "shared-memory", "tcp", "grpc", "shared-memory", "tcp"):
+        modes = ("grpc", "shared-memory", "tcp", "device")
+        for mode in modes + modes:
             publisher = Publisher(
                 "fp8-block128",
                 torch.bfloat16,
@@ -346,6 +350,7 @@ def serving_table(args: argparse.Namespace, work: Path) -> None:
                 SecurityConfig(),
                 shared_memory=mode == "shared-memory",
                 tcp_streams=4 if mode == "tcp" else 0,
+                weight_transfer=mode == "device",
             )
             held = -1
             for kind in ("keyframe", "delta"):
@@ -355,11 +360,14 @@ def serving_table(args: argparse.Namespace, work: Path) -> None:
                 start = time.perf_counter()
                 [d] = publisher.publish(version, dict, [Target(address, held)], built=built)
                 serving = time.perf_counter() - start
-                assert d.ok and d.encoding == kind and d.plane == mode, d
+                # (the device plane sends every update whole)
+                assert (
+                    d.ok and d.plane == mode and d.encoding == ("keyframe" if mode == "device" else kind)
+                ), d
                 held = version
                 best[kind, mode] = min(best.get((kind, mode), (math.inf, math.inf)), (serving, d.apply_s))
                 print(
-                    f"{kind:9} {mode:14} {d.wire_bytes / 1e6:8.1f} {serving:9.2f} {d.apply_s:8.2f} "
+                    f"{d.encoding:9} {mode:14} {d.wire_bytes / 1e6:8.1f} {serving:9.2f} {d.apply_s:8.2f} "
                     f"{serving - d.apply_s:10.2f}"
                 )
             publisher.close()
@@ -368,10 +376,9 @@ def serving_table(args: argparse.Namespace, work: Path) -> None:
             print(
                 f"{kind} time to serving, best of two: "
                 + ", ".join(
-                    f"{m} {best[kind, m][0]:.2f} s ({best[kind, m][0] / grpc_s:.2f}x gRPC)"
-                    for m in ("grpc", "shared-memory", "tcp")
+                    f"{m} {best[kind, m][0]:.2f} s ({best[kind, m][0] / grpc_s:.2f}x gRPC)" for m in modes
                 )
-                + f"; the refit alone {min(best[kind, m][1] for m in ('grpc', 'shared-memory', 'tcp')):.2f} s"
+                + f"; the refit alone {min(best[kind, m][1] for m in modes[:3]):.2f} s"
             )
     finally:
         replica.terminate()
