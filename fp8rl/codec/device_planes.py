@@ -40,8 +40,10 @@ import contextlib
 import datetime
 import hashlib
 import math
+import os
 import socket
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -268,15 +270,17 @@ def plan_update(
     named: Sequence[tuple[str, torch.Tensor]], device: torch.device, bucket_bytes: int = DEFAULT_BUCKET_BYTES
 ) -> UpdateInfo:
     """The plan of broadcasting ``named`` from ``device``, with every bucket's fingerprint and digest
-    (packs each bucket once for them, one at a time)."""
+    (packs each bucket once for them, one at a time; the digests on a thread pool while the next bucket
+    is packed: hashlib lets go of the GIL)."""
     info = update_info(named, bucket_bytes)
     tensors = [t for _, t in named]
     fingerprints, digests = [], []
-    for bucket in plan_buckets(info):
-        packed = pack(bucket, tensors, device)
-        fingerprints.append(fingerprint(packed))
-        digests.append(bucket_digest(packed))
-    return replace(info, fingerprints=tuple(fingerprints), digests=tuple(digests))
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        for bucket in plan_buckets(info):
+            packed = pack(bucket, tensors, device)
+            fingerprints.append(fingerprint(packed))
+            digests.append(pool.submit(bucket_digest, packed))
+        return replace(info, fingerprints=tuple(fingerprints), digests=tuple(d.result() for d in digests))
 
 
 def bucket_digest(buffer: torch.Tensor) -> str:
@@ -470,22 +474,26 @@ class BroadcastReceiver:
             if on_cpu
             else torch.empty(max(map(bucket_size, buckets)), dtype=torch.uint8, device=self.device)
         )
-        staged, refused, why = [], None, ""
-        for i, bucket in enumerate(buckets):
-            size = bucket_size(bucket)
-            buffer = torch.empty(size, dtype=torch.uint8) if scratch is None else scratch[:size]
-            _broadcast(self._group, buffer)
-            if refused is None and fingerprint(buffer) != info.fingerprints[i]:
-                refused, why = i, "fingerprints: bucket {} did not arrive as sent"
-            if refused is None:
-                host = (
-                    buffer if on_cpu else torch.empty(size, dtype=torch.uint8, pin_memory=True).copy_(buffer)
-                )
-                staged.append(host)
-                if bucket_digest(host) != info.digests[i]:
-                    refused, why = i, "digests: bucket {} is not the bytes the plan vouches for"
+        staged, refused = [], None
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # (digests beside receiving)
+            digests = []
+            for i, bucket in enumerate(buckets):
+                size = bucket_size(bucket)
+                buffer = torch.empty(size, dtype=torch.uint8) if scratch is None else scratch[:size]
+                _broadcast(self._group, buffer)
+                if refused is None and fingerprint(buffer) != info.fingerprints[i]:
+                    refused = f"fingerprints: bucket {i} did not arrive as sent"
+                if refused is None:
+                    host = buffer if on_cpu else torch.empty(size, dtype=torch.uint8, pin_memory=True)
+                    if not on_cpu:
+                        host.copy_(buffer)
+                    staged.append(host)
+                    digests.append(pool.submit(bucket_digest, host))
+            wrong = next((i for i, d in enumerate(digests) if d.result() != info.digests[i]), None)
+        if refused is None and wrong is not None:
+            refused = f"digests: bucket {wrong} is not the bytes the plan vouches for"
         if refused is not None:
-            raise ValueError(why.format(refused))
+            raise ValueError(refused)
         return Staged(info, staged)
 
     def receive_weights(self, info: UpdateInfo, load_weights: LoadWeights) -> None:
