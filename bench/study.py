@@ -107,6 +107,14 @@ def machine() -> str:
     return f"{name or platform.processor()} ({platform.machine()})"
 
 
+def validation_sums(args: argparse.Namespace) -> int:
+    """How many sums a run validates on: ``--val-size``, at most the held-out tenth of the pairs."""
+    from fp8rl import arith
+
+    span = range(args.max_operand + 1)
+    return min(args.val_size, sum(arith.held_out(a, b) for a in span for b in span))
+
+
 def commit() -> str:
     git = ["git", "rev-parse", "--short", "HEAD"]
     return subprocess.run(git, capture_output=True, text=True).stdout.strip()
@@ -118,9 +126,10 @@ def report(results: dict[str, dict[int, dict[str, Any]]], args: argparse.Namespa
     seeds = sorted(set.intersection(*(set(r) for r in results.values())))
     lines = [
         f"Measured up to {time.strftime('%Y-%m-%d')} at commits {commits} on {machine()}; "
-        f"{len(seeds)} seeds x "
-        f"{args.val_size} validation sums each; {args.steps} GRPO steps of {args.prompts} prompts x "
-        f"{args.group} samples; `python bench/study.py --seeds {args.seeds}`.",
+        f"{len(seeds)} seeds x {validation_sums(args)} held-out validation sums each (greedy); "
+        f"{args.steps} GRPO steps of {args.prompts} prompts x {args.group} samples; "
+        f"`python bench/study.py --seeds {args.seeds} --steps {args.steps} --prompts {args.prompts} "
+        f"--group {args.group} --val-size {args.val_size} --max-operand {args.max_operand}`.",
         "",
         *HEADER,
     ]
