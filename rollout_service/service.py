@@ -475,20 +475,9 @@ class RolloutService:
         weights as they were; one that failed while loading leaves the engine to be restarted."""
         receiving()
         try:
-            self.engine.load_from_device_plane(update_info)
+            self._refit(lambda: self.engine.load_from_device_plane(update_info), version, DeviceUpdateRefused)
         except DeviceUpdateRefused as exc:
             raise CorruptUpdateError(f"plan: the broadcast did not arrive as planned ({exc})") from exc
-        except BaseException:
-            self.loop.needs_keyframe = True
-            self.held = None
-            log.exception("device-plane update to version %d failed midway; restarting the engine", version)
-            try:
-                self.engine.restart()
-            except Exception:
-                log.exception("engine restart failed: this replica cannot recover; restart the process")
-            raise
-        self.loop.version = version
-        self.loop.needs_keyframe = False
 
     def _admit_header(self, header: weights_pb2.WeightHeader) -> None:
         """The update is of this replica's format, at a version and epoch that can be."""
@@ -511,8 +500,17 @@ class RolloutService:
 
     def _apply(self, weights: WeightSet, version: int) -> None:
         """Runs on the engine thread with no request in flight."""
+        self._refit(lambda: self.engine.load_weights(weights.tensors), version)
+
+    def _refit(
+        self, load: Callable[[], None], version: int, refused: type[BaseException] | tuple[()] = ()
+    ) -> None:
+        """``load`` the engine's new weights, then serve ``version``. Where it fails midway (anything but
+        ``refused``: nothing was loaded), the engine is restarted and the replica needs a keyframe."""
         try:
-            self.engine.load_weights(weights.tensors)
+            load()
+        except refused:
+            raise
         except BaseException:
             self.loop.needs_keyframe = True
             self.held = None

