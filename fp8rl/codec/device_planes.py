@@ -12,8 +12,8 @@ and the update fields of vLLM's engines, so that either side can stand in for vL
   hold already).
 * :class:`IpcSender` / :class:`IpcReceiver`: CUDA IPC on one host. The sender names each bucket by
   the fields of its CUDA IPC handle (plain values, never a pickled callable: vLLM's HTTP route needs
-  ``VLLM_ALLOW_INSECURE_SERIALIZATION`` for that), and the receiver opens the handle and copies the
-  bucket into memory of its own before anything is loaded.
+  ``VLLM_ALLOW_INSECURE_SERIALIZATION`` for that), and the receiver maps the handle, checks the bucket
+  there and loads from it.
 
 Both move *packed buckets*: the update's tensors laid end to end, aligned, in uint8 buffers of at most
 ``bucket_bytes`` (:func:`plan_buckets`, the same plan on both sides from the update's names, dtypes and
@@ -78,8 +78,9 @@ class Slot:
 class UpdateInfo:
     """One update on a device plane: vLLM's ``NCCLWeightTransferUpdateInfo`` fields (``names``,
     ``dtype_names``, ``shapes``, ``packed_buffer_size_bytes``; always packed) plus what a receiver checks
-    before loading (``fingerprints``: one per bucket, in :func:`plan_buckets` order) and, for IPC, each
-    bucket's handle (``ipc_handles``: :func:`ipc_handle`'s fields, keyed by the GPU's UUID)."""
+    before loading, one per bucket in :func:`plan_buckets` order: ``fingerprints``, a broadcast's
+    ``digests``, and for IPC each bucket's handle (``ipc_handles``: :func:`ipc_handle`'s fields, keyed by
+    the GPU's UUID)."""
 
     names: tuple[str, ...]
     dtype_names: tuple[str, ...]
@@ -87,7 +88,7 @@ class UpdateInfo:
     packed_buffer_size_bytes: int = DEFAULT_BUCKET_BYTES
     fingerprints: tuple[int, ...] = ()
     ipc_handles: tuple[dict[str, dict[str, object]], ...] = ()
-    digests: tuple[str, ...] = ()  # a broadcast's buckets, BLAKE2b-256 (hex): what the signed plan vouches
+    digests: tuple[str, ...] = ()  # BLAKE2b-256 in hex: what the signed plan vouches for
 
     def tensor_bytes(self) -> list[int]:
         return [
@@ -548,11 +549,21 @@ def ipc_handle(buffer: torch.Tensor) -> dict[str, object]:
     return fields
 
 
-def open_ipc_handle(fields: dict[str, object], nbytes: int, device: torch.device) -> torch.Tensor:
-    """The producer's buffer, mapped on ``device`` (this process's index of the same GPU), once its
-    fields are plain values of the right kinds and it is the ``nbytes`` the plan says."""
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
+def ipc_fields(raw: dict[str, object], nbytes: int) -> dict[str, object]:
+    """A handle's fields as :func:`ipc_handle` made them, from what crossed the control plane (msgpack
+    and JSON turn tuples into lists; JSON carries bytes as base64), once each is of its kind and the
+    handle is a buffer of the plan's ``nbytes``. Raises ValueError naming the field."""
+    fields = dict(raw)
+    for name in ("tensor_size", "tensor_stride"):
+        if isinstance(fields.get(name), list):
+            fields[name] = tuple(fields[name])  # type: ignore[arg-type]
+    for name in ("storage_handle", "ref_counter_handle", "event_handle"):
+        value = fields.get(name)
+        if isinstance(value, str):
+            try:
+                fields[name] = base64.b64decode(value, validate=True)
+            except ValueError as exc:
+                raise ValueError(f"ipc_handles: {name} is not base64") from exc
     kinds = {
         "tensor_size": tuple,
         "tensor_stride": tuple,
@@ -570,12 +581,21 @@ def open_ipc_handle(fields: dict[str, object], nbytes: int, device: torch.device
             raise ValueError(f"ipc_handles: {name} is not a {kind.__name__}")
     if fields["tensor_size"] != (nbytes,) or fields["tensor_stride"] != (1,) or fields["requires_grad"]:
         raise ValueError(f"ipc_handles: the handle is not a buffer of the plan's {nbytes} bytes")
+    return fields
+
+
+def open_ipc_handle(raw: dict[str, object], nbytes: int, device: torch.device) -> torch.Tensor:
+    """The producer's buffer (:func:`ipc_fields`), mapped on ``device``: this process's index of the
+    same GPU (the producer's index may differ)."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
     args = dict(
-        fields,
+        ipc_fields(raw, nbytes),
         tensor_cls=torch.Tensor,
         storage_cls=torch.storage.TypedStorage,
         tensor_dtype=torch.uint8,
-        storage_device=device.index or 0,
+        storage_device=index,
     )
     return rebuild_cuda_tensor(*(args[name] for name in IPC_FIELDS))
 
@@ -606,8 +626,8 @@ class IpcSender:
 
 @dataclass
 class IpcReceiver:
-    """A replica worker's side: each bucket opened by its handle for this worker's GPU and copied into
-    memory of its own (the trainer's may be freed or reused once the update is answered)."""
+    """A replica worker's side: each bucket mapped by its handle for this worker's GPU, checked and loaded
+    from there (the trainer keeps it unchanged until the update is answered)."""
 
     device: torch.device
     max_bytes: int

@@ -124,6 +124,35 @@ def test_an_empty_tensor_never_opens_a_bucket_of_its_own() -> None:
     assert len(buckets) == 1 and [s.nbytes for s in buckets[0]] == [63, 0, 0]
 
 
+def test_an_ipc_handle_survives_the_control_plane_and_a_wrong_one_is_refused_by_its_field() -> None:
+    """The fields ``ipc_handle`` makes (tuples, bytes) come back from JSON (lists, base64) as they were;
+    a handle of another size, or a field of the wrong kind, is refused before anything is mapped."""
+    handle = {
+        "tensor_size": (4096,),
+        "tensor_stride": (1,),
+        "tensor_offset": 0,
+        "storage_handle": bytes(range(64)),
+        "storage_size_bytes": 1 << 20,
+        "storage_offset_bytes": 512,
+        "requires_grad": False,
+        "ref_counter_handle": b"counter",
+        "ref_counter_offset": 3,
+        "event_handle": None,
+        "event_sync_required": True,
+    }
+    info = replace(
+        planes.update_info([("w", torch.zeros(4096, dtype=torch.uint8))]), ipc_handles=({"gpu": handle},)
+    )
+    crossed = planes.from_json_dict(json.loads(json.dumps(planes.to_json_dict(info))))
+    assert planes.ipc_fields(crossed.ipc_handles[0]["gpu"], 4096) == handle
+    with pytest.raises(ValueError, match="not a buffer of the plan's 8192 bytes"):
+        planes.ipc_fields(handle, 8192)
+    with pytest.raises(ValueError, match="storage_handle is not a bytes"):
+        planes.ipc_fields({**handle, "storage_handle": 7}, 4096)
+    with pytest.raises(ValueError, match="ref_counter_handle is not base64"):
+        planes.ipc_fields({**handle, "ref_counter_handle": "not base64!"}, 4096)
+
+
 RECEIVER = textwrap.dedent(
     """
     import json, sys, torch
