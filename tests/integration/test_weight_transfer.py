@@ -49,9 +49,11 @@ def same_parameters(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> b
     )
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def replica(tiny_model_dir_f32: Path) -> Iterator[InProcessRollout]:
-    """A replica whose engine takes updates over its device plane, behind a real gRPC server."""
+    """A replica whose engine takes updates over its device plane, behind a real gRPC server. Kept for the
+    session, as the other in-process engines are: vLLM's process-wide parallel state goes with an engine
+    torn down, and one torn down mid-session can take it from under another being built."""
     config = RolloutConfig(
         model=tiny_model_dir_f32,
         recipe="fp8",
