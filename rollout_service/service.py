@@ -5,6 +5,7 @@ Plain Python over the engine loop; the gRPC servicer only converts messages and 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -23,7 +24,7 @@ from fp8rl import routing
 from fp8rl.architectures import moe_layers, num_experts, read_config
 from fp8rl.codec import device_planes
 from fp8rl.codec.decode import DecodedUpdate
-from fp8rl.codec.device_planes import BroadcastInit
+from fp8rl.codec.device_planes import BROADCAST_BACKEND, DEVICE_KEYFRAME, BroadcastInit
 from fp8rl.codec.schema import (
     SCALE_SUFFIX,
     attention_scale_names,
@@ -49,8 +50,6 @@ from rollout_service.validation import Limits, Slot, Tokenizer, parse_generate, 
 log = logging.getLogger(__name__)
 UPDATE_WAIT_S = 120.0  # how long an update waits for the one being applied before it is refused
 MAX_TRANSFER_WAIT_S = 600.0  # the longest a device plane's collective may wait for the other side
-DEVICE_KEYFRAME = "device-keyframe"  # a device-plane update's header encoding (its own signing domain)
-BROADCAST_INIT_FIELDS = ("master_address", "master_port", "rank_offset", "world_size", "backend", "timeout_s")
 
 
 Schema = dict[str, tuple[tuple[int, ...], bool]]  # name -> (shape, is FP8)
@@ -91,14 +90,7 @@ def check_schema(weights: WeightSet, schema: Schema, checked: WeightSet | None =
     every logprob NaN; E4M3 codes have a NaN pattern too), and FP8 scales positive, and powers of two
     under a ``-pow2`` format (the engines' contract). Values of tensors a delta took over unchanged from
     ``checked`` (the held set, which passed) are not read again."""
-    if set(weights.tensors) != set(schema):
-        missing, extra = (
-            sorted(set(schema) - set(weights.tensors)),
-            sorted(set(weights.tensors) - set(schema)),
-        )
-        raise InvalidRequest(
-            "weights", f"tensor names differ from the model's: missing {missing[:3]}, extra {extra[:3]}"
-        )
+    admit_names(schema, weights.tensors, "weights")
     pow2 = weight_scale_format(weights.format) == "pow2"
     unchanged = checked.tensors if checked is not None else {}
     for name, t in weights.tensors.items():
@@ -119,6 +111,15 @@ def finite(t: torch.Tensor) -> bool:
     if t.dtype == torch.float8_e4m3fn:
         return not bool(((t.view(torch.uint8) & 0x7F) == 0x7F).any())
     return bool(torch.isfinite(t).all())
+
+
+def admit_names(schema: Schema, names: Collection[str], field: str) -> None:
+    """An update names exactly the model's tensors (InvalidRequest naming ``field`` where it does not)."""
+    if set(names) != set(schema):
+        missing, extra = sorted(set(schema) - set(names)), sorted(set(names) - set(schema))
+        raise InvalidRequest(
+            field, f"tensor names differ from the model's: missing {missing[:3]}, extra {extra[:3]}"
+        )
 
 
 def admit_tensor(schema: Schema, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
@@ -335,10 +336,17 @@ class RolloutService:
         header, blob = next(stream)  # (receive_parts raises on an empty stream)
         # The lock is held while the later parts arrive (each is applied as it comes): another update
         # waits at most UPDATE_WAIT_S for it (a silent stream is cut after stream_idle_s).
+        with self._updating():
+            return self._apply_update(header, blob, stream)
+
+    @contextlib.contextmanager
+    def _updating(self) -> Iterator[None]:
+        """Hold the one update lock (updates and joins are serialized); another update waits for it at
+        most UPDATE_WAIT_S, then is refused as Overloaded."""
         if not self._update_lock.acquire(timeout=UPDATE_WAIT_S):
             raise Overloaded(f"another weight update held this replica for {UPDATE_WAIT_S:g} s; retry later")
         try:
-            return self._apply_update(header, blob, stream)
+            yield
         finally:
             self._update_lock.release()
 
@@ -392,10 +400,10 @@ class RolloutService:
         The group's store must be on the caller's own host (a replica dials no one else), and a
         collective may wait at most MAX_TRANSFER_WAIT_S. Blocks until the group forms (the trainer forms
         it at the same time)."""
-        if self.config.weight_transfer != "fp8rl-broadcast":
+        if self.config.weight_transfer != BROADCAST_BACKEND:
             raise PreconditionFailed("weight_transfer: this replica takes no broadcast updates")
         ranks = self.config.tensor_parallel_size
-        init = {f: getattr(request, f) for f in BROADCAST_INIT_FIELDS}
+        init = {f.name: getattr(request, f.name) for f in dataclasses.fields(BroadcastInit)}
         try:
             BroadcastInit(**init)
         except (TypeError, ValueError) as exc:
@@ -409,12 +417,8 @@ class RolloutService:
         expected = "nccl" if self.engine.device == "cuda" else "gloo"
         if request.backend != expected:
             raise InvalidRequest("backend", f"{request.backend}: this replica's workers take {expected}")
-        if not self._update_lock.acquire(timeout=UPDATE_WAIT_S):
-            raise Overloaded(f"another weight update held this replica for {UPDATE_WAIT_S:g} s; retry later")
-        try:
+        with self._updating():
             self.loop.run_exclusive(lambda: self.engine.join_device_plane(init))
-        finally:
-            self._update_lock.release()
         return ranks
 
     def update_on_device(
@@ -426,7 +430,7 @@ class RolloutService:
         the weights as they were). ``receiving`` is called once every check passed and the engine is
         about to receive: only then may the trainer broadcast."""
         header, plan_bytes = request.header, request.plan
-        if self.config.weight_transfer != "fp8rl-broadcast":
+        if self.config.weight_transfer != BROADCAST_BACKEND:
             raise PreconditionFailed("weight_transfer: this replica takes no broadcast updates")
         if header.encoding != DEVICE_KEYFRAME or header.parts != 1 or header.part != 0:
             raise InvalidRequest("header", f"a device-plane update is one {DEVICE_KEYFRAME} part")
@@ -443,30 +447,20 @@ class RolloutService:
             device_planes.check_update_info(plan, self.max_update_bytes)
         except (ValueError, RecursionError) as exc:  # (json's errors among them)
             raise InvalidRequest("plan", str(exc)[:200]) from exc
-        if set(plan.names) != set(self.schema):
-            missing, extra = (
-                sorted(set(self.schema) - set(plan.names)),
-                sorted(set(plan.names) - set(self.schema)),
-            )
-            raise InvalidRequest(
-                "plan.names", f"differ from the model's: missing {missing[:3]}, extra {extra[:3]}"
-            )
+        admit_names(self.schema, plan.names, "plan.names")
         for name, dtype, shape in zip(plan.names, plan.dtype_names, plan.shapes, strict=True):
             admit_tensor(self.schema, name, device_planes.DTYPES[dtype], shape)
-        if not self._update_lock.acquire(timeout=UPDATE_WAIT_S):
-            raise Overloaded(f"another weight update held this replica for {UPDATE_WAIT_S:g} s; retry later")
-        try:
+        with self._updating():
             self._check_forward(header)
             if self.high_water is not None:  # before the engine: a crash past here cannot lower the mark
                 self.high_water.raise_to(header.epoch, header.version)
             start = time.perf_counter()
             self.loop.run_exclusive(lambda: self._apply_on_device(raw, header.version, receiving))
             self.held, self.held_epoch = None, header.epoch  # (no host copy: the next delta is refused)
+            seconds = time.perf_counter() - start
             self.updates_applied += 1
-            self.update_seconds += time.perf_counter() - start
-            return UpdateResult(header.version, "keyframe", len(plan.names), time.perf_counter() - start, 0)
-        finally:
-            self._update_lock.release()
+            self.update_seconds += seconds
+            return UpdateResult(header.version, "keyframe", len(plan.names), seconds, 0)
 
     def _apply_on_device(
         self, update_info: dict[str, object], version: int, receiving: Callable[[], None]

@@ -35,8 +35,6 @@ from vllm.model_executor.model_loader.reload.inplace import reload_weights
 from fp8rl.codec import device_planes as planes
 from rollout_service.worker_extension import rederive_tied_head
 
-BROADCAST, IPC = "fp8rl-broadcast", "fp8rl-ipc"
-
 
 class BroadcastInitInfo(planes.BroadcastInit, WeightTransferInitInfo):
     """:class:`~fp8rl.codec.device_planes.BroadcastInit` as vLLM's init info (its dict's keys)."""
@@ -49,7 +47,8 @@ class IpcInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class UpdateInfo(WeightTransferUpdateInfo):
-    """:class:`~fp8rl.codec.device_planes.UpdateInfo`'s fields (lists where JSON gives lists)."""
+    """:class:`~fp8rl.codec.device_planes.UpdateInfo`'s fields (lists where JSON gives lists): what a
+    trainer passes as ``update_info`` is :func:`~fp8rl.codec.device_planes.to_json_dict`'s."""
 
     names: list[str]
     dtype_names: list[str]
@@ -61,11 +60,6 @@ class UpdateInfo(WeightTransferUpdateInfo):
 
     def plan(self) -> planes.UpdateInfo:
         return planes.from_json_dict({f.name: getattr(self, f.name) for f in fields(self)})
-
-
-def update_info_dict(info: planes.UpdateInfo) -> dict[str, Any]:
-    """What a trainer passes as ``update_info`` (plain JSON values)."""
-    return planes.to_json_dict(info)
 
 
 class _DevicePlaneEngine(WeightTransferEngine):
@@ -125,6 +119,6 @@ class IpcEngine(_DevicePlaneEngine):
 
 def register() -> None:
     """Register both engines with vLLM (once per process)."""
-    for name, engine in ((BROADCAST, BroadcastEngine), (IPC, IpcEngine)):
+    for name, engine in ((planes.BROADCAST_BACKEND, BroadcastEngine), (planes.IPC_BACKEND, IpcEngine)):
         if name not in WeightTransferEngineFactory._registry:
             WeightTransferEngineFactory.register_engine(name, engine)

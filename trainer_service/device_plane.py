@@ -7,6 +7,7 @@ refusals); the publisher falls back to it where this fails."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from collections.abc import Callable
@@ -21,9 +22,6 @@ from fp8rl.codec import device_planes as planes
 from fp8rl.codec.weight_set import WeightSet
 from fp8rl.security import sign_update
 from fp8rl.v1 import rollout_pb2_grpc, weights_pb2
-
-BROADCAST = "fp8rl-broadcast"  # the replica's weight_transfer this side speaks
-DEVICE_KEYFRAME = "device-keyframe"  # the header's encoding: a signing domain of its own
 
 
 @dataclass(frozen=True)
@@ -52,7 +50,7 @@ class DevicePayload:
         header = weights_pb2.WeightHeader(
             version=version,
             base_version=-1,
-            encoding=DEVICE_KEYFRAME,
+            encoding=planes.DEVICE_KEYFRAME,
             total_bytes=len(plan),
             format=weights.format,
             recipe=recipe,
@@ -83,15 +81,7 @@ class DevicePlane:
         backend = "nccl" if device.type == "cuda" else "gloo"
         here = planes.route_address(host)
         self.sender = planes.BroadcastSender.listen(here, 1 + ranks, 1, backend, device, timeout_s)
-        init = self.sender.init
-        join = weights_pb2.WeightTransferJoin(
-            master_address=init.master_address,
-            master_port=init.master_port,
-            rank_offset=init.rank_offset,
-            world_size=init.world_size,
-            backend=init.backend,
-            timeout_s=init.timeout_s,
-        )
+        join = weights_pb2.WeightTransferJoin(**dataclasses.asdict(self.sender.init))
         # The group forms on a thread of its own (it waits for the replica's workers); the replica's
         # answer decides: a refusal ends this at once, not when the group gives up.
         forming: Future[None] = Future()

@@ -28,6 +28,7 @@ import grpc
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from fp8rl.codec.device_planes import BROADCAST_BACKEND
 from fp8rl.codec.encode import PART_BYTES, EncodedUpdate, changed_fraction, delta_parts, keyframe_parts
 from fp8rl.codec.schema import build_weight_set
 from fp8rl.codec.segments import hand_over, sealed_segment
@@ -38,7 +39,7 @@ from fp8rl.recipes import WeightFormat
 from fp8rl.security import SecurityConfig
 from fp8rl.transport import channel
 from fp8rl.v1 import common_pb2, rollout_pb2_grpc, weights_pb2
-from trainer_service.device_plane import BROADCAST, DevicePayload, DevicePlane
+from trainer_service.device_plane import DevicePayload, DevicePlane
 
 log = logging.getLogger(__name__)
 SHARED_MEMORY, TCP, GRPC, MIXED, DEVICE = "shared-memory", "tcp", "grpc", "mixed", "device"
@@ -247,7 +248,7 @@ class Publisher:
         stub = rollout_pb2_grpc.RolloutStub(self._channel(address))
         fresh = target.held_version < 0  # (a restarted replica: its group went with its engine)
         reach = self._reach_of(address, stub, fresh)
-        usable = reach.weight_transfer == BROADCAST and reach.device == self.device.type
+        usable = reach.weight_transfer == BROADCAST_BACKEND and reach.device == self.device.type
         if not usable or time.monotonic() < self._device_paused.get(address, 0.0):
             return None
         try:

@@ -59,6 +59,9 @@ DIGEST_BYTES = 32
 _FINGERPRINT_WORDS = 1 << 22  # int32 words a fingerprint reduces at once (16 MiB: ~100 MB of scratch)
 _MIX = 0x9E3779B97F4A7C15 - (1 << 64)  # 2^64 / golden ratio, as a signed int64: spreads word positions
 
+BROADCAST_BACKEND, IPC_BACKEND = "fp8rl-broadcast", "fp8rl-ipc"  # the vLLM engines' names (weight_transfer)
+DEVICE_KEYFRAME = "device-keyframe"  # a device-plane update's header encoding: a signing domain of its own
+
 LoadWeights = Callable[[list[tuple[str, torch.Tensor]]], None]
 
 

@@ -25,7 +25,7 @@ from fp8rl.codec.weight_set import WeightSet
 from fp8rl.v1 import common_pb2, weights_pb2
 from rollout_service.config import RolloutConfig
 from rollout_service.engine import VllmEngine
-from rollout_service.vllm_transfer import UpdateInfo, update_info_dict
+from rollout_service.vllm_transfer import UpdateInfo
 from tests.conftest import InProcessRollout, in_process_rollout
 from tests.integration.test_compiled_replica import perturbed
 from tests.integration.test_rollout import assert_engine_holds
@@ -100,9 +100,9 @@ def test_a_replica_takes_a_broadcast_update_through_vllms_weight_transfer_engine
             before = greedy(engine, prompt)
 
             info = sender.plan(named[1], bucket_bytes=256 << 10)  # (several buckets)
-            assert {f.name for f in fields(UpdateInfo)} == set(update_info_dict(info))  # (vLLM's dict)
+            assert {f.name for f in fields(UpdateInfo)} == set(planes.to_json_dict(info))  # (vLLM's dict)
             assert len(planes.plan_buckets(info)) > 2
-            loading = pool.submit(engine.load_from_device_plane, update_info_dict(info))
+            loading = pool.submit(engine.load_from_device_plane, planes.to_json_dict(info))
             sender.send_weights(named[1], info)
             loading.result(timeout=120)
             broadcast = engine.named_parameters(), greedy(engine, prompt)
@@ -118,7 +118,7 @@ def test_a_replica_takes_a_broadcast_update_through_vllms_weight_transfer_engine
             # A plan whose fingerprint does not match what is broadcast: refused, nothing loaded.
             info0 = sender.plan(named[0], bucket_bytes=256 << 10)
             damaged = replace(info0, fingerprints=(info0.fingerprints[0] ^ 1, *info0.fingerprints[1:]))
-            loading = pool.submit(engine.load_from_device_plane, update_info_dict(damaged))
+            loading = pool.submit(engine.load_from_device_plane, planes.to_json_dict(damaged))
             sender.send_weights(named[0], info0)
             with pytest.raises(Exception, match="did not arrive as sent"):
                 loading.result(timeout=120)
@@ -126,7 +126,7 @@ def test_a_replica_takes_a_broadcast_update_through_vllms_weight_transfer_engine
             assert greedy(engine, prompt) == broadcast[1]
 
             # ... and the next update lands: the refusal ended every worker's update session.
-            loading = pool.submit(engine.load_from_device_plane, update_info_dict(info0))
+            loading = pool.submit(engine.load_from_device_plane, planes.to_json_dict(info0))
             sender.send_weights(named[0], info0)
             loading.result(timeout=120)
             assert greedy(engine, prompt) == before
