@@ -96,13 +96,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             )
             with contextlib.closing(read_ahead(parts)) as ahead:
                 result = self.service.update_weights(ahead)
-        return weights_pb2.UpdateWeightsResponse(
-            version=result.version,
-            encoding=result.encoding,
-            bytes_received=result.bytes_received,
-            tensors_updated=result.tensors_updated,
-            apply_s=result.apply_s,
-        )
+        return _response(result)
 
     @map_errors
     def JoinWeightTransfer(
@@ -135,13 +129,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                     raise event
                 else:
                     assert isinstance(event, UpdateResult)
-                    applied = weights_pb2.UpdateWeightsResponse(
-                        version=event.version,
-                        encoding=event.encoding,
-                        tensors_updated=event.tensors_updated,
-                        apply_s=event.apply_s,
-                    )
-                    yield weights_pb2.DeviceUpdateReply(applied=applied)
+                    yield weights_pb2.DeviceUpdateReply(applied=_response(event))
                     return
 
     @map_errors
@@ -152,6 +140,16 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
 
 _RECEIVING = object()
+
+
+def _response(result: UpdateResult) -> weights_pb2.UpdateWeightsResponse:
+    return weights_pb2.UpdateWeightsResponse(
+        version=result.version,
+        encoding=result.encoding,
+        bytes_received=result.bytes_received,
+        tensors_updated=result.tensors_updated,
+        apply_s=result.apply_s,
+    )
 
 
 def _run_into(events: queue.Queue[object], work: Callable[[], object]) -> None:
