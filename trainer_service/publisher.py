@@ -252,10 +252,9 @@ class Publisher:
         if not usable or time.monotonic() < self._device_paused.get(address, 0.0):
             return None
         try:
-            plane = self._device_planes.pop(address, None) if fresh else self._device_planes.get(address)
-            if plane is not None and fresh:
-                plane.close()
-                plane = None
+            if fresh and (stale := self._device_planes.pop(address, None)) is not None:
+                stale.close()
+            plane = self._device_planes.get(address)
             if plane is None:
                 plane = DevicePlane(address, stub, reach.transfer_ranks, self.device, self.transfer_timeout_s)
                 self._device_planes[address] = plane
