@@ -8,9 +8,10 @@ one OpenMP thread per process: two sessions of 2-thread OpenMP on 2 cores spin a
 barrier (measured: the base-model builder, 91 s alone, passed its 400 s deadline beside the engine tests).
 ``python -m tests.lanes [pytest options]`` passes the options to both. It exits 0 only if both lanes pass
 (a lane that a selection leaves empty counts as passed, unless both are), and ends with the failed tests'
-summary lines and one line of both sessions' counts. Ctrl-C or SIGTERM reaches both sessions (their own
-cleanup runs); one that has not ended a minute later is killed with its process group, and the runner
-exits 128 + the signal. Plain ``pytest`` (``make test-one-session``) runs one session."""
+last error lines, their summary lines and one line of both sessions' counts. Ctrl-C or SIGTERM reaches
+both sessions (their own cleanup runs); one that has not ended a minute later is killed with its process
+group, and the runner exits 128 + the signal. Plain ``pytest`` (``make test-one-session``) runs one
+session."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -62,24 +63,43 @@ def command(lane: Lane, root: Path, extra: list[str]) -> list[str]:
 SUMMARY = re.compile(r"^=+ (.+) in [\d.]+s")  # pytest's closing line: "== 3 passed, 1 skipped in 2.1s =="
 SHORT_SUMMARY = re.compile(r"^=+ short test summary info =+$")
 FAILURE = re.compile(r"^(FAILED|ERROR) ")  # in the short summary: "FAILED tests/x.py::test - why"
+REPORTS = re.compile(r"^=+ (FAILURES|ERRORS) =+$")  # the long reports' sections
+REPORT_HEADER = re.compile(r"^_{3,} (.+?) _{3,}$")  # "____ test_two[param] ____": one test's report
+ERROR_LINE = re.compile(r"^E\s")  # pytest's lines of the error itself ("E   assert 1 == 2")
+ERROR_LINES_KEPT = 40  # a test's last error lines replayed at the end (a subprocess's tail, say)
 
 
 def relay(
-    lane: Lane, stream: IO[str], lock: threading.Lock, counts: Counter[str], failures: list[str]
+    lane: Lane,
+    stream: IO[str],
+    lock: threading.Lock,
+    counts: Counter[str],
+    failures: list[str],
+    errors: dict[str, deque[str]],
 ) -> None:
-    """Copies the session's lines, prefixed; adds its closing line's counts to ``counts`` and its
-    short-summary lines of failed tests to ``failures`` (only there: captured logs have ERROR lines)."""
+    """Copies the session's lines, prefixed; adds its closing line's counts to ``counts``, its
+    short-summary lines of failed tests to ``failures`` (only there: captured logs have ERROR lines), and
+    each failed test's last error lines (its report's ``E`` lines) to ``errors``, by test: a summary
+    line holds only an error's first line, which for a subprocess's output is often blank."""
     width = max(len(lane.name) for lane in LANES)
-    in_short_summary = False
+    in_short_summary = in_reports = False
+    reported = ""
     for line in stream:
         prefixed = f"[{lane.name:<{width}}] {line}"
+        bare = line.rstrip("\n")
         with lock:
             if summary := SUMMARY.match(line):
                 in_short_summary = False
                 for number, outcome in re.findall(r"(\d+) (\w+)", summary.group(1)):
                     counts[outcome] += int(number)
-            elif SHORT_SUMMARY.match(line.rstrip("\n")):
-                in_short_summary = True
+            elif SHORT_SUMMARY.match(bare):
+                in_short_summary, in_reports = True, False
+            elif REPORTS.match(bare):
+                in_reports = True
+            elif in_reports and (header := REPORT_HEADER.match(bare)):
+                reported = f"[{lane.name}] {header.group(1)}"
+            elif in_reports and reported and ERROR_LINE.match(line):
+                errors.setdefault(reported, deque(maxlen=ERROR_LINES_KEPT)).append(bare)
             elif in_short_summary and FAILURE.match(line):
                 failures.append(prefixed.rstrip("\n"))
             sys.stdout.write(prefixed)
@@ -112,6 +132,7 @@ def run(extra: list[str]) -> int:
     relays = []
     counts: Counter[str] = Counter()
     failures: list[str] = []
+    errors: dict[str, deque[str]] = {}
     started = time.monotonic()
 
     interrupted: list[int] = []
@@ -147,7 +168,9 @@ def run(extra: list[str]) -> int:
             procs.append(proc)
             assert proc.stdout is not None
             relays.append(
-                threading.Thread(target=relay, args=(lane, proc.stdout, lock, counts, failures), daemon=True)
+                threading.Thread(
+                    target=relay, args=(lane, proc.stdout, lock, counts, failures, errors), daemon=True
+                )
             )
             relays[-1].start()
         codes = [proc.wait() for proc in procs]
@@ -164,7 +187,10 @@ def run(extra: list[str]) -> int:
     failing = sum(code not in (0, NO_TESTS) for code in codes)
     failed = max(counts["failed"] + counts["error"] + counts["errors"], failing)  # (one died unsummed)
     # (the failed tests again at the very end: a log read from its tail, as CI's is, must name them; the
-    # other lane's output can bury a lane's own summary)
+    # other lane's output can bury a lane's own summary), each failed test's error lines first
+    for test, lines in errors.items():
+        for line in lines:
+            print(f"lanes: {test}: {line}")
     for failure in failures:
         print(f"lanes: {failure}")
     print(f"lanes: {counts['passed']} passed, {failed} failed, {counts['skipped']} skipped")

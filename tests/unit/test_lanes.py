@@ -1,11 +1,11 @@
 """``make test``'s runner reads each session's output: its counts, and the failed tests it names again
-at the end (a log read from its tail must show them)."""
+at the end with their error lines (a log read from its tail must show them and why)."""
 
 from __future__ import annotations
 
 import io
 import threading
-from collections import Counter
+from collections import Counter, deque
 
 from tests.lanes import LANES, relay
 
@@ -13,6 +13,14 @@ SESSION = """\
 tests/unit/test_a.py::test_one PASSED                                    [ 50%]
 tests/unit/test_a.py::test_two FAILED                                    [100%]
 =================================== FAILURES ===================================
+___________________________________ test_two ___________________________________
+
+    def test_two() -> None:
+>       assert done.returncode == 0, done.stderr
+E       AssertionError:
+E         Traceback (most recent call last):
+E         RuntimeError: a rank failed
+E       assert 1 == 0
 ------------------------------ Captured log call -------------------------------
 ERROR    fp8rl.serving:serving.py:79 internal error
 ERROR 12-06 10:00:00 [core.py:1] an engine's own log line
@@ -26,12 +34,21 @@ ERROR tests/unit/test_b.py::test_three - RuntimeError: no server
 def test_relay_counts_the_closing_line_and_keeps_the_failed_tests(capsys) -> None:
     counts: Counter[str] = Counter()
     failures: list[str] = []
-    relay(LANES[1], io.StringIO(SESSION), threading.Lock(), counts, failures)
+    errors: dict[str, deque[str]] = {}
+    relay(LANES[1], io.StringIO(SESSION), threading.Lock(), counts, failures, errors)
 
     assert counts == Counter(failed=1, passed=1, skipped=1, error=1)
     assert failures == [
         "[rest] FAILED tests/unit/test_a.py::test_two - AssertionError: assert 1 == 2",
         "[rest] ERROR tests/unit/test_b.py::test_three - RuntimeError: no server",
     ]
+    assert {test: list(lines) for test, lines in errors.items()} == {
+        "[rest] test_two": [
+            "E       AssertionError:",
+            "E         Traceback (most recent call last):",
+            "E         RuntimeError: a rank failed",
+            "E       assert 1 == 0",
+        ]
+    }
     copied = capsys.readouterr().out.splitlines()
     assert copied == [f"[rest] {line}" for line in SESSION.splitlines()]
