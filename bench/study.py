@@ -58,13 +58,29 @@ SETTINGS = {
 }
 
 
+FIRST_DESIGN = {"steps": 6, "prompts": 8, "group": 8, "val_size": 300, "max_operand": 49, "val_every": 0}
+"""The design of the summaries kept before a summary recorded its own."""
+
+
+def design(args: argparse.Namespace) -> dict[str, int]:
+    """What makes two runs of a setting and seed the same run: a kept summary of another design is
+    another study's."""
+    return {key: getattr(args, key) for key in FIRST_DESIGN}
+
+
 def run_once(setting: Setting, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     """One run's summary (run now unless its summary.json exists)."""
     run_dir = args.out / f"{setting.name}-s{seed}"
     summary = run_dir / "summary.json"
     kept = args.summaries / f"{setting.name}-s{seed}.json"
     if kept.exists():
-        return json.loads(kept.read_text())
+        result = json.loads(kept.read_text())
+        if result.get("design", FIRST_DESIGN) != design(args):
+            raise SystemExit(
+                f"{kept} is a run of another design ({result.get('design', FIRST_DESIGN)}, not "
+                f"{design(args)}): keep this study's summaries in another folder (--summaries)"
+            )
+        return result
     if not summary.exists():
         command = [sys.executable, "-m", "coordinator.cli", "start", "--recipe", setting.recipe]
         command += ["--consistency", setting.consistency, "--model", str(args.model), "--seed", str(seed)]
@@ -72,7 +88,8 @@ def run_once(setting: Setting, seed: int, args: argparse.Namespace) -> dict[str,
         command += ["--task", "arith-chat", "--max-operand", str(args.max_operand)]
         command += ["--steps", str(args.steps)]
         command += ["--prompts-per-step", str(args.prompts), "--group-size", str(args.group)]
-        command += ["--max-tokens", "16", "--val-size", str(args.val_size), "--val-every", "0"]
+        command += ["--max-tokens", "16", "--val-size", str(args.val_size)]
+        command += ["--val-every", str(args.val_every)]
         command += ["--progress", "plain", "--no-tensorboard"]
         start = time.monotonic()
         done = subprocess.run(command, capture_output=True, text=True)
@@ -81,10 +98,37 @@ def run_once(setting: Setting, seed: int, args: argparse.Namespace) -> dict[str,
             raise RuntimeError(f"{setting.name} seed {seed}: exit {done.returncode}\n{tail}")
         print(f"{setting.name} seed {seed}: {time.monotonic() - start:.0f} s", flush=True)
     result = json.loads(summary.read_text())
+    result["design"] = design(args)
     result["measured"] = {"date": time.strftime("%Y-%m-%d"), "commit": commit(), "machine": machine()}
     args.summaries.mkdir(parents=True, exist_ok=True)
     kept.write_text(json.dumps(result, indent=2) + "\n")
     return result
+
+
+POWER = 0.04  # issue 42: the 95% interval of (fp8 - bf16) final accuracy within +-4 points
+
+
+def seeds_needed(values: list[float], half_width: float = POWER) -> int | None:
+    """Seeds a t-interval of ``values``' mean would need to be within ``half_width``, at the spread the
+    seeds so far show (None: fewer than two seeds, no spread to go on)."""
+    if len(values) < 2:
+        return None
+    spread = statistics.stdev(values)
+    n = 2
+    while t_975(n - 1) * spread / math.sqrt(n) > half_width:
+        n += 1
+    return n
+
+
+def final_accuracy(run: dict[str, Any], evals: int) -> float:
+    """A run's final accuracy: the mean of its last ``evals`` validations (one is its last alone; RL
+    accuracy moves by several points between neighbouring validations, so one is a noisy end point)."""
+    if evals == 1:
+        return float(run["final_val_accuracy"])
+    curve = sorted((int(step), acc) for step, acc in run.get("val_accuracy_by_step", {}).items())
+    if len(curve) < evals:
+        raise SystemExit(f"a run validated {len(curve)} times, not {evals}: run with --val-every")
+    return statistics.mean(acc for _, acc in curve[-evals:])
 
 
 def interval(values: list[float]) -> tuple[float, float]:
@@ -96,8 +140,8 @@ def interval(values: list[float]) -> tuple[float, float]:
 
 HEADER = [
     "| setting | final accuracy (mean ± 95% CI) | base accuracy | final − bf16 (mean ± 95% CI) | "
-    "median token_mult_prob_error | median gen_kl_error | step time (s) |",
-    "| --- " * 7 + "|",
+    "seeds for ± 4 points | median token_mult_prob_error | median gen_kl_error | step time (s) |",
+    "| --- " * 8 + "|",
 ]
 
 
@@ -129,18 +173,28 @@ def report(results: dict[str, dict[int, dict[str, Any]]], args: argparse.Namespa
         f"{len(seeds)} seeds x {validation_sums(args)} held-out validation sums each (greedy); "
         f"{args.steps} GRPO steps of {args.prompts} prompts x {args.group} samples; "
         f"`python bench/study.py --seeds {args.seeds} --steps {args.steps} --prompts {args.prompts} "
-        f"--group {args.group} --val-size {args.val_size} --max-operand {args.max_operand}`.",
+        f"--group {args.group} --val-size {args.val_size} --max-operand {args.max_operand} "
+        f"--val-every {args.val_every} --final-evals {args.final_evals}`"
+        + (
+            f" (final accuracy: the mean of each run's last {args.final_evals} validations)."
+            if args.final_evals > 1
+            else "."
+        ),
         "",
         *HEADER,
     ]
     bf16 = results.get("bf16", {})
     for name, runs in results.items():
-        mean, half = interval([runs[s]["final_val_accuracy"] for s in seeds])
-        difference = "—"
+        mean, half = interval([final_accuracy(runs[s], args.final_evals) for s in seeds])
+        difference = needed = "—"
         if name != "bf16" and bf16:
-            gaps = [runs[s]["final_val_accuracy"] - bf16[s]["final_val_accuracy"] for s in seeds]
+            gaps = [
+                final_accuracy(runs[s], args.final_evals) - final_accuracy(bf16[s], args.final_evals)
+                for s in seeds
+            ]
             d_mean, d_half = interval(gaps)
             difference = f"{d_mean:+.3f} ± {d_half:.3f}"
+            needed = str(seeds_needed(gaps) or "—")
 
         def median(key: str, runs: dict[int, dict[str, Any]] = runs) -> float:
             values = [runs[s].get(key) for s in seeds]  # (0.0 is a value: exact mode's gen_kl_error)
@@ -148,7 +202,7 @@ def report(results: dict[str, dict[int, dict[str, Any]]], args: argparse.Namespa
 
         base = statistics.mean(runs[s]["base_val_accuracy"] for s in seeds)
         lines.append(
-            f"| `{name}` | {mean:.3f} ± {half:.3f} | {base:.3f} | {difference} | "
+            f"| `{name}` | {mean:.3f} ± {half:.3f} | {base:.3f} | {difference} | {needed} | "
             f"{median('median_token_mult_prob_error'):.5f} | {median('median_gen_kl_error'):.3g} | "
             f"{median('median_step_s'):.1f} |"
         )
@@ -156,7 +210,9 @@ def report(results: dict[str, dict[int, dict[str, Any]]], args: argparse.Namespa
     lines.append("| --- " * (len(results) + 1) + "|")
     for s in seeds:
         lines.append(
-            f"| {s} | " + " | ".join(f"{results[n][s]['final_val_accuracy']:.3f}" for n in results) + " |"
+            f"| {s} | "
+            + " | ".join(f"{final_accuracy(results[n][s], args.final_evals):.3f}" for n in results)
+            + " |"
         )
     return "\n".join(lines) + "\n"
 
@@ -173,6 +229,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--val-size", type=int, default=300)
     parser.add_argument("--max-operand", type=int, default=49)
+    parser.add_argument("--val-every", type=int, default=0, help="validate every N steps (0: the last)")
+    parser.add_argument(
+        "--final-evals", type=int, default=1, help="final accuracy: the mean of the last N validations"
+    )
     parser.add_argument("--out", type=Path, default=Path("runs/study"), help="the runs' own folders")
     parser.add_argument("--summaries", type=Path, default=Path("docs/results/study-smollm2"))
     parser.add_argument("--report", type=Path, help="also write the table to this markdown file")

@@ -301,6 +301,8 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         if validated and validated[0]["step"] == 0
         else None,
         "final_val_accuracy": validated[-1]["val_accuracy"] if validated else None,
+        # (the curve too: one validation is one point of a noisy RL trajectory; a study averages its end)
+        "val_accuracy_by_step": {str(r["step"]): r["val_accuracy"] for r in validated},
         "median_token_mult_prob_error": median("token_mult_prob_error"),
         "max_token_mult_prob_error": max((r["token_mult_prob_error"] for r in steps), default=None),
         "median_gen_kl_error": median("gen_kl_error"),

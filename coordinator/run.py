@@ -230,8 +230,10 @@ class Supervisor:
             "linears": precision["summary"],
             "consistency": config.run.precision.consistency,
         }
-        # (A figure the run has none of, such as routing mismatch on a dense model, stays in summary.json.)
-        sink.say("summary: " + ", ".join(f"{k}={_short(v)}" for k, v in summary.items() if v is not None))
+        # (A figure the run has none of, such as routing mismatch on a dense model, and the validation
+        # curve stay in summary.json.)
+        shown = {k: v for k, v in summary.items() if v is not None and not isinstance(v, dict)}
+        sink.say("summary: " + ", ".join(f"{k}={_short(v)}" for k, v in shown.items()))
         try:  # every step is committed by now: a full disk costs the files, not the run
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             from coordinator.report import write_plots

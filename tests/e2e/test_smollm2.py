@@ -44,5 +44,7 @@ def test_smollm2_trains_under_fp8_on_a_chat_dataset(smollm2_dir: Path, tmp_path:
     assert all(1 <= e < 1.25 for e in errors), errors
     summary = json.loads((run_dir / "summary.json").read_text())
     assert "but self_attn.k_proj, self_attn.q_proj, self_attn.v_proj" in summary["linears"], summary
+    validated = {str(r["step"]): r["val_accuracy"] for r in records if "val_accuracy" in r}
+    assert summary["val_accuracy_by_step"] == validated and validated.keys() == {"0", "2"}, summary
     run = json.loads((run_dir / "run.json").read_text())
     assert len(run["linears"]["high_precision_per_layer"]) == 3 and run["linears"]["layers"] == 30
