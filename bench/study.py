@@ -22,6 +22,7 @@ import argparse
 import json
 import math
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -97,6 +98,7 @@ def run_once(setting: Setting, seed: int, args: argparse.Namespace) -> dict[str,
             tail = done.stdout[-3000:] + done.stderr[-3000:]
             raise RuntimeError(f"{setting.name} seed {seed}: exit {done.returncode}\n{tail}")
         print(f"{setting.name} seed {seed}: {time.monotonic() - start:.0f} s", flush=True)
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # (GBs a run; the study keeps summaries)
     result = json.loads(summary.read_text())
     result["design"] = design(args)
     result["measured"] = {"date": time.strftime("%Y-%m-%d"), "commit": commit(), "machine": machine()}

@@ -64,7 +64,9 @@ SUMMARY = re.compile(r"^=+ (.+) in [\d.]+s")  # pytest's closing line: "== 3 pas
 SHORT_SUMMARY = re.compile(r"^=+ short test summary info =+$")
 FAILURE = re.compile(r"^(FAILED|ERROR) ")  # in the short summary: "FAILED tests/x.py::test - why"
 REPORTS = re.compile(r"^=+ (FAILURES|ERRORS) =+$")  # the long reports' sections
-REPORT_HEADER = re.compile(r"^_{3,} (.+?) _{3,}$")  # "____ test_two[param] ____": one test's report
+# "____ test_two[param] ____" opens one test's report ("_ long_name _" when the name fills the line; not
+# "_ _ _ _", which parts a traceback's entries)
+REPORT_HEADER = re.compile(r"^_+ ([A-Za-z].*?) _+$")
 ERROR_LINE = re.compile(r"^E\s")  # pytest's lines of the error itself ("E   assert 1 == 2")
 ERROR_LINES_KEPT = 40  # a test's last error lines replayed at the end (a subprocess's tail, say)
 

@@ -21,6 +21,10 @@ E       AssertionError:
 E         Traceback (most recent call last):
 E         RuntimeError: a rank failed
 E       assert 1 == 0
+_ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _
+E       RuntimeError: raised below
+_ test_a_name_so_long_that_pytest_leaves_one_underscore_each_side_of_it[with-a-parameter] _
+E       ValueError: a second test
 ------------------------------ Captured log call -------------------------------
 ERROR    fp8rl.serving:serving.py:79 internal error
 ERROR 12-06 10:00:00 [core.py:1] an engine's own log line
@@ -48,7 +52,11 @@ def test_relay_counts_the_closing_line_and_keeps_the_failed_tests(capsys) -> Non
             "E         Traceback (most recent call last):",
             "E         RuntimeError: a rank failed",
             "E       assert 1 == 0",
-        ]
+            "E       RuntimeError: raised below",
+        ],
+        "[rest] test_a_name_so_long_that_pytest_leaves_one_underscore_each_side_of_it[with-a-parameter]": [
+            "E       ValueError: a second test"
+        ],
     }
     copied = capsys.readouterr().out.splitlines()
     assert copied == [f"[rest] {line}" for line in SESSION.splitlines()]
