@@ -3,17 +3,21 @@ over several seeds, and the 95% confidence interval of each setting's final accu
 
 Each (setting, seed) is one embedded ``coordinator start`` (redis-server, trainer and one replica as
 child processes) on the chat sums with operands 0..49 (``--task arith-chat --max-operand 49``; a tenth
-of the 2,500 pairs is held out), validating greedily before the first and after the last step on
-``--val-size`` held-out sums that each seed draws afresh. A run whose summary.json exists is not run
-again, so the study resumes where it stopped. The report pairs the settings by seed: the difference of
-final accuracies per seed, its mean and a t-interval over the seeds (the seed-to-seed spread of RL runs
-and the draw of validation problems are both in it).
+of the 2,500 pairs is held out), validating greedily before the first step and every ``--val-every``
+steps on ``--val-size`` held-out sums that each seed draws afresh. A run's final accuracy is the mean of
+its last ``--final-evals`` validations: greedy accuracy moves by up to 0.11 between neighbouring
+validations of one run, so a single end point adds that jitter to every seed's difference. A run whose
+summary.json exists is not run again, so the study resumes where it stopped. The report pairs the
+settings by seed: the difference of final accuracies per seed, its mean, a t-interval over the seeds
+(the seed-to-seed spread of RL runs and the draw of validation problems are both in it), and how many
+seeds an interval of +-4 points would take at the spread seen so far.
 
-Each finished run's summary is also copied to ``--summaries`` (by default docs/results/study-smollm2/,
-committed), and a run whose summary is there is not run again either: the study, hours long on a 2-core
-machine, resumes across sessions and machines from the repository alone.
+Each finished run's summary is also copied to ``--summaries`` (committed), and a run whose summary is
+there is not run again either: the study, hours long on a 2-core machine, resumes across sessions and
+machines from the repository alone. A summary records its design (steps, validation...); one of another
+design is refused, not mixed in.
 
-    python bench/study.py --model models/smollm2 --seeds 8 --report docs/results/study-smollm2.md
+    python bench/study.py --model models/smollm2 --settings bf16,fp8 --seeds 17 --report FILE
 """
 
 from __future__ import annotations
@@ -169,9 +173,10 @@ def commit() -> str:
 def report(results: dict[str, dict[int, dict[str, Any]]], args: argparse.Namespace) -> str:
     measured = [r["measured"] for runs in results.values() for r in runs.values() if "measured" in r]
     commits = ", ".join(sorted({m["commit"] for m in measured})) or commit()
+    last = max((m["date"] for m in measured), default=time.strftime("%Y-%m-%d"))
     seeds = sorted(set.intersection(*(set(r) for r in results.values())))
     lines = [
-        f"Measured up to {time.strftime('%Y-%m-%d')} at commits {commits} on {machine()}; "
+        f"Measured up to {last} at commits {commits} on {machine()}; "
         f"{len(seeds)} seeds x {validation_sums(args)} held-out validation sums each (greedy); "
         f"{args.steps} GRPO steps of {args.prompts} prompts x {args.group} samples; "
         f"`python bench/study.py --seeds {args.seeds} --steps {args.steps} --prompts {args.prompts} "
@@ -219,6 +224,19 @@ def report(results: dict[str, dict[int, dict[str, Any]]], args: argparse.Namespa
     return "\n".join(lines) + "\n"
 
 
+TABLE_BEGIN, TABLE_END = "<!-- bench/study.py: table -->", "<!-- bench/study.py: end of table -->"
+
+
+def write_report(path: Path, table: str) -> None:
+    """The table into ``path``: between its markers where the page has them (its prose stays), else the
+    whole file."""
+    page = path.read_text() if path.exists() else ""
+    if TABLE_BEGIN in page and TABLE_END in page:
+        before, rest = page.split(TABLE_BEGIN, 1)
+        table = f"{before}{TABLE_BEGIN}\n{table}{TABLE_END}{rest.split(TABLE_END, 1)[1]}"
+    path.write_text(table)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -226,18 +244,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", type=Path, default=Path("models/smollm2"))
     parser.add_argument("--settings", default=",".join(SETTINGS))
     parser.add_argument("--seeds", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--val-size", type=int, default=300)
     parser.add_argument("--max-operand", type=int, default=49)
-    parser.add_argument("--val-every", type=int, default=0, help="validate every N steps (0: the last)")
+    parser.add_argument("--val-every", type=int, default=2, help="validate every N steps (0: the last)")
     parser.add_argument(
-        "--final-evals", type=int, default=1, help="final accuracy: the mean of the last N validations"
+        "--final-evals", type=int, default=3, help="final accuracy: the mean of the last N validations"
     )
     parser.add_argument("--out", type=Path, default=Path("runs/study"), help="the runs' own folders")
-    parser.add_argument("--summaries", type=Path, default=Path("docs/results/study-smollm2"))
-    parser.add_argument("--report", type=Path, help="also write the table to this markdown file")
+    parser.add_argument("--summaries", type=Path, default=Path("docs/results/study-smollm2-v2"))
+    parser.add_argument(
+        "--report",
+        type=Path,
+        help="also write the table to this markdown file (between its markers where it has them)",
+    )
     args = parser.parse_args(argv)
     settings = [SETTINGS[name] for name in args.settings.split(",")]
     results: dict[str, dict[int, dict[str, Any]]] = {s.name: {} for s in settings}
@@ -247,7 +269,7 @@ def main(argv: list[str] | None = None) -> None:
         table = report(results, args)
         print(table, flush=True)
         if args.report:
-            args.report.write_text(table)
+            write_report(args.report, table)
 
 
 if __name__ == "__main__":
