@@ -86,7 +86,17 @@ def run_once(setting: Setting, seed: int, args: argparse.Namespace) -> dict[str,
                 f"{design(args)}): keep this study's summaries in another folder (--summaries)"
             )
         return result
-    if not summary.exists():
+    # A run's folder says what it was launched as (its design, commit and date): a folder of another
+    # design, or of a study before this file, would resume as this one's run.
+    launched = run_dir / "launched.json"
+    if run_dir.exists() and any(run_dir.iterdir()):
+        if not launched.exists() or json.loads(launched.read_text())["design"] != design(args):
+            raise SystemExit(f"{run_dir} holds a run of another design: give this study its own --out")
+    else:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        measured = {"date": time.strftime("%Y-%m-%d"), "commit": commit(), "machine": machine()}
+        launched.write_text(json.dumps({"design": design(args), "measured": measured}))
+    if not summary.exists():  # (or it stopped before its end: the coordinator resumes it)
         command = [sys.executable, "-m", "coordinator.cli", "start", "--recipe", setting.recipe]
         command += ["--consistency", setting.consistency, "--model", str(args.model), "--seed", str(seed)]
         command += ["--run-id", f"study-{setting.name}-s{seed}", "--run-dir", str(run_dir)]
@@ -103,9 +113,7 @@ def run_once(setting: Setting, seed: int, args: argparse.Namespace) -> dict[str,
             raise RuntimeError(f"{setting.name} seed {seed}: exit {done.returncode}\n{tail}")
         print(f"{setting.name} seed {seed}: {time.monotonic() - start:.0f} s", flush=True)
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # (GBs a run; the study keeps summaries)
-    result = json.loads(summary.read_text())
-    result["design"] = design(args)
-    result["measured"] = {"date": time.strftime("%Y-%m-%d"), "commit": commit(), "machine": machine()}
+    result = json.loads(summary.read_text()) | json.loads(launched.read_text())
     args.summaries.mkdir(parents=True, exist_ok=True)
     kept.write_text(json.dumps(result, indent=2) + "\n")
     return result
@@ -129,11 +137,14 @@ def seeds_needed(values: list[float], half_width: float = POWER) -> int | None:
 def final_accuracy(run: dict[str, Any], evals: int) -> float:
     """A run's final accuracy: the mean of its last ``evals`` validations (one is its last alone; RL
     accuracy moves by several points between neighbouring validations, so one is a noisy end point)."""
+    if evals < 1:
+        raise SystemExit(f"--final-evals {evals}: at least one validation")
     if evals == 1:
         return float(run["final_val_accuracy"])
-    curve = sorted((int(step), acc) for step, acc in run.get("val_accuracy_by_step", {}).items())
+    # (after training only: step 0's is the base model's)
+    curve = sorted((int(k), acc) for k, acc in run.get("val_accuracy_by_step", {}).items() if int(k) > 0)
     if len(curve) < evals:
-        raise SystemExit(f"a run validated {len(curve)} times, not {evals}: run with --val-every")
+        raise SystemExit(f"a run validated {len(curve)} times after training, not {evals}: --val-every")
     return statistics.mean(acc for _, acc in curve[-evals:])
 
 
@@ -231,9 +242,12 @@ def write_report(path: Path, table: str) -> None:
     """The table into ``path``: between its markers where the page has them (its prose stays), else the
     whole file."""
     page = path.read_text() if path.exists() else ""
-    if TABLE_BEGIN in page and TABLE_END in page:
-        before, rest = page.split(TABLE_BEGIN, 1)
-        table = f"{before}{TABLE_BEGIN}\n{table}{TABLE_END}{rest.split(TABLE_END, 1)[1]}"
+    before, begin, rest = page.partition(TABLE_BEGIN)
+    _, end, after = rest.partition(TABLE_END)
+    if begin and end:
+        table = f"{before}{TABLE_BEGIN}\n{table}{TABLE_END}{after}"
+    elif TABLE_BEGIN in page or TABLE_END in page:  # (the prose would be lost)
+        raise SystemExit(f"{path}: its table markers are not one begin and then one end")
     path.write_text(table)
 
 

@@ -77,15 +77,15 @@ def relay(
     lock: threading.Lock,
     counts: Counter[str],
     failures: list[str],
-    errors: dict[str, deque[str]],
+    errors: list[tuple[str, deque[str]]],
 ) -> None:
     """Copies the session's lines, prefixed; adds its closing line's counts to ``counts``, its
     short-summary lines of failed tests to ``failures`` (only there: captured logs have ERROR lines), and
-    each failed test's last error lines (its report's ``E`` lines) to ``errors``, by test: a summary
+    each failed test's last error lines (its report's ``E`` lines) to ``errors``, a report each: a summary
     line holds only an error's first line, which for a subprocess's output is often blank."""
     width = max(len(lane.name) for lane in LANES)
     in_short_summary = in_reports = False
-    reported = ""
+    current: deque[str] | None = None  # (this lane's report now: the other lane appends to errors too)
     for line in stream:
         prefixed = f"[{lane.name:<{width}}] {line}"
         bare = line.rstrip("\n")
@@ -99,9 +99,11 @@ def relay(
             elif REPORTS.match(bare):
                 in_reports = True
             elif in_reports and (header := REPORT_HEADER.match(bare)):
-                reported = f"[{lane.name}] {header.group(1)}"
-            elif in_reports and reported and ERROR_LINE.match(line):
-                errors.setdefault(reported, deque(maxlen=ERROR_LINES_KEPT)).append(bare)
+                # (a report per header: two files' tests of one name are two reports)
+                current = deque(maxlen=ERROR_LINES_KEPT)
+                errors.append((f"[{lane.name}] {header.group(1)}", current))
+            elif in_reports and current is not None and ERROR_LINE.match(line):
+                current.append(bare)
             elif in_short_summary and FAILURE.match(line):
                 failures.append(prefixed.rstrip("\n"))
             sys.stdout.write(prefixed)
@@ -134,7 +136,7 @@ def run(extra: list[str]) -> int:
     relays = []
     counts: Counter[str] = Counter()
     failures: list[str] = []
-    errors: dict[str, deque[str]] = {}
+    errors: list[tuple[str, deque[str]]] = []
     started = time.monotonic()
 
     interrupted: list[int] = []
@@ -190,7 +192,7 @@ def run(extra: list[str]) -> int:
     failed = max(counts["failed"] + counts["error"] + counts["errors"], failing)  # (one died unsummed)
     # (the failed tests again at the very end: a log read from its tail, as CI's is, must name them; the
     # other lane's output can bury a lane's own summary), each failed test's error lines first
-    for test, lines in errors.items():
+    for test, lines in errors:
         for line in lines:
             print(f"lanes: {test}: {line}")
     for failure in failures:

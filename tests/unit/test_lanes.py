@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import threading
 from collections import Counter, deque
+from collections.abc import Iterator
 
 from tests.lanes import LANES, relay
 
@@ -25,6 +26,8 @@ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _
 E       RuntimeError: raised below
 _ test_a_name_so_long_that_pytest_leaves_one_underscore_each_side_of_it[with-a-parameter] _
 E       ValueError: a second test
+___________________________________ test_two ___________________________________
+E       KeyError: another file's test_two
 ------------------------------ Captured log call -------------------------------
 ERROR    fp8rl.serving:serving.py:79 internal error
 ERROR 12-06 10:00:00 [core.py:1] an engine's own log line
@@ -38,7 +41,7 @@ ERROR tests/unit/test_b.py::test_three - RuntimeError: no server
 def test_relay_counts_the_closing_line_and_keeps_the_failed_tests(capsys) -> None:
     counts: Counter[str] = Counter()
     failures: list[str] = []
-    errors: dict[str, deque[str]] = {}
+    errors: list[tuple[str, deque[str]]] = []
     relay(LANES[1], io.StringIO(SESSION), threading.Lock(), counts, failures, errors)
 
     assert counts == Counter(failed=1, passed=1, skipped=1, error=1)
@@ -46,17 +49,41 @@ def test_relay_counts_the_closing_line_and_keeps_the_failed_tests(capsys) -> Non
         "[rest] FAILED tests/unit/test_a.py::test_two - AssertionError: assert 1 == 2",
         "[rest] ERROR tests/unit/test_b.py::test_three - RuntimeError: no server",
     ]
-    assert {test: list(lines) for test, lines in errors.items()} == {
-        "[rest] test_two": [
-            "E       AssertionError:",
-            "E         Traceback (most recent call last):",
-            "E         RuntimeError: a rank failed",
-            "E       assert 1 == 0",
-            "E       RuntimeError: raised below",
-        ],
-        "[rest] test_a_name_so_long_that_pytest_leaves_one_underscore_each_side_of_it[with-a-parameter]": [
-            "E       ValueError: a second test"
-        ],
-    }
+    assert [(test, list(lines)) for test, lines in errors] == [
+        (
+            "[rest] test_two",
+            [
+                "E       AssertionError:",
+                "E         Traceback (most recent call last):",
+                "E         RuntimeError: a rank failed",
+                "E       assert 1 == 0",
+                "E       RuntimeError: raised below",
+            ],
+        ),
+        (
+            "[rest] test_a_name_so_long_that_pytest_leaves_one_underscore_each_side_of_it[with-a-parameter]",
+            ["E       ValueError: a second test"],
+        ),
+        ("[rest] test_two", ["E       KeyError: another file's test_two"]),
+    ]
     copied = capsys.readouterr().out.splitlines()
     assert copied == [f"[rest] {line}" for line in SESSION.splitlines()]
+
+
+def test_each_lane_keeps_its_own_reports_error_lines_while_the_other_lane_reports_too() -> None:
+    errors: list[tuple[str, deque[str]]] = []
+    lock = threading.Lock()
+
+    def rest_lane() -> Iterator[str]:
+        yield "=================================== FAILURES ===================================\n"
+        yield "_________________________________ test_rest _________________________________\n"
+        # (the end-to-end lane reports a failure of its own in between)
+        e2e = "= FAILURES =\n____ test_e2e ____\nE       e2e's error\n"
+        relay(LANES[0], io.StringIO(e2e), lock, Counter(), [], errors)
+        yield "E       rest's error\n"
+
+    relay(LANES[1], rest_lane(), lock, Counter(), [], errors)
+    assert [(test, list(lines)) for test, lines in errors] == [
+        ("[rest] test_rest", ["E       rest's error"]),
+        ("[e2e] test_e2e", ["E       e2e's error"]),
+    ]

@@ -33,8 +33,11 @@ def test_final_accuracy_is_the_mean_of_the_last_validations() -> None:
     curve["val_accuracy_by_step"]["10"] = 0.3
     assert study.final_accuracy(curve, 1) == 0.9  # (the summary's own last)
     assert study.final_accuracy(curve, 3) == pytest.approx((0.5 + 0.9 + 0.3) / 3)
-    with pytest.raises(SystemExit, match="validated 6 times, not 7"):
-        study.final_accuracy(curve, 7)
+    assert study.final_accuracy(curve, 5) == pytest.approx((0.2 + 0.4 + 0.5 + 0.9 + 0.3) / 5)
+    with pytest.raises(SystemExit, match="validated 5 times after training, not 6"):
+        study.final_accuracy(curve, 6)  # (step 0's validation is the base model's: never counted)
+    with pytest.raises(SystemExit, match="at least one"):
+        study.final_accuracy(curve, 0)
 
 
 def test_seeds_needed_is_the_first_count_whose_interval_is_within_the_goal() -> None:
@@ -58,6 +61,17 @@ def test_a_kept_summary_of_another_design_is_refused(tmp_path: Path) -> None:
     args.steps = 8
     with pytest.raises(SystemExit, match="another design"):
         study.run_once(study.SETTINGS["bf16"], 0, args)
+    # A run's folder from a study of another design (or of none recorded) is refused too, not resumed.
+    kept.unlink()
+    old_run = args.out / "bf16-s0"
+    old_run.mkdir(parents=True)
+    (old_run / "summary.json").write_text(json.dumps(run({0: 0.1, 6: 0.5})))
+    with pytest.raises(SystemExit, match="another design"):
+        study.run_once(study.SETTINGS["bf16"], 0, args)
+    (old_run / "launched.json").write_text(json.dumps({"design": study.FIRST_DESIGN, "measured": {}}))
+    with pytest.raises(SystemExit, match="another design"):
+        study.run_once(study.SETTINGS["bf16"], 0, args)
+    assert not kept.exists()
 
 
 def test_the_table_goes_between_the_pages_markers(tmp_path: Path) -> None:
@@ -65,6 +79,11 @@ def test_the_table_goes_between_the_pages_markers(tmp_path: Path) -> None:
     page.write_text(f"prose\n{study.TABLE_BEGIN}\nold table\n{study.TABLE_END}\nmore prose\n")
     study.write_report(page, "| new |\n")
     assert page.read_text() == f"prose\n{study.TABLE_BEGIN}\n| new |\n{study.TABLE_END}\nmore prose\n"
+    backwards = tmp_path / "backwards.md"
+    backwards.write_text(f"{study.TABLE_END}\n{study.TABLE_BEGIN}\n")
+    with pytest.raises(SystemExit, match="markers"):
+        study.write_report(backwards, "| new |\n")
+    assert backwards.read_text() == f"{study.TABLE_END}\n{study.TABLE_BEGIN}\n"
     bare = tmp_path / "bare.md"
     study.write_report(bare, "| new |\n")
     assert bare.read_text() == "| new |\n"
