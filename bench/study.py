@@ -4,20 +4,21 @@ over several seeds, and the 95% confidence interval of each setting's final accu
 Each (setting, seed) is one embedded ``coordinator start`` (redis-server, trainer and one replica as
 child processes) on the chat sums with operands 0..49 (``--task arith-chat --max-operand 49``; a tenth
 of the 2,500 pairs is held out), validating greedily before the first step and every ``--val-every``
-steps on ``--val-size`` held-out sums that each seed draws afresh. A run's final accuracy is the mean of
-its last ``--final-evals`` validations: greedy accuracy moves by up to 0.11 between neighbouring
-validations of one run, so a single end point adds that jitter to every seed's difference. A run whose
-summary.json exists is not run again, so the study resumes where it stopped. The report pairs the
-settings by seed: the difference of final accuracies per seed, its mean, a t-interval over the seeds
-(the seed-to-seed spread of RL runs and the draw of validation problems are both in it), and how many
-seeds an interval of +-4 points would take at the spread seen so far.
+steps on ``--val-size`` held-out sums of a seeded draw (all 265 of operands 0..49 at the default 300,
+the same for every seed). A run's final accuracy is the mean of its last ``--final-evals``
+validations after training: greedy accuracy moves by up to 0.11 between neighbouring validations of one
+run, so a single end point adds that jitter to every seed's difference. A run whose summary.json exists
+is not run again, so the study resumes where it stopped. The report pairs the settings by seed: the
+difference of final accuracies per seed, its mean, a t-interval over the seeds (the seed-to-seed
+spread of RL runs is in it), and how many seeds an interval of +-4 points would take at the spread seen
+so far.
 
 Each finished run's summary is also copied to ``--summaries`` (committed), and a run whose summary is
 there is not run again either: the study, hours long on a 2-core machine, resumes across sessions and
 machines from the repository alone. A summary records its design (steps, validation...); one of another
 design is refused, not mixed in.
 
-    python bench/study.py --model models/smollm2 --settings bf16,fp8 --seeds 17 --report FILE
+    python bench/study.py --model models/smollm2 --settings bf16,fp8 --seeds 24 --report FILE
 """
 
 from __future__ import annotations
