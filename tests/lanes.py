@@ -2,16 +2,16 @@
 
 On a 2-core machine one session kept about one core busy (1.06 of 2): the end-to-end tests wait (on child
 processes starting, heartbeats, leases, links), while the component tests compute. So the end-to-end tier
-runs in one lane and everything else in the other, each in its own temporary root and pytest cache (pytest
-keeps only its last three roots: two sessions sharing one would remove each other's files), and each with
-one OpenMP thread per process: two sessions of 2-thread OpenMP on 2 cores spin against each other at every
-barrier (measured: the base-model builder, 91 s alone, passed its 400 s deadline beside the engine tests).
-``python -m tests.lanes [pytest options]`` passes the options to both. It exits 0 only if both lanes pass
-(a lane that a selection leaves empty counts as passed, unless both are), and ends with the failed tests'
-last error lines, their summary lines and one line of both sessions' counts. Ctrl-C or SIGTERM reaches
-both sessions (their own cleanup runs); one that has not ended a minute later is killed with its process
-group, and the runner exits 128 + the signal. Plain ``pytest`` (``make test-one-session``) runs one
-session."""
+runs in one lane and everything else in the other, each in its own temporary root, TMPDIR and pytest cache
+(pytest keeps only its last three roots: two sessions sharing one would remove each other's files), and
+each with one OpenMP thread per process: two sessions of 2-thread OpenMP on 2 cores spin against each
+other at every barrier (measured: the base-model builder, 91 s alone, passed its 400 s deadline beside the
+engine tests). ``python -m tests.lanes [pytest options]`` passes the options to both. It exits 0 only if
+both lanes pass (a lane that a selection leaves empty counts as passed, unless both are), and ends with
+the failed tests' last error lines, their summary lines and one line of both sessions' counts. Ctrl-C or
+SIGTERM reaches both sessions (their own cleanup runs); one that has not ended a minute later is killed
+with its process group, and the runner exits 128 + the signal. Plain ``pytest`` (``make
+test-one-session``) runs one session."""
 
 from __future__ import annotations
 
@@ -160,10 +160,15 @@ def run(extra: list[str]) -> int:
         for lane in LANES:
             if interrupted:  # (before the second lane started: it never starts)
                 break
+            # Each lane's scratch files (vLLM's rendezvous files and sockets, torchrun's logs: a killed
+            # process leaves its own) go in a TMPDIR under the root, removed with it.
+            scratch = root / f"{lane.name}-tmp"
+            scratch.mkdir()
             proc = subprocess.Popen(
                 command(lane, root, extra),
                 cwd=ROOT,
-                env={**ONE_THREAD, **os.environ},  # (a thread count set by hand stands)
+                # (a thread count set by hand stands)
+                env={**ONE_THREAD, **os.environ, "TMPDIR": str(scratch)},
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,

@@ -4,11 +4,14 @@ at the end with their error lines (a log read from its tail must show them and w
 from __future__ import annotations
 
 import io
+import signal
 import threading
 from collections import Counter, deque
 from collections.abc import Iterator
+from pathlib import Path
 
-from tests.lanes import LANES, relay
+from tests import lanes
+from tests.lanes import LANES, Lane, relay
 
 SESSION = """\
 tests/unit/test_a.py::test_one PASSED                                    [ 50%]
@@ -87,3 +90,35 @@ def test_each_lane_keeps_its_own_reports_error_lines_while_the_other_lane_report
         ("[rest] test_rest", ["E       rest's error"]),
         ("[e2e] test_e2e", ["E       e2e's error"]),
     ]
+
+
+SCRATCH_TEST = """\
+import tempfile
+from pathlib import Path
+
+def test_leaves_a_file_in_its_scratch():
+    scratch = Path(tempfile.gettempdir())
+    (scratch / "left-behind").write_text("as a killed process leaves its socket")
+    Path({record!r}).write_text(str(scratch))
+"""
+
+
+def test_each_lane_has_a_scratch_tmpdir_of_its_own_removed_with_the_root(tmp_path, monkeypatch) -> None:
+    selected = []
+    for name in ("one", "two"):
+        test = tmp_path / f"test_{name}_scratch.py"
+        test.write_text(SCRATCH_TEST.format(record=str(tmp_path / f"{name}.record")))
+        selected.append(Lane(name, (str(test), "-p", "no:cacheprovider")))
+    monkeypatch.setattr(lanes, "LANES", tuple(selected))
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        assert lanes.run([]) == 0
+    finally:  # (the runner takes over both signals for its sessions)
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+
+    scratches = [Path((tmp_path / f"{name}.record").read_text()) for name in ("one", "two")]
+    assert [s.name for s in scratches] == ["one-tmp", "two-tmp"]
+    assert scratches[0].parent == scratches[1].parent  # (one root, named the runner's)
+    assert scratches[0].parent.name.startswith("fp8rl-tests-")
+    assert not scratches[0].parent.exists()  # (the lanes passed: the root went, with what was left in it)
