@@ -26,16 +26,21 @@ same run, as a user would. Printed at the end, and written to ``--out``/report.j
 
 Exit status 1 if a check fails. Needs root (namespaces, iptables, tc).
 
-    python bench/chaos.py [--steps 400] [--minutes M] [--seed N] [--clean] [--out runs/chaos]
+    python bench/chaos.py [--steps 400] [--minutes M] [--until-covered] [--seed N] [--clean] [--out DIR]
 
-The hour-long form: ``--minutes 60 --steps 100000 --clean``.
+The hour-long form: ``--minutes 60 --steps 100000 --clean``. The shortest that still meets every kind
+(the suite's, tests/e2e/test_chaos.py): ``--until-covered``, which ends the faults once each kind has been
+applied, a flood has been served, and a replica added by hand has generated at a version the trainer
+sent it.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
+import math
 import os
 import random
 import re
@@ -46,6 +51,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -78,7 +84,7 @@ class Run:
         self.pids: set[int] = set()  # every child the coordinators started (ended at the end, by PID)
         self.added: dict[str, subprocess.Popen] = {}  # address -> a replica the bench added
         self.logs = run_dir.parent  # where added replicas log (kept after the run's tmpfs goes)
-        self.stopped = threading.Event()  # asked to stop at a step boundary (--minutes)
+        self.stopped = threading.Event()  # asked to stop at a step boundary (--minutes, --until-covered)
         self.lock = threading.Lock()
 
     def committed(self) -> int:
@@ -157,6 +163,14 @@ class Faults:
                 continue
             self.active.add(kind)
             threading.Thread(target=self._apply, args=(kind, seconds, self.rng.random()), daemon=True).start()
+
+    def covered(self) -> bool:
+        """Every kind applied, a flood served (a completion came back), and a replica added by hand
+        joined: it took a version the coordinator sent it and generated (now, or when it was removed)."""
+        if self.first or not self.counts or not self.run.served:
+            return False
+        statuses = [*self.departed, *(status_of(self.run, address) for address in list(self.run.added))]
+        return any(joined(status) for status in statuses)
 
     def _apply(self, kind: str, seconds: float, pick: float) -> None:
         try:
@@ -299,6 +313,11 @@ class Faults:
         return f"for {seconds:.0f} s"
 
 
+def joined(status: dict) -> bool:
+    """Whether an added replica's status (:func:`status_of`) shows it joined the run."""
+    return status.get("version", -1) >= 0 and status.get("tokens", 0) > 0
+
+
 def status_of(run: Run, address: str) -> dict:
     """What a replica says of itself (the version it holds, the tokens it made), or why it did not."""
     try:
@@ -345,12 +364,14 @@ def add_replica(run: Run, coordinator: int) -> tuple[subprocess.Popen, str]:
     return proc, address
 
 
-def stop_after(run: Run, faults: Faults, seconds: float, finished: threading.Event) -> None:
-    """--minutes: after ``seconds``, no new faults; once those in progress are over, ask the coordinator
-    to stop at its next step boundary (`coordinator stop`), again while it restarts, until it has. (The
-    bench then runs one more step without faults, the run's last, whose validation it reports.)"""
-    if finished.wait(seconds):
-        return
+def stop_when(run: Run, faults: Faults, done: Callable[[], bool], finished: threading.Event) -> None:
+    """--minutes, --until-covered: once ``done()``, no new faults; once those in progress are over, ask
+    the coordinator to stop at its next step boundary (`coordinator stop`), again while it restarts,
+    until it has. (The bench then runs one more step without faults, the run's last, whose validation it
+    reports.)"""
+    while not done():
+        if finished.wait(2):
+            return
     faults.stop.set()
     deadline = time.monotonic() + 120
     while faults.active and time.monotonic() < deadline:
@@ -456,20 +477,25 @@ def end_children(pids: set[int]) -> None:
                 os.kill(pid, signal.SIGKILL)
 
 
+def ended_or_covered(faults: Faults, deadline: float, until_covered: bool) -> bool:
+    return time.monotonic() >= deadline or (until_covered and faults.covered())
+
+
 def namespaced(args: argparse.Namespace) -> int:
     """Inside the namespaces: loopback up, the run on a small tmpfs, the faults, the report."""
     sh("ip", "link", "set", "lo", "up")
     out = Path(args.out).resolve()
     reports: dict[str, dict] = {}
-    # With --minutes the chaos run comes first: the clean one then runs as many steps as it reached.
+    # Stopped early, the chaos run comes first: the clean one then runs as many steps as it reached.
+    early = bool(args.minutes or args.until_covered)
     order = [("chaos", True)] + ([("clean", False)] if args.clean else [])
-    if args.clean and not args.minutes:
+    if args.clean and not early:
         order.reverse()
     for label, with_faults in order:
         disk = out / label / "disk"
         disk.mkdir(parents=True, exist_ok=True)
         sh("mount", "-t", "tmpfs", "-o", f"size={args.disk_mb}m,mode=0700", "tmpfs", str(disk))
-        steps = reports["chaos"]["steps"] if args.minutes and not with_faults else args.steps
+        steps = reports["chaos"]["steps"] if early and not with_faults else args.steps
         run = Run(disk / "run", steps, args.seed)
         run.logs = out / label
         rng = random.Random(args.seed)
@@ -481,9 +507,11 @@ def namespaced(args: argparse.Namespace) -> int:
         try:
             if scheduler:
                 scheduler.start()
-            if faults and args.minutes:
-                timer = (run, faults, args.minutes * 60, finished)
-                threading.Thread(target=stop_after, args=timer, daemon=True).start()
+            if faults and early:
+                deadline = started + args.minutes * 60 if args.minutes else math.inf
+                done = functools.partial(ended_or_covered, faults, deadline, args.until_covered)
+                watch = (run, faults, done, finished)
+                threading.Thread(target=stop_when, args=watch, daemon=True).start()
             text = run_to_the_end(run, faults, reruns)
             finished.set()
             if run.stopped.is_set():  # one more step, without faults: the run's last, which is validated
@@ -510,7 +538,16 @@ def namespaced(args: argparse.Namespace) -> int:
         reports[label] = report
         print(f"{label}: {json.dumps(report)}", flush=True)
     (out / "report.json").write_text(
-        json.dumps({"seed": args.seed, "steps": args.steps, "minutes": args.minutes, **reports}, indent=1)
+        json.dumps(
+            {
+                "seed": args.seed,
+                "steps": args.steps,
+                "minutes": args.minutes,
+                "until_covered": args.until_covered,
+                **reports,
+            },
+            indent=1,
+        )
     )
     chaos = reports["chaos"]
     ok = chaos["every_step_once"] and chaos["trainer_at_last_step"] and chaos["served_only_published"]
@@ -532,6 +569,12 @@ def main() -> None:
         type=float,
         help="end the faults after this long, stop the run at its next step boundary and train one "
         "more step, the last (--steps is then a ceiling; the clean run, after it, goes as far)",
+    )
+    parser.add_argument(
+        "--until-covered",
+        action="store_true",
+        help="end the faults once every kind has been applied and an added replica has joined, then stop "
+        "as --minutes does (with --minutes: whichever comes first)",
     )
     parser.add_argument("--clean", action="store_true", help="also the same run without faults")
     parser.add_argument("--out", default="runs/chaos", help="where the report and the runs' records go")
@@ -557,6 +600,7 @@ def main() -> None:
     ]
     inner += ["--steps", str(args.steps), "--out", args.out, "--disk-mb", str(args.disk_mb)]
     inner += ["--minutes", str(args.minutes)] if args.minutes else []
+    inner += ["--until-covered"] if args.until_covered else []
     sys.exit(subprocess.run([*inner, *(["--clean"] if args.clean else [])]).returncode)
 
 

@@ -1,8 +1,10 @@
 """The chaos bench's short form (bench/chaos.py): an embedded tiny-model run in namespaces of its own while
 faults of every kind come from a fixed seed, several at once: kill -9 of any child or of the coordinator,
 partitions, packet loss, latency, Generate floods, a full disk, and replicas added by hand and removed.
-Every step must be committed once, the trainer's own counter must end at the last step, and no reader may
-be served a version not yet published."""
+The faults end once every kind has been applied and an added replica has joined (``--until-covered``);
+the run then stops at its next step boundary and trains one more step. Every step must be committed once,
+the trainer's own counter must end at the last step, and no reader may be served a version not yet
+published."""
 
 from __future__ import annotations
 
@@ -18,9 +20,10 @@ from pathlib import Path
 import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
-SEED, STEPS = 2, 120  # (2 to 4 minutes here; the hour-long form is --minutes 60)
-# Seed 2's first fault adds a replica, which then has the whole run to join. (Seed 5's order put it
-# last once latency faults came; in one suite run it was added 14 steps before the end, too late.)
+SEED, STEPS = 2, 120  # (STEPS: a ceiling, reached only if coverage never comes; the hour-long form is
+# --minutes 60.) Seed 2's first fault adds a replica, which joins while the other kinds come. (A run of
+# fixed length once took 13 minutes in the suite: faults kept coming, and each kill -9 of the replica
+# costs an engine start.)
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "chaos.py"
 KINDS = {"kill", "partition", "loss", "latency", "flood", "full-disk", "replica"}
 
@@ -53,7 +56,8 @@ def test_a_short_chaos_run_commits_every_step_once(tmp_path: Path) -> None:
     if os.geteuid() != 0:
         pytest.skip("the chaos bench needs root (network and mount namespaces, iptables)")
     out = tmp_path / "chaos"
-    args = [sys.executable, str(BENCH), "--seed", str(SEED), "--steps", str(STEPS), "--out", str(out)]
+    args = [sys.executable, str(BENCH), "--seed", str(SEED), "--steps", str(STEPS), "--until-covered"]
+    args += ["--out", str(out)]
     bench = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         netns = namespace_of(bench)
