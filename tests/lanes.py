@@ -16,6 +16,7 @@ test-one-session``) runs one session."""
 from __future__ import annotations
 
 import contextlib
+import getpass
 import os
 import re
 import shutil
@@ -44,6 +45,11 @@ class Lane:
 
 LANES = (Lane("e2e", ("tests/e2e",)), Lane("rest", ("tests", "--ignore=tests/e2e")))
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+# Inductor's compiled kernels (vLLM's sampler compiles one at every engine start) stay in the machine's
+# cache, where torch keeps them by default (in TMPDIR, which the lanes change), not one lane's scratch.
+INDUCTOR_CACHE = {
+    "TORCHINDUCTOR_CACHE_DIR": str(Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}")
+}
 
 
 def command(lane: Lane, root: Path, extra: list[str]) -> list[str]:
@@ -168,7 +174,7 @@ def run(extra: list[str]) -> int:
                 command(lane, root, extra),
                 cwd=ROOT,
                 # (a thread count set by hand stands)
-                env={**ONE_THREAD, **os.environ, "TMPDIR": str(scratch)},
+                env={**ONE_THREAD, **INDUCTOR_CACHE, **os.environ, "TMPDIR": str(scratch)},
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,

@@ -4,6 +4,7 @@ at the end with their error lines (a log read from its tail must show them and w
 from __future__ import annotations
 
 import io
+import json
 import signal
 import threading
 from collections import Counter, deque
@@ -93,13 +94,14 @@ def test_each_lane_keeps_its_own_reports_error_lines_while_the_other_lane_report
 
 
 SCRATCH_TEST = """\
-import tempfile
+import json, os, tempfile
 from pathlib import Path
 
 def test_leaves_a_file_in_its_scratch():
     scratch = Path(tempfile.gettempdir())
     (scratch / "left-behind").write_text("as a killed process leaves its socket")
-    Path({record!r}).write_text(str(scratch))
+    seen = {{"scratch": str(scratch), "inductor": os.environ["TORCHINDUCTOR_CACHE_DIR"]}}
+    Path({record!r}).write_text(json.dumps(seen))
 """
 
 
@@ -117,8 +119,12 @@ def test_each_lane_has_a_scratch_tmpdir_of_its_own_removed_with_the_root(tmp_pat
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
 
-    scratches = [Path((tmp_path / f"{name}.record").read_text()) for name in ("one", "two")]
+    seen = [json.loads((tmp_path / f"{name}.record").read_text()) for name in ("one", "two")]
+    scratches = [Path(s["scratch"]) for s in seen]
     assert [s.name for s in scratches] == ["one-tmp", "two-tmp"]
-    assert scratches[0].parent == scratches[1].parent  # (one root, named the runner's)
-    assert scratches[0].parent.name.startswith("fp8rl-tests-")
-    assert not scratches[0].parent.exists()  # (the lanes passed: the root went, with what was left in it)
+    root = scratches[0].parent
+    assert scratches[1].parent == root and root.name.startswith("fp8rl-tests-")  # (one root, the runner's)
+    assert not root.exists()  # (the lanes passed: the root went, with what was left in it)
+    # (compiled kernels stay in the machine's cache, shared by both lanes and by runs to come)
+    assert seen[0]["inductor"] == seen[1]["inductor"] == lanes.INDUCTOR_CACHE["TORCHINDUCTOR_CACHE_DIR"]
+    assert not Path(seen[0]["inductor"]).is_relative_to(root)
