@@ -107,6 +107,9 @@ def run_once(setting: Setting, seed: int, args: argparse.Namespace) -> dict[str,
         command += ["--max-tokens", "16", "--val-size", str(args.val_size)]
         command += ["--val-every", str(args.val_every)]
         command += ["--progress", "plain", "--no-tensorboard"]
+        # One checkpoint, at the end: a step's 1.6 GB save took 9 s of its ~75 (a run stopped part-way
+        # starts over: the coordinator rewinds to the trainer's step, 0).
+        command += ["--set", f"learner.checkpoint_every={args.steps}"]
         start = time.monotonic()
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
