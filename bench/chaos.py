@@ -30,8 +30,8 @@ Exit status 1 if a check fails. Needs root (namespaces, iptables, tc).
 
 The hour-long form: ``--minutes 60 --steps 100000 --clean``. The shortest that still meets every kind
 (the suite's, tests/e2e/test_chaos.py): ``--until-covered``, which ends the faults once each kind has been
-applied, a flood has been served, and a replica added by hand has generated at a version the trainer
-sent it.
+applied, a flood has been served, and a replica added by hand holds a version the trainer sent it and
+has generated.
 """
 
 from __future__ import annotations
@@ -157,7 +157,8 @@ class Faults:
         # Each kind until it has been applied once, then any at random: a short run meets all.
         self.first = self.rng.sample(KINDS, len(KINDS))
         while not self.stop.wait(self.rng.uniform(3, 15)):
-            kind = self.first[0] if self.first else self.rng.choice(KINDS)
+            pending = list(self.first)  # (a copy: _apply threads remove kinds as they land)
+            kind = pending[0] if pending else self.rng.choice(KINDS)
             seconds = self.rng.uniform(2, 12)
             if kind in self.active or not self.run.info():
                 continue
@@ -166,7 +167,8 @@ class Faults:
 
     def covered(self) -> bool:
         """Every kind applied, a flood served (a completion came back), and a replica added by hand
-        joined: it took a version the coordinator sent it and generated (now, or when it was removed)."""
+        joined: it holds a version the coordinator sent it and has generated (now, or when it was
+        removed)."""
         if self.first or not self.counts or not self.run.served:
             return False
         statuses = [*self.departed, *(status_of(self.run, address) for address in list(self.run.added))]
@@ -364,18 +366,27 @@ def add_replica(run: Run, coordinator: int) -> tuple[subprocess.Popen, str]:
     return proc, address
 
 
-def stop_when(run: Run, faults: Faults, done: Callable[[], bool], finished: threading.Event) -> None:
-    """--minutes, --until-covered: once ``done()``, no new faults; once those in progress are over, ask
-    the coordinator to stop at its next step boundary (`coordinator stop`), again while it restarts,
-    until it has. (The bench then runs one more step without faults, the run's last, whose validation it
-    reports.)"""
-    while not done():
+def stop_when(
+    run: Run,
+    faults: Faults,
+    scheduler: threading.Thread,
+    done: Callable[[], bool],
+    finished: threading.Event,
+) -> None:
+    """--minutes, --until-covered: once ``done()``, no new faults (the ``scheduler`` has ended); once
+    those in progress are over, ask the coordinator to stop at its next step boundary (`coordinator
+    stop`), again while it restarts, until it has. (The bench then runs one more step without faults, the
+    run's last, whose validation it reports.)"""
+    while not checked(done):
         if finished.wait(2):
             return
     faults.stop.set()
+    scheduler.join()  # (it may have been starting one more fault as it was told to stop)
     deadline = time.monotonic() + 120
     while faults.active and time.monotonic() < deadline:
         time.sleep(0.5)
+    if finished.is_set():  # (it reached --steps meanwhile: no step past them)
+        return
     run.stopped.set()
     stop = [
         sys.executable,
@@ -389,6 +400,15 @@ def stop_when(run: Run, faults: Faults, done: Callable[[], bool], finished: thre
     ]
     while not finished.wait(5):
         subprocess.run(stop, capture_output=True)
+
+
+def checked(done: Callable[[], bool]) -> bool:
+    """``done()``; False, said, if it failed (a replica's secrets gone with a restart, say): asked again."""
+    try:
+        return done()
+    except Exception as exc:
+        print(f"stop condition not read: {exc!r}", flush=True)
+        return False
 
 
 def run_to_the_end(run: Run, faults: Faults | None, reruns: Counter[str]) -> str:
@@ -510,7 +530,8 @@ def namespaced(args: argparse.Namespace) -> int:
             if faults and early:
                 deadline = started + args.minutes * 60 if args.minutes else math.inf
                 done = functools.partial(ended_or_covered, faults, deadline, args.until_covered)
-                watch = (run, faults, done, finished)
+                assert scheduler is not None
+                watch = (run, faults, scheduler, done, finished)
                 threading.Thread(target=stop_when, args=watch, daemon=True).start()
             text = run_to_the_end(run, faults, reruns)
             finished.set()
@@ -573,8 +594,8 @@ def main() -> None:
     parser.add_argument(
         "--until-covered",
         action="store_true",
-        help="end the faults once every kind has been applied and an added replica has joined, then stop "
-        "as --minutes does (with --minutes: whichever comes first)",
+        help="end the faults once every kind has been applied, a flood has been served and an added "
+        "replica has joined, then stop as --minutes does (with --minutes: whichever comes first)",
     )
     parser.add_argument("--clean", action="store_true", help="also the same run without faults")
     parser.add_argument("--out", default="runs/chaos", help="where the report and the runs' records go")

@@ -113,7 +113,9 @@ def podman_settings(workdir: Path) -> dict[str, str]:
         f'[containers]\ndefault_ulimits = ["nofile={nofile}:{nofile}", "nproc=4096:4096"]\n'
         '[engine]\nruntime = "runc"\nexit_command_delay = 10\n'
     )
-    return {"CONTAINERS_CONF": str(conf)}
+    # (TMPDIR: podman's build contexts and image copies go where they go without one, /var/tmp, on disk:
+    # not in the test runner's TMPDIR, which is RAM where /tmp is a tmpfs)
+    return {"CONTAINERS_CONF": str(conf), "TMPDIR": "/var/tmp"}
 
 
 @contextmanager

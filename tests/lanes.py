@@ -45,11 +45,19 @@ class Lane:
 
 LANES = (Lane("e2e", ("tests/e2e",)), Lane("rest", ("tests", "--ignore=tests/e2e")))
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-# Inductor's compiled kernels (vLLM's sampler compiles one at every engine start) stay in the machine's
-# cache, where torch keeps them by default (in TMPDIR, which the lanes change), not one lane's scratch.
-INDUCTOR_CACHE = {
-    "TORCHINDUCTOR_CACHE_DIR": str(Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}")
-}
+
+
+def inductor_cache() -> str:
+    """Where inductor keeps compiled kernels (vLLM's sampler compiles one at every engine start): the
+    directory set for it, else torch's default, in the TMPDIR the lanes change: so the machine's cache
+    stays shared by both lanes and by runs to come, not one lane's scratch."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # (no name for this uid: torch's own fallback)
+        user = f"uid_{os.getuid()}"
+    return os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(
+        Path(tempfile.gettempdir()) / f"torchinductor_{user}"
+    )
 
 
 def command(lane: Lane, root: Path, extra: list[str]) -> list[str]:
@@ -174,7 +182,12 @@ def run(extra: list[str]) -> int:
                 command(lane, root, extra),
                 cwd=ROOT,
                 # (a thread count set by hand stands)
-                env={**ONE_THREAD, **INDUCTOR_CACHE, **os.environ, "TMPDIR": str(scratch)},
+                env={
+                    **ONE_THREAD,
+                    **os.environ,
+                    "TORCHINDUCTOR_CACHE_DIR": inductor_cache(),
+                    "TMPDIR": str(scratch),
+                },
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,

@@ -126,5 +126,5 @@ def test_each_lane_has_a_scratch_tmpdir_of_its_own_removed_with_the_root(tmp_pat
     assert scratches[1].parent == root and root.name.startswith("fp8rl-tests-")  # (one root, the runner's)
     assert not root.exists()  # (the lanes passed: the root went, with what was left in it)
     # (compiled kernels stay in the machine's cache, shared by both lanes and by runs to come)
-    assert seen[0]["inductor"] == seen[1]["inductor"] == lanes.INDUCTOR_CACHE["TORCHINDUCTOR_CACHE_DIR"]
+    assert seen[0]["inductor"] == seen[1]["inductor"] == lanes.inductor_cache()
     assert not Path(seen[0]["inductor"]).is_relative_to(root)
