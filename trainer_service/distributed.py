@@ -13,6 +13,7 @@ Here only the group and its messages; the sharded model is the learner's (traine
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import logging
@@ -97,7 +98,10 @@ def join_group(device: str = "auto") -> Ranks:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group("nccl" if cuda else "gloo", timeout=GROUP_TIMEOUT)
         if dist.get_world_size() > 1:
-            threading.Thread(target=_watch_peers, name="peer-watch", daemon=True).start()
+            global _watcher
+            _watcher = threading.Thread(target=_watch_peers, name="peer-watch", daemon=True)
+            _watcher.start()
+            atexit.register(_stop_watching)  # (a rank that ends without leave_group: a stopped follower)
     return Ranks(dist.get_rank(), dist.get_world_size())
 
 
@@ -107,6 +111,7 @@ PEER_LOST_S = 60.0
 group. A peer whose host vanished (a pod killed with its network, a machine lost) closes no connection:
 without this a collective would wait GROUP_TIMEOUT for it, and the group would never be replaced."""
 _leaving = threading.Event()
+_watcher: threading.Thread | None = None
 
 
 def _watch_peers() -> None:
@@ -135,12 +140,21 @@ def _watch_peers() -> None:
             os._exit(1)
 
 
+def _stop_watching() -> None:
+    """Stop beating, and wait for the watcher's last call to the store. A daemon thread still inside one
+    as the interpreter finalizes is unwound through C++ that cannot unwind: the rank aborts (SIGABRT,
+    "terminate called without an active exception": in the suite's two-rank tests, after the barrier
+    below was added against it, a rank whose step had passed)."""
+    _leaving.set()  # (a peer that has left stops beating)
+    if _watcher is not None:
+        _watcher.join(timeout=PEER_LOST_S + HEARTBEAT_S)  # (the store's timeout bounds its call)
+
+
 def leave_group() -> None:
-    """Leave torchrun's group together: every rank at a barrier, then each destroys its own. A rank that
-    destroys gloo's group while a peer still sends to it can abort in C++ ("terminate called without an
-    active exception", SIGABRT), seen once in the suite's two-rank test."""
+    """Leave torchrun's group together: the heartbeat ended, every rank at a barrier, then each destroys
+    its own (a rank that destroys gloo's group while a peer still sends to it can abort in C++)."""
     if dist.is_initialized():
-        _leaving.set()  # (a peer that has left stops beating)
+        _stop_watching()
         dist.barrier()
         dist.destroy_process_group()
 
