@@ -114,6 +114,16 @@ def _codes_and_scale_inv(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FP8 codes of float32 ``blocks`` and their float32 ``scale_inv``, from ``amax`` kept broadcastable
     against ``blocks`` (``keepdim``), with one engine's arithmetic."""
+    scaled, scale_inv = _saturated(blocks, amax, scale_format, arithmetic, in_place=False)
+    return scaled.to(FP8_DTYPE), scale_inv
+
+
+def _saturated(
+    blocks: torch.Tensor, amax: torch.Tensor, scale_format: ScaleFormat, arithmetic: Arithmetic, in_place: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``blocks`` scaled onto E4M3's range with one engine's arithmetic and saturated, still float32 (the
+    cast to codes is left to the caller), into ``blocks`` itself if ``in_place``; and the float32
+    ``scale_inv``."""
     if scale_format not in SCALE_FORMATS:
         raise ValueError(f"unknown scale format {scale_format!r}; expected one of {SCALE_FORMATS}")
     if arithmetic == "te":
@@ -122,14 +132,35 @@ def _codes_and_scale_inv(
         scale = torch.where(torch.isinf(scale), torch.finfo(torch.float32).max, scale)
         if scale_format == "pow2":
             scale = round_down_pow2(scale)
-        return _cast(blocks * scale), torch.reciprocal(scale)
+        scaled = blocks.mul_(scale) if in_place else blocks * scale
+        return scaled.clamp_(-FP8_MAX, FP8_MAX), torch.reciprocal(scale)
     if arithmetic == "vllm":
         # (A true division: on CUDA, tensor / Python scalar multiplies by its reciprocal, rounding twice.)
         scale_inv = amax.clamp(min=VLLM_AMAX_FLOOR) / torch.full_like(amax, FP8_MAX)
         if scale_format == "pow2":  # 2^ceil(log2(max(s, 1e-10))), exactly: round down, then up unless exact
             scale_inv = round_up_pow2(scale_inv.clamp(min=VLLM_AMAX_FLOOR))
-        return _cast(blocks / scale_inv), scale_inv
+        scaled = blocks.div_(scale_inv) if in_place else blocks / scale_inv
+        return scaled.clamp_(-FP8_MAX, FP8_MAX), scale_inv
     raise ValueError(f"unknown arithmetic {arithmetic!r}; expected te or vllm")
+
+
+def _fake_quantize_in_place(
+    tiles: torch.Tensor,
+    dims: int | tuple[int, ...],
+    scale_format: ScaleFormat,
+    arithmetic: Arithmetic,
+    what: str,
+    amax_floor: float = 0.0,
+) -> torch.Tensor:
+    """Float32 ``tiles`` (a tile spans ``dims``) replaced by their dequantized FP8 codes: the values
+    quantizing and then dequantizing give, bit for bit, in one buffer instead of five (the emulated
+    GEMMs spend most of their time here)."""
+    amax = tiles.abs().amax(dim=dims, keepdim=True)
+    _check_finite(amax, what)
+    if amax_floor:
+        amax = amax.clamp(min=amax_floor)
+    scaled, scale_inv = _saturated(tiles, amax, scale_format, arithmetic, in_place=True)
+    return scaled.copy_(scaled.to(FP8_DTYPE)).mul_(scale_inv)
 
 
 def _cast(scaled: torch.Tensor) -> torch.Tensor:
@@ -143,6 +174,15 @@ def _zero_padded(x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     padded = torch.zeros(shape, dtype=torch.float32, device=x.device)
     padded[tuple(slice(0, d) for d in x.shape)] = x
     return padded
+
+
+def _padded_copy(x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """A fresh float32 copy of ``x``, zero-padded at the end of each dim to ``shape``."""
+    copy = (torch.empty if tuple(x.shape) == shape else torch.zeros)(
+        shape, dtype=torch.float32, device=x.device
+    )
+    copy[tuple(slice(0, d) for d in x.shape)] = x
+    return copy
 
 
 def _as_blocks(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -255,9 +295,16 @@ def dequantize_activation(
 def fake_quantize_weight(
     w: torch.Tensor, block: tuple[int, int] = WEIGHT_BLOCK, scale_format: ScaleFormat = "fp32"
 ) -> torch.Tensor:
-    """Quantize then dequantize a weight; the result has ``w``'s dtype."""
-    q, scale_inv = quantize_blockwise(w, block, scale_format)
-    return dequantize_blockwise(q, scale_inv, block=block, dtype=w.dtype)
+    """Quantize then dequantize a weight; the result has ``w``'s dtype. (Under ``pow2`` the DeepGEMM
+    fixed point of :func:`quantize_blockwise` is left out: it changes codes and scales, never a value.)"""
+    if w.ndim != 2:
+        raise ValueError(f"fake_quantize_weight expects a 2-D tensor, got shape {tuple(w.shape)}")
+    (n, k), (bn, bk) = w.shape, block
+    nb, kb = _ceil_div(n, bn), _ceil_div(k, bk)
+    blocks = _padded_copy(w, (nb * bn, kb * bk)).view(nb, bn, kb, bk)
+    floor = DEEPGEMM_AMAX_FLOOR if scale_format == "pow2" else 0.0
+    _fake_quantize_in_place(blocks, (1, 3), scale_format, "te", "weight", floor)
+    return _from_blocks(blocks, w.shape).to(w.dtype)
 
 
 def fake_quantize_activation(
@@ -267,8 +314,11 @@ def fake_quantize_activation(
     arithmetic: Arithmetic = "te",
 ) -> torch.Tensor:
     """Quantize then dequantize per token in 1 x ``group`` tiles; the result has ``x``'s dtype."""
-    q, scale_inv = quantize_activation(x, group, scale_format, arithmetic)
-    return dequantize_activation(q, scale_inv, group=group, dtype=x.dtype)
+    k = x.shape[-1]
+    g = _ceil_div(k, group)
+    groups = _padded_copy(x, (*x.shape[:-1], g * group)).view(*x.shape[:-1], g, group)
+    _fake_quantize_in_place(groups, -1, scale_format, arithmetic, "activation")
+    return _from_groups(groups, k).to(x.dtype)
 
 
 def kv_cache_scale(amax: torch.Tensor, scale_format: ScaleFormat = "fp32") -> torch.Tensor:
@@ -305,5 +355,10 @@ def fake_quantize_columnwise(
     x: torch.Tensor, group: int = ACTIVATION_GROUP, scale_format: ScaleFormat = "fp32"
 ) -> torch.Tensor:
     """A 2-D ``x`` [M, K] quantized then dequantized in groups of ``group`` consecutive rows per column
-    (TE's columnwise 1x128 tiles of the wgrad GEMM: 128 tokens per feature), TE arithmetic."""
-    return fake_quantize_activation(x.t(), group, scale_format).t()
+    (TE's columnwise 1x128 tiles of the wgrad GEMM: 128 tokens per feature), TE arithmetic. (The tiles
+    are read down the columns in place: no transposed copy.)"""
+    m, k = x.shape
+    g = _ceil_div(m, group)
+    groups = _padded_copy(x, (g * group, k)).view(g, group, k)
+    _fake_quantize_in_place(groups, 1, scale_format, "te", "activation")
+    return groups.view(g * group, k)[:m].to(x.dtype)

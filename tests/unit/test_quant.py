@@ -193,16 +193,59 @@ def test_activation_quantization_matches_reference(shape: tuple[int, ...], gen: 
     assert ((s2 - s).abs() <= s * 2.0**-22).all()
 
 
-def test_fake_quant_keeps_dtype_and_equals_dequantized_codes(gen: torch.Generator) -> None:
-    w = torch.randn(256, 384, generator=gen)
-    expected = quant.dequantize_blockwise(*quant.quantize_blockwise(w))
-    assert torch.equal(quant.fake_quantize_weight(w), expected)
-    assert quant.fake_quantize_weight(w.bfloat16()).dtype == torch.bfloat16
-    x = torch.randn(4, 9, 384, generator=gen)
-    assert torch.equal(
-        quant.fake_quantize_activation(x), quant.dequantize_activation(*quant.quantize_activation(x))
-    )
-    assert quant.fake_quantize_activation(x.bfloat16()).dtype == torch.bfloat16
+def assert_same_bits(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.dtype == b.dtype
+    as_int = torch.int16 if a.dtype == torch.bfloat16 else torch.int32
+    assert torch.equal(a.view(as_int), b.view(as_int))
+
+
+def tiles_over_60_decades(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """Rows over 60 decades, with a zero row, a subnormal one and one below vLLM's amax floor."""
+    x = torch.randn(shape, generator=gen) * 10.0 ** torch.randint(-30, 31, (*shape[:-1], 1), generator=gen)
+    flat = x.view(-1, shape[-1])
+    flat[0], flat[1], flat[2] = 0, flat[1] * 1e-41, flat[2] * 1e-12
+    return x
+
+
+@pytest.mark.parametrize("scale_format", ["fp32", "pow2"])
+@pytest.mark.parametrize("arithmetic", ["te", "vllm"])
+def test_fake_quant_equals_its_dequantized_codes_bit_for_bit(
+    scale_format: quant.ScaleFormat, arithmetic: quant.Arithmetic, gen: torch.Generator
+) -> None:
+    """The fake quantizers (one buffer, in place) give exactly what quantizing and then dequantizing
+    gives, for partial tiles, every scale regime, bf16 input, and columnwise tiles (against the
+    transposed rowwise ones)."""
+    for shape in ((4, 9, 384), (37, 200), (3, 128)):
+        x = tiles_over_60_decades(shape, gen)
+        for dtype in (torch.float32, torch.bfloat16):
+            xd = x.to(dtype)
+            q, s = quant.quantize_activation(xd, scale_format=scale_format, arithmetic=arithmetic)
+            expected = quant.dequantize_activation(q, s, dtype=dtype)
+            assert_same_bits(
+                quant.fake_quantize_activation(xd, scale_format=scale_format, arithmetic=arithmetic), expected
+            )
+            if arithmetic == "te" and xd.ndim == 2:
+                q, s = quant.quantize_activation(xd.t(), scale_format=scale_format)
+                expected = quant.dequantize_activation(q, s, dtype=dtype).t()
+                assert_same_bits(quant.fake_quantize_columnwise(xd, scale_format=scale_format), expected)
+    if arithmetic == "vllm":
+        return
+    w = pow2_test_weight(gen)
+    top_code_224 = (slice(384, 512), slice(256, 384))  # (pow2: the fixed point halves its scale)
+    w[top_code_224] *= 1.78 / w[top_code_224].abs().max()
+    for dtype in (torch.float32, torch.bfloat16):
+        q, s = quant.quantize_blockwise(w.to(dtype), scale_format=scale_format)
+        expected = quant.dequantize_blockwise(q, s, dtype=dtype)
+        assert_same_bits(quant.fake_quantize_weight(w.to(dtype), scale_format=scale_format), expected)
+    if scale_format == "pow2":  # (the crafted block was halved: 2^-7 by TE's arithmetic, its codes doubled)
+        q, s = quant.quantize_blockwise(w, scale_format=scale_format)
+        assert s[3, 2] == 2.0**-8 and q[top_code_224].float().abs().max() == 448
+    with quant.nonfinite_passes():  # (NaN and inf make their blocks NaN, of whichever sign bit)
+        w[5, 7], w[300, 9] = float("nan"), float("inf")
+        q, s = quant.quantize_blockwise(w, scale_format=scale_format)
+        fake = quant.fake_quantize_weight(w, scale_format=scale_format)
+        torch.testing.assert_close(fake, quant.dequantize_blockwise(q, s), rtol=0, atol=0, equal_nan=True)
+        assert fake[:128, :128].isnan().all() and fake[256:384, :128].isnan().all()
 
 
 FORMATS = ["fp32", "pow2"]
