@@ -110,6 +110,9 @@ PEER_LOST_S = 60.0
 """A rank that sees no heartbeat from a peer for this long exits (status 1), and torchrun ends the
 group. A peer whose host vanished (a pod killed with its network, a machine lost) closes no connection:
 without this a collective would wait GROUP_TIMEOUT for it, and the group would never be replaced."""
+LEFT = 1 << 40
+"""Added to a rank's beat count as it stops beating to leave (:func:`leave_group`, or its exit): its
+peers stop watching it rather than take a rank at the barrier, or gone, for a lost one."""
 _leaving = threading.Event()
 _watcher: threading.Thread | None = None
 
@@ -131,13 +134,15 @@ def _watch_peers() -> None:
             for peer, count in counts.items():
                 if seen.get(peer, (None, 0.0))[0] != count:
                     seen[peer] = (count, now)
-            stale = [peer for peer, (_, at) in seen.items() if now - at > PEER_LOST_S]
+            stale = [p for p, (count, at) in seen.items() if count < LEFT and now - at > PEER_LOST_S]
             if not stale:
                 continue
             lost = f"rank(s) {stale} gave no sign of life for {PEER_LOST_S:.0f}s"
         if not _leaving.is_set():
             log.error("rank %d: %s; leaving the group", rank, lost)
             os._exit(1)
+    with contextlib.suppress(Exception):  # (a store already gone: the peers end with it)
+        store.add(f"fp8rl/alive/{rank}", LEFT)
 
 
 def _stop_watching() -> None:
@@ -145,7 +150,7 @@ def _stop_watching() -> None:
     as the interpreter finalizes is unwound through C++ that cannot unwind: the rank aborts (SIGABRT,
     "terminate called without an active exception": in the suite's two-rank tests, after the barrier
     below was added against it, a rank whose step had passed)."""
-    _leaving.set()  # (a peer that has left stops beating)
+    _leaving.set()  # (the watcher says it leaves, then stops)
     if _watcher is not None:
         _watcher.join(timeout=PEER_LOST_S + HEARTBEAT_S)  # (the store's timeout bounds its call)
 
