@@ -119,7 +119,11 @@ def _codes_and_scale_inv(
 
 
 def _saturated(
-    blocks: torch.Tensor, amax: torch.Tensor, scale_format: ScaleFormat, arithmetic: Arithmetic, in_place: bool
+    blocks: torch.Tensor,
+    amax: torch.Tensor,
+    scale_format: ScaleFormat,
+    arithmetic: Arithmetic,
+    in_place: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``blocks`` scaled onto E4M3's range with one engine's arithmetic and saturated, still float32 (the
     cast to codes is left to the caller), into ``blocks`` itself if ``in_place``; and the float32
@@ -153,8 +157,8 @@ def _fake_quantize_in_place(
     amax_floor: float = 0.0,
 ) -> torch.Tensor:
     """Float32 ``tiles`` (a tile spans ``dims``) replaced by their dequantized FP8 codes: the values
-    quantizing and then dequantizing give, bit for bit, in one buffer instead of five (the emulated
-    GEMMs spend most of their time here)."""
+    quantizing and then dequantizing give, bit for bit, written over the one buffer rather than into
+    three new ones (the emulated GEMMs spend most of their time here)."""
     amax = tiles.abs().amax(dim=dims, keepdim=True)
     _check_finite(amax, what)
     if amax_floor:
@@ -177,11 +181,12 @@ def _zero_padded(x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def _padded_copy(x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """A fresh float32 copy of ``x``, zero-padded at the end of each dim to ``shape``."""
+    """A fresh float32 copy of ``x``, zero-padded at the end of each dim to ``shape``; outside autograd
+    (the fake quantizers write over it: their callers' backward is a straight-through estimator)."""
     copy = (torch.empty if tuple(x.shape) == shape else torch.zeros)(
         shape, dtype=torch.float32, device=x.device
     )
-    copy[tuple(slice(0, d) for d in x.shape)] = x
+    copy[tuple(slice(0, d) for d in x.shape)] = x.detach()
     return copy
 
 

@@ -50,6 +50,12 @@ took 34:20 and the rest 27:42, and the Ray node-loss tests (mostly waits, as the
 about 3.5 minutes."""
 
 
+def files_pytest_collects(folder: Path) -> list[Path]:
+    """The test files pytest collects under ``folder`` (its default ``python_files``, which
+    pyproject.toml keeps)."""
+    return sorted({*folder.rglob("test_*.py"), *folder.rglob("*_test.py")})
+
+
 def _ignored(files: list[Path]) -> tuple[str, ...]:
     return tuple(f"--ignore={file.relative_to(ROOT)}" for file in files)
 
@@ -57,7 +63,7 @@ def _ignored(files: list[Path]) -> tuple[str, ...]:
 def _lanes() -> tuple[Lane, Lane]:
     """The end-to-end tier, less :data:`E2E_BESIDE_THE_REST`, and everything else. (pytest's ``--ignore``
     drops a path named on the command line too: the rest lane ignores every other e2e file instead.)"""
-    e2e_files = sorted(E2E.glob("test_*.py"))
+    e2e_files = files_pytest_collects(E2E)
     moved = [file for file in e2e_files if file.name in E2E_BESIDE_THE_REST]
     kept = [file for file in e2e_files if file.name not in E2E_BESIDE_THE_REST]
     return Lane("e2e", ("tests/e2e", *_ignored(moved))), Lane("rest", ("tests", *_ignored(kept)))

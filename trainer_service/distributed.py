@@ -111,8 +111,8 @@ PEER_LOST_S = 60.0
 group. A peer whose host vanished (a pod killed with its network, a machine lost) closes no connection:
 without this a collective would wait GROUP_TIMEOUT for it, and the group would never be replaced."""
 LEFT = 1 << 40
-"""Added to a rank's beat count as it stops beating to leave (:func:`leave_group`, or its exit): its
-peers stop watching it rather than take a rank at the barrier, or gone, for a lost one."""
+"""Added to a rank's beat count as it stops beating (past :func:`leave_group`'s barrier, or at its exit):
+its peers stop watching it rather than take a rank that left for a lost one."""
 _leaving = threading.Event()
 _watcher: threading.Thread | None = None
 
@@ -123,13 +123,16 @@ def _watch_peers() -> None:
     store.set_timeout(datetime.timedelta(seconds=PEER_LOST_S))
     rank, world = dist.get_rank(), dist.get_world_size()
     seen: dict[int, tuple[int, float]] = {}
+    answered = True
     while not _leaving.wait(HEARTBEAT_S):
         try:
             store.add(f"fp8rl/alive/{rank}", 1)
             counts = {peer: store.add(f"fp8rl/alive/{peer}", 0) for peer in range(world) if peer != rank}
         except Exception as exc:  # (the store's host is gone: so is rank 0)
+            answered = False
             lost = f"torchrun's store is unreachable ({exc})"
         else:
+            answered = True
             now = time.monotonic()
             for peer, count in counts.items():
                 if seen.get(peer, (None, 0.0))[0] != count:
@@ -141,26 +144,28 @@ def _watch_peers() -> None:
         if not _leaving.is_set():
             log.error("rank %d: %s; leaving the group", rank, lost)
             os._exit(1)
-    with contextlib.suppress(Exception):  # (a store already gone: the peers end with it)
-        store.add(f"fp8rl/alive/{rank}", LEFT)
+    if answered:  # (else it would wait out the store's timeout again, for peers that end with the store)
+        with contextlib.suppress(Exception):
+            store.add(f"fp8rl/alive/{rank}", LEFT)
 
 
 def _stop_watching() -> None:
     """Stop beating, and wait for the watcher's last call to the store. A daemon thread still inside one
     as the interpreter finalizes is unwound through C++ that cannot unwind: the rank aborts (SIGABRT,
-    "terminate called without an active exception": in the suite's two-rank tests, after the barrier
-    below was added against it, a rank whose step had passed)."""
-    _leaving.set()  # (the watcher says it leaves, then stops)
-    if _watcher is not None:
-        _watcher.join(timeout=PEER_LOST_S + HEARTBEAT_S)  # (the store's timeout bounds its call)
+    "terminate called without an active exception": in the suite's two-rank tests, with the barrier
+    below and no join, a rank whose step had passed)."""
+    _leaving.set()  # (the watcher marks its rank LEFT, then stops)
+    if _watcher is not None:  # (its last beat and the mark: each bounded by the store's timeout)
+        _watcher.join(timeout=2 * PEER_LOST_S + HEARTBEAT_S)
 
 
 def leave_group() -> None:
-    """Leave torchrun's group together: the heartbeat ended, every rank at a barrier, then each destroys
-    its own (a rank that destroys gloo's group while a peer still sends to it can abort in C++)."""
+    """Leave torchrun's group together: every rank at a barrier (still beating and watching: a peer
+    whose host vanishes meanwhile ends this rank as anywhere else), the heartbeat ended, then each
+    destroys its own (a rank that destroys gloo's group while a peer still sends to it can abort in C++)."""
     if dist.is_initialized():
-        _stop_watching()
         dist.barrier()
+        _stop_watching()
         dist.destroy_process_group()
 
 

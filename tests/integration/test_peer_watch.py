@@ -1,7 +1,7 @@
 """The trainer ranks' peer watch (trainer_service/distributed.py) on a real two-rank gloo group, with the
-loss deadline cut to seconds: a rank that leaves the group (at the barrier, or exited) is no lost peer
-however long the other takes to follow, and one that stops beating without leaving (its host frozen) ends
-the group."""
+loss deadline cut to seconds: a rank waiting at leave_group's barrier, or exited, is no lost peer however
+long the other takes to follow, and one that stops beating without leaving (its host frozen) ends the
+group, its peer working or at the barrier."""
 
 from __future__ import annotations
 
@@ -35,9 +35,11 @@ elif scenario == "exit":  # rank 1 ends without leave_group (a follower stopped 
         time.sleep(peer_away_s)
     else:
         sys.exit(0)
-elif scenario == "freeze":  # rank 1 stops dead, its connections open: a host lost
+elif scenario.startswith("freeze"):  # rank 1 stops dead, its connections open: a host lost
     if ranks.rank == 1:
         os.kill(os.getpid(), signal.SIGSTOP)
+    if scenario == "freeze-at-barrier":
+        distributed.leave_group()
     time.sleep(10 * peer_away_s)
 print("done", flush=True)
 """
@@ -77,8 +79,10 @@ def test_a_rank_that_left_is_not_taken_for_lost(scenario: str, tmp_path: Path) -
         assert "no sign of life" not in ranks[0][1].read_text()
 
 
-def test_a_rank_that_stops_beating_without_leaving_ends_the_group(tmp_path: Path) -> None:
-    with two_ranks("freeze", tmp_path) as ranks:
+@pytest.mark.parametrize("scenario", ["freeze", "freeze-at-barrier"])
+def test_a_rank_that_stops_beating_without_leaving_ends_the_group(scenario: str, tmp_path: Path) -> None:
+    """Rank 0 working on, or waiting at leave_group's barrier, when rank 1 freezes."""
+    with two_ranks(scenario, tmp_path) as ranks:
         (rank0, log0), (rank1, _) = ranks
         start = time.monotonic()
         assert rank0.wait(timeout=120) == 1, log0.read_text()[-3000:]

@@ -133,7 +133,8 @@ def test_each_lane_has_a_scratch_tmpdir_of_its_own_removed_with_the_root(tmp_pat
 def test_the_lanes_run_every_test_file_once_and_move_files_that_exist() -> None:
     """Each e2e file in exactly one lane (a renamed file named in E2E_BESIDE_THE_REST would move back)."""
     e2e, rest = LANES
-    files = {file.relative_to(lanes.ROOT).as_posix() for file in lanes.E2E.glob("test_*.py")}
+    files = {file.relative_to(lanes.ROOT).as_posix() for file in lanes.files_pytest_collects(lanes.E2E)}
+    assert "tests/e2e/test_chaos.py" in files and "tests/e2e/test_ray_run.py" in files
     ignored = {lane.name: {a.removeprefix("--ignore=") for a in lane.selection[1:]} for lane in LANES}
     assert e2e.selection[0] == "tests/e2e" and rest.selection[0] == "tests"
     assert ignored["e2e"] | ignored["rest"] == files and not ignored["e2e"] & ignored["rest"]

@@ -202,8 +202,12 @@ def assert_same_bits(a: torch.Tensor, b: torch.Tensor) -> None:
 def tiles_over_60_decades(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
     """Rows over 60 decades, with a zero row, a subnormal one and one below vLLM's amax floor."""
     x = torch.randn(shape, generator=gen) * 10.0 ** torch.randint(-30, 31, (*shape[:-1], 1), generator=gen)
-    flat = x.view(-1, shape[-1])
-    flat[0], flat[1], flat[2] = 0, flat[1] * 1e-41, flat[2] * 1e-12
+    flat, k = x.view(-1, shape[-1]), shape[-1]
+    flat[0], flat[1], flat[2] = (
+        0,
+        torch.randn(k, generator=gen) * 1e-41,
+        torch.randn(k, generator=gen) * 1e-12,
+    )
     return x
 
 
@@ -218,7 +222,7 @@ def test_fake_quant_equals_its_dequantized_codes_bit_for_bit(
     for shape in ((4, 9, 384), (37, 200), (3, 128)):
         x = tiles_over_60_decades(shape, gen)
         for dtype in (torch.float32, torch.bfloat16):
-            xd = x.to(dtype)
+            xd, kept = x.to(dtype), x.to(dtype)
             q, s = quant.quantize_activation(xd, scale_format=scale_format, arithmetic=arithmetic)
             expected = quant.dequantize_activation(q, s, dtype=dtype)
             assert_same_bits(
@@ -228,6 +232,7 @@ def test_fake_quant_equals_its_dequantized_codes_bit_for_bit(
                 q, s = quant.quantize_activation(xd.t(), scale_format=scale_format)
                 expected = quant.dequantize_activation(q, s, dtype=dtype).t()
                 assert_same_bits(quant.fake_quantize_columnwise(xd, scale_format=scale_format), expected)
+            assert_same_bits(xd, kept)  # (the input is left as it was: the fake quantizers work on a copy)
     if arithmetic == "vllm":
         return
     w = pow2_test_weight(gen)
