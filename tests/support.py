@@ -93,6 +93,18 @@ def wait_for_line(proc: subprocess.Popen, log: Path, pattern: str, timeout: floa
     raise TimeoutError(f"no line matching {pattern!r} after {timeout}s:\n{log.read_text()[-4000:]}")
 
 
+def bound_address(proc: subprocess.Popen, log: Path, timeout: float = 300) -> str:
+    """The host:port a service process bound (:func:`fp8rl.serving.serve` prints it before loading).
+    Tests start services on port 0 and read this: a port picked free beforehand can be taken (by a
+    connection's ephemeral port, another lane's server) before the child binds it."""
+    return wait_for_line(proc, log, r"bound to (\S+:\d+);", timeout).group(1)
+
+
+def health_address(proc: subprocess.Popen, log: Path, timeout: float = 300) -> str:
+    """The host:port of a service's plaintext health probes, started with ``health_port=0``."""
+    return wait_for_line(proc, log, r"health probes \(plaintext\) on (\S+:\d+)", timeout).group(1)
+
+
 @contextmanager
 def unpickling_forbidden() -> Iterator[None]:
     """Within it, reading a pickle (pickle.load/loads/Unpickler, torch.load) raises. torch.distributed's
@@ -208,13 +220,13 @@ def service_process(
     module: str, model: Path, log: Path, *extra: str, ready: str = r"serving on", port: int | None = None
 ) -> Iterator[tuple[subprocess.Popen, str]]:
     """``python -m <module> serve --model MODEL --port P ...`` as a child; yields it and its address once
-    its log shows ``ready``."""
-    port = port or free_port()
-    args = [sys.executable, "-m", module, "serve", "--model", str(model), "--port", str(port), *extra]
+    its log shows ``ready``. Without ``port`` it binds port 0 and the address is the one it printed."""
+    args = [sys.executable, "-m", module, "serve", "--model", str(model), "--port", str(port or 0), *extra]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     with child_process(args, log, env) as proc:
+        address = bound_address(proc, log)
         wait_for_line(proc, log, ready)
-        yield proc, f"127.0.0.1:{port}"
+        yield proc, address
 
 
 @contextmanager

@@ -27,8 +27,10 @@ from tests.families import FAMILIES, write_checkpoint
 from tests.integration.test_trainer import samples
 from tests.support import (
     assert_pickle_free,
+    bound_address,
     child_process,
     free_port,
+    health_address,
     serve_rollout,
     trainer_config,
     unpickling_forbidden,
@@ -200,9 +202,8 @@ def kept() -> Iterator[tuple[KeptUpdates, str]]:
 
 
 def sharded_trainer(model: Path, nproc: int, ckpt: Path, log: Path) -> Iterator[tuple[subprocess.Popen, str]]:
-    port = free_port()
     args = [sys.executable, "-m", "trainer_service.cli", "serve", "--model", str(model), "--recipe", "fp8"]
-    args += ["--compute-dtype", "float32", "--port", str(port), "--nproc-per-node", str(nproc)]
+    args += ["--compute-dtype", "float32", "--port", "0", "--nproc-per-node", str(nproc)]
     args += [
         "--checkpoint-dir",
         str(ckpt),
@@ -214,8 +215,9 @@ def sharded_trainer(model: Path, nproc: int, ckpt: Path, log: Path) -> Iterator[
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with child_process(args, log, env) as proc:
+        address = bound_address(proc, log)
         wait_for_line(proc, log, "serving on", timeout=300)
-        yield proc, f"127.0.0.1:{port}"
+        yield proc, address
 
 
 def step_request(step: int) -> trainer_pb2.TrainStepRequest:
@@ -342,8 +344,7 @@ def test_two_machines_form_one_trainer_and_each_answers_its_probes(
     other machine's rank answers health once it has joined and loaded its shard."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    port, master = free_port(), free_port()
-    health_ports = [free_port(), free_port()]
+    master = free_port()  # (both machines are told it: static rendezvous)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with contextlib.ExitStack() as stack:
         procs = []
@@ -351,14 +352,16 @@ def test_two_machines_form_one_trainer_and_each_answers_its_probes(
             args = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1"]
             args += [f"--node-rank={node}", "--master-addr=127.0.0.1", f"--master-port={master}"]
             args += ["--module", "trainer_service.cli", "serve", "--model", str(tiny_model_dir_f32)]
-            args += ["--compute-dtype", "float32", "--port", str(port), "--set", "micro_batch_size=3"]
-            args += ["--set", f"health_port={health_ports[node]}"]
+            args += ["--compute-dtype", "float32", "--port", "0", "--set", "micro_batch_size=3"]
+            args += ["--set", "health_port=0"]
             log = tmp_path / f"node{node}.log"
             procs.append((stack.enter_context(child_process(args, log, env)), log))
+        health = [health_address(*proc) for proc in procs]
+        address = bound_address(*procs[0])
         wait_for_line(*procs[0], "serving on", timeout=300)
-        stub = trainer_pb2_grpc.TrainerStub(stack.enter_context(grpc.insecure_channel(f"127.0.0.1:{port}")))
+        stub = trainer_pb2_grpc.TrainerStub(stack.enter_context(grpc.insecure_channel(address)))
         assert stub.TrainStep(step_request(0), timeout=300).weight_version == 1  # both ranks took part
-        for health_port in health_ports:
-            probes = stack.enter_context(grpc.insecure_channel(f"127.0.0.1:{health_port}"))
+        for probe_address in health:
+            probes = stack.enter_context(grpc.insecure_channel(probe_address))
             reply = health_pb2_grpc.HealthStub(probes).Check(health_pb2.HealthCheckRequest(), timeout=30)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING

@@ -1,7 +1,8 @@
 """The README's "Sampling from a replica" examples, run as printed against a real replica: its
-`rollout-service serve` line (on free ports), each grpcurl call, and the Python block with the `openai`
-client. grpcurl itself is a Go binary no package registry here serves, so its calls go through the same
-JSON mapping it uses (protobuf's, unknown fields refused) on a plain gRPC channel."""
+`rollout-service serve` line (its ports made 0, the ones it bound read from its log), each grpcurl
+call, and the Python block with the `openai` client. grpcurl itself is a Go binary no package registry
+here serves, so its calls go through the same JSON mapping it uses (protobuf's, unknown fields refused)
+on a plain gRPC channel."""
 
 from __future__ import annotations
 
@@ -17,10 +18,10 @@ import grpc
 from google.protobuf import descriptor_pool, json_format, message_factory
 
 from fp8rl.v1 import rollout_pb2  # noqa: F401  (registers fp8rl.v1's messages)
-from tests.support import child_process, free_port, wait_for_line
+from tests.support import bound_address, child_process, wait_for_line
 
 ROOT = Path(__file__).resolve().parents[2]
-GRPC_PORT, HTTP_PORT = "50051", "8000"  # as printed; replaced by free ports
+GRPC_PORT, HTTP_PORT = "50051", "8000"  # as printed; replaced by 0 (the service picks free ones)
 
 
 def readme_blocks(section: str) -> dict[str, list[str]]:
@@ -78,12 +79,13 @@ def test_the_readme_sampling_examples_run_as_printed(tmp_path: Path) -> None:
     [shell], [python] = blocks["sh"], blocks["python"]
     serve, *calls = shell_commands(shell)
     assert serve[:2] == ["rollout-service", "serve"] and calls, shell
-    grpc_port, http_port = free_port(), free_port()
-    ports = {GRPC_PORT: str(grpc_port), HTTP_PORT: str(http_port)}
+    ports = {GRPC_PORT: "0", HTTP_PORT: "0"}
     argv = [str(Path(sys.executable).parent / "rollout-service"), *(ports.get(a, a) for a in serve[1:])]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     log = tmp_path / "rollout.log"
     with child_process(argv, log, env) as proc:
+        grpc_port = int(bound_address(proc, log).rsplit(":", 1)[1])
+        http_port = wait_for_line(proc, log, r"OpenAI-compatible HTTP on 127.0.0.1:(\d+)").group(1)
         wait_for_line(proc, log, r"serving on")
         answers = [grpcurl(call, grpc_port) for call in calls]
         client = subprocess.run(

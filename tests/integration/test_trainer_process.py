@@ -18,7 +18,7 @@ import pytest
 from fp8rl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from tests.integration.test_rollout_cli import scrape
 from tests.integration.test_trainer import samples, step_request
-from tests.support import child_process, free_port, wait_for_line
+from tests.support import bound_address, child_process, health_address, wait_for_line
 
 PROBE = trainer_pb2.ComputeLogprobsRequest(
     sequences=[trainer_pb2.TokenSequence(prompt_token_ids=[5, 6, 7], completion_token_ids=[8, 9, 10, 11])],
@@ -31,7 +31,6 @@ TIMING = ("train_s", "tokens_per_s")
 def trainer_process(
     model: Path, log: Path, *extra: str
 ) -> Iterator[tuple[object, trainer_pb2_grpc.TrainerStub]]:
-    port = free_port()
     args = [
         sys.executable,
         "-m",
@@ -42,7 +41,7 @@ def trainer_process(
         "--recipe",
         "fp8",
         "--port",
-        str(port),
+        "0",
         "--compute-dtype",
         "float32",
         "--set",
@@ -51,7 +50,7 @@ def trainer_process(
         "micro_batch_size=2",
         *extra,
     ]
-    with child_process(args, log) as proc, grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+    with child_process(args, log) as proc, grpc.insecure_channel(bound_address(proc, log)) as channel:
         wait_for_line(proc, log, r"serving on", timeout=120)
         yield proc, trainer_pb2_grpc.TrainerStub(channel)
 
@@ -119,30 +118,27 @@ def test_a_plaintext_health_port_answers_probes_beside_a_mutual_tls_server(
     security = security_for(tmp_path / "secrets", "trainer", tls=True).model_dump(mode="json")
     config = tmp_path / "trainer.yaml"
     config.write_text(yaml.safe_dump({"security": security, "compute_dtype": "float32"}))
-    port, health_port = free_port(), free_port()
     args = [sys.executable, "-m", "trainer_service.cli", "serve", "--model", str(tiny_model_dir_f32)]
-    args += ["--config", str(config), "--port", str(port), "--set", f"health_port={health_port}"]
+    args += ["--config", str(config), "--port", "0", "--set", "health_port=0"]
     log = tmp_path / "trainer.log"
-    with (
-        child_process(args, log) as proc,
-        grpc.insecure_channel(f"127.0.0.1:{health_port}") as probes,
-        grpc.insecure_channel(f"127.0.0.1:{port}") as plaintext,
-    ):
-        wait_for_line(proc, log, r"serving on", timeout=120)
-        check = health_pb2_grpc.HealthStub(probes).Check
-        for service in ("", "fp8rl.v1.Trainer"):
-            reply = check(health_pb2.HealthCheckRequest(service=service), timeout=10)
-            assert reply.status == health_pb2.HealthCheckResponse.SERVING
-        with pytest.raises(grpc.RpcError) as no_watch:  # (a stream and a kept status per name asked)
-            next(
-                health_pb2_grpc.HealthStub(probes).Watch(
-                    health_pb2.HealthCheckRequest(service="x"), timeout=5
+    with child_process(args, log) as proc:
+        probes_at, served_at = health_address(proc, log), bound_address(proc, log)
+        with grpc.insecure_channel(probes_at) as probes, grpc.insecure_channel(served_at) as plaintext:
+            wait_for_line(proc, log, r"serving on", timeout=120)
+            check = health_pb2_grpc.HealthStub(probes).Check
+            for service in ("", "fp8rl.v1.Trainer"):
+                reply = check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            with pytest.raises(grpc.RpcError) as no_watch:  # (a stream and a kept status per name asked)
+                next(
+                    health_pb2_grpc.HealthStub(probes).Watch(
+                        health_pb2.HealthCheckRequest(service="x"), timeout=5
+                    )
                 )
-            )
-        assert no_watch.value.code() == grpc.StatusCode.UNIMPLEMENTED
-        with pytest.raises(grpc.RpcError) as only_health:
-            trainer_pb2_grpc.TrainerStub(probes).GetStatus(common_pb2.GetStatusRequest(), timeout=10)
-        assert only_health.value.code() == grpc.StatusCode.UNIMPLEMENTED
-        with pytest.raises(grpc.RpcError) as refused:
-            health_pb2_grpc.HealthStub(plaintext).Check(health_pb2.HealthCheckRequest(), timeout=5)
-        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert no_watch.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            with pytest.raises(grpc.RpcError) as only_health:
+                trainer_pb2_grpc.TrainerStub(probes).GetStatus(common_pb2.GetStatusRequest(), timeout=10)
+            assert only_health.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            with pytest.raises(grpc.RpcError) as refused:
+                health_pb2_grpc.HealthStub(plaintext).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
