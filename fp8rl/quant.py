@@ -171,30 +171,24 @@ def _cast(scaled: torch.Tensor) -> torch.Tensor:
     return scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
-def _zero_padded(x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """``x`` as float32, zero-padded at the end of each dim to ``shape`` (no copy when nothing to pad)."""
-    if tuple(x.shape) == shape:
+def _zero_padded(x: torch.Tensor, shape: tuple[int, ...], owned: bool = False) -> torch.Tensor:
+    """``x`` as float32, zero-padded at the end of each dim to ``shape``: ``x`` itself when float32 with
+    nothing to pad, unless ``owned``: then always a fresh copy outside autograd, for the caller to write
+    over (the fake quantizers do: their callers' backward is a straight-through estimator)."""
+    fits = tuple(x.shape) == shape
+    if fits and not owned:
         return x.float()
-    padded = torch.zeros(shape, dtype=torch.float32, device=x.device)
-    padded[tuple(slice(0, d) for d in x.shape)] = x
+    padded = (torch.empty if fits else torch.zeros)(shape, dtype=torch.float32, device=x.device)
+    padded[tuple(slice(0, d) for d in x.shape)] = x.detach() if owned else x
     return padded
 
 
-def _padded_copy(x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """A fresh float32 copy of ``x``, zero-padded at the end of each dim to ``shape``; outside autograd
-    (the fake quantizers write over it: their callers' backward is a straight-through estimator)."""
-    copy = (torch.empty if tuple(x.shape) == shape else torch.zeros)(
-        shape, dtype=torch.float32, device=x.device
-    )
-    copy[tuple(slice(0, d) for d in x.shape)] = x.detach()
-    return copy
-
-
-def _as_blocks(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """A 2-D ``x`` as zero-padded float32 blocks [ceil(N/bn), bn, ceil(K/bk), bk]."""
+def _as_blocks(x: torch.Tensor, block: tuple[int, int], owned: bool = False) -> torch.Tensor:
+    """A 2-D ``x`` as zero-padded float32 blocks [ceil(N/bn), bn, ceil(K/bk), bk] (``owned``: see
+    :func:`_zero_padded`)."""
     (n, k), (bn, bk) = x.shape, block
     nb, kb = _ceil_div(n, bn), _ceil_div(k, bk)
-    return _zero_padded(x, (nb * bn, kb * bk)).view(nb, bn, kb, bk)
+    return _zero_padded(x, (nb * bn, kb * bk), owned).view(nb, bn, kb, bk)
 
 
 def _from_blocks(blocks: torch.Tensor, shape: torch.Size) -> torch.Tensor:
@@ -203,10 +197,11 @@ def _from_blocks(blocks: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return blocks.reshape(nb * bn, kb * bk)[: shape[0], : shape[1]]
 
 
-def _as_groups(x: torch.Tensor, group: int) -> torch.Tensor:
-    """``x`` [..., K] as zero-padded float32 groups [..., ceil(K/group), group] along the last dim."""
+def _as_groups(x: torch.Tensor, group: int, owned: bool = False) -> torch.Tensor:
+    """``x`` [..., K] as zero-padded float32 groups [..., ceil(K/group), group] along the last dim
+    (``owned``: see :func:`_zero_padded`)."""
     g = _ceil_div(x.shape[-1], group)
-    return _zero_padded(x, (*x.shape[:-1], g * group)).view(*x.shape[:-1], g, group)
+    return _zero_padded(x, (*x.shape[:-1], g * group), owned).view(*x.shape[:-1], g, group)
 
 
 def _from_groups(groups: torch.Tensor, k: int) -> torch.Tensor:
@@ -304,9 +299,7 @@ def fake_quantize_weight(
     fixed point of :func:`quantize_blockwise` is left out: it changes codes and scales, never a value.)"""
     if w.ndim != 2:
         raise ValueError(f"fake_quantize_weight expects a 2-D tensor, got shape {tuple(w.shape)}")
-    (n, k), (bn, bk) = w.shape, block
-    nb, kb = _ceil_div(n, bn), _ceil_div(k, bk)
-    blocks = _padded_copy(w, (nb * bn, kb * bk)).view(nb, bn, kb, bk)
+    blocks = _as_blocks(w, block, owned=True)
     floor = DEEPGEMM_AMAX_FLOOR if scale_format == "pow2" else 0.0
     _fake_quantize_in_place(blocks, (1, 3), scale_format, "te", "weight", floor)
     return _from_blocks(blocks, w.shape).to(w.dtype)
@@ -319,11 +312,9 @@ def fake_quantize_activation(
     arithmetic: Arithmetic = "te",
 ) -> torch.Tensor:
     """Quantize then dequantize per token in 1 x ``group`` tiles; the result has ``x``'s dtype."""
-    k = x.shape[-1]
-    g = _ceil_div(k, group)
-    groups = _padded_copy(x, (*x.shape[:-1], g * group)).view(*x.shape[:-1], g, group)
+    groups = _as_groups(x, group, owned=True)
     _fake_quantize_in_place(groups, -1, scale_format, arithmetic, "activation")
-    return _from_groups(groups, k).to(x.dtype)
+    return _from_groups(groups, x.shape[-1]).to(x.dtype)
 
 
 def kv_cache_scale(amax: torch.Tensor, scale_format: ScaleFormat = "fp32") -> torch.Tensor:
@@ -364,6 +355,6 @@ def fake_quantize_columnwise(
     are read down the columns in place: no transposed copy.)"""
     m, k = x.shape
     g = _ceil_div(m, group)
-    groups = _padded_copy(x, (g * group, k)).view(g, group, k)
+    groups = _zero_padded(x, (g * group, k), owned=True).view(g, group, k)
     _fake_quantize_in_place(groups, 1, scale_format, "te", "activation")
     return groups.view(g * group, k)[:m].to(x.dtype)
