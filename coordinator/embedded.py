@@ -11,6 +11,7 @@ from contextlib import ExitStack, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -148,7 +149,7 @@ class EmbeddedProcesses:
 
     def start(self) -> Services:
         """Start redis-server, the trainer and the replicas; their addresses once all are healthy."""
-        from coordinator.processes import free_port, start_redis
+        from coordinator.processes import start_redis
 
         config, run_dir, stack = self.config, self.run_dir, self.stack
         logs = run_dir / "logs"
@@ -165,17 +166,16 @@ class EmbeddedProcesses:
         # Redis keeps its port across restarts while it is free, so a replica added by hand with the run's
         # Redis URL (run.json) finds it again.
         port_file = run_dir / "redis" / "port"
-        port = free_port(kept_port(port_file))
         redis_url, self.pids["redis-server"] = start_redis(
             stack,
             run_dir / "redis",
             logs / "redis.log",
-            port=port,
+            preferred=kept_port(port_file),
             watch=self.watched,
             password=password_file.read_text(),
         )
         with suppress(OSError):  # (a full disk: the file keeps the port before, or there is none)
-            write_private_atomic(port_file, str(port))
+            write_private_atomic(port_file, str(urlsplit(redis_url).port))
         # The run's secrets (written here, first): tokens and the update keys always, a CA with certificates
         # with --tls; other local users can reach loopback ports too.
         me = security_for(secrets_dir(run_dir), "coordinator", self.tls)

@@ -62,6 +62,12 @@ class Child:
     def pid(self) -> int:
         return self.proc.pid
 
+    def log_bytes(self) -> bytes:
+        """What the child has written to its log (not what earlier runs appended before it)."""
+        with open(self.log_path, "rb") as f:
+            f.seek(self._log_start)
+            return f.read()
+
     def check_alive(self) -> None:
         if self.proc.poll() is not None:
             tail = self.log_path.read_text(errors="replace")[-3000:]
@@ -75,9 +81,7 @@ class Child:
         deadline = time.monotonic() + timeout
         while True:  # (looked for once at least, with a timeout of 0)
             self.check_alive()
-            with open(self.log_path, "rb") as f:
-                f.seek(self._log_start)
-                found = re.search(rb"bound to ([^\s;]+):(\d+)", f.read())
+            found = re.search(rb"bound to ([^\s;]+):(\d+)", self.log_bytes())
             if found:
                 return f"{found.group(1).decode()}:{int(found.group(2))}"
             if time.monotonic() >= deadline:
@@ -135,6 +139,9 @@ def wait_healthy(
     wait_healthy_address(address, server, security, timeout, child.check_alive)
 
 
+PORT_TRIES = 3
+
+
 def start_redis(
     stack: ExitStack,
     data_dir: Path,
@@ -143,41 +150,65 @@ def start_redis(
     aof: bool = True,
     watch: list[Child] | None = None,
     password: str | None = None,
+    preferred: int | None = None,
 ) -> tuple[str, int]:
     """A private redis-server on loopback keeping its files in ``data_dir``; with ``aof`` every write is
     fsynced to an append-only file, so a restart on the same ``data_dir`` resumes. Returns its URL and
-    PID; ``stack`` stops it. (redis-server cannot bind port 0: a free port is picked for it.)"""
+    PID; ``stack`` stops it. On ``port``, else on a free one (``preferred`` where it is free): redis-server
+    cannot bind port 0, and a port picked free can be taken before it binds, so a server found there that
+    is not this one (its PID) counts as taken and another port is tried."""
     data_dir.mkdir(parents=True, exist_ok=True)
-    port = port or free_port()
     args = ["redis-server"]
     if password:  # in a 0600 config file, not in argv (which `ps` shows to every user)
         conf = data_dir / "redis.conf"
         write_private(conf, f"requirepass {redis_config_string(password)}\n")
         args.append(str(conf))
-    args += ["--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir)]
-    args += ["--save", "", "--protected-mode", "yes"]
+    args += ["--bind", "127.0.0.1", "--dir", str(data_dir), "--save", "", "--protected-mode", "yes"]
     if aof:
         args += ["--appendonly", "yes", "--appendfsync", "always"]
-    child = Child("redis-server", args, log)
+    for attempt in range(PORT_TRIES):
+        chosen = port or free_port(preferred if attempt == 0 else None)
+        child = Child("redis-server", [*args, "--port", str(chosen)], log)
+        url = redis_url_with_password(f"redis://127.0.0.1:{chosen}/0", {PASSWORD_ENV: password or ""})
+        try:
+            if _answers_as(child, url):
+                break
+        except BaseException:
+            child.stop()
+            raise
+        child.stop()
+        if port:
+            raise RuntimeError(f"redis-server: port {port} is taken by another process")
+    else:
+        raise RuntimeError(
+            f"redis-server: the free port picked was taken before it bound, {PORT_TRIES} times"
+        )
     stack.callback(child.stop)
     if watch is not None:
         watch.append(child)
-    url = redis_url_with_password(f"redis://127.0.0.1:{port}/0", {PASSWORD_ENV: password or ""})
+    return url, child.pid
+
+
+def _answers_as(child: Child, url: str, timeout: float = 30) -> bool:
+    """Whether the redis-server ``child`` comes to answer at ``url``; False when its port was taken (it
+    exits saying so, and until then whatever answers there is another process)."""
     import redis
 
     client = redis.Redis.from_url(url)
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + timeout
     while True:
-        child.check_alive()
+        if child.proc.poll() is not None:
+            if b"Address already in use" in child.log_bytes():
+                return False
+            child.check_alive()  # (raises, with its log)
         try:
-            if client.ping():
-                break
-        except (redis.exceptions.BusyLoadingError, redis.ConnectionError):
-            pass  # still starting, or replaying its AOF
+            if client.info("server")["process_id"] == child.pid:
+                return True
+        except redis.RedisError:
+            pass  # still starting, replaying its AOF, or another server (another password, not redis)
         if time.monotonic() > deadline:
             raise TimeoutError("redis-server did not start")
         time.sleep(0.1)
-    return url, child.pid
 
 
 def python_module(module: str, *args: str) -> list[str]:

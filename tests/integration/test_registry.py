@@ -10,6 +10,7 @@ import socket
 import time
 from contextlib import ExitStack
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -55,6 +56,29 @@ def test_the_heartbeat_rides_out_a_redis_that_vanishes_without_a_word(
         assert wait_for(lambda: list(live_replicas(observer)) == ["replica:1"])
         beat.stop()
         assert live_replicas(observer) == {}
+
+
+def test_a_redis_started_where_another_server_took_its_port_is_never_that_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A port picked free can be taken before redis-server binds it (another test's server, a connection's
+    ephemeral port): what answers there is then another server, which must not pass for the run's own.
+    A fixed port found taken is refused; a picked one gives way to the next free port."""
+    import redis
+
+    from coordinator import processes
+
+    with ExitStack() as stack:
+        other_url, other_pid = start_redis(stack, tmp_path / "other", tmp_path / "other.log", aof=False)
+        taken = urlsplit(other_url).port
+        with pytest.raises(RuntimeError, match=f"port {taken} is taken"):
+            start_redis(stack, tmp_path / "fixed", tmp_path / "fixed.log", port=taken, aof=False)
+        picks, real = iter([taken]), processes.free_port  # the race, made certain: the first pick is taken
+        monkeypatch.setattr(processes, "free_port", lambda preferred=None: next(picks, 0) or real(preferred))
+        url, pid = start_redis(stack, tmp_path / "mine", tmp_path / "mine.log", aof=False)
+        assert pid != other_pid and urlsplit(url).port != taken
+        assert redis.Redis.from_url(url).info("server")["process_id"] == pid
+        assert b"Address already in use" in (tmp_path / "mine.log").read_bytes()  # (the first try's)
 
 
 def test_an_embedded_runs_kept_redis_port_never_stops_it_from_starting(tmp_path: Path) -> None:
