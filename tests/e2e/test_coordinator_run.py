@@ -228,25 +228,10 @@ def test_max_staleness_one_overlaps_with_top_k_and_top_p(tiny_model_dir_f32: Pat
 
 def redis_events(run_dir: Path) -> list[dict]:
     """Events from the run's AOF: start a throwaway redis-server on the run's data directory."""
-    from tests.support import free_port
+    from tests.support import redis_server
 
-    port = free_port()
-    args = [
-        "redis-server",
-        "--port",
-        str(port),
-        "--bind",
-        "127.0.0.1",
-        "--dir",
-        str(run_dir / "redis"),
-        "--appendonly",
-        "yes",
-        "--save",
-        "",
-    ]
-    with child_process(args, run_dir / "inspect-redis.log") as proc:
-        wait_for_line(proc, run_dir / "inspect-redis.log", r"Ready to accept connections", timeout=30)
-        client = redis.Redis(port=port)
+    with redis_server(run_dir / "redis", aof=True, log="inspect-redis.log") as url:
+        client = redis.Redis.from_url(url)
         key = next(k for k in client.keys("fp8rl:run:*:events"))
         return [{k.decode(): v.decode() for k, v in fields.items()} for _, fields in client.xrange(key)]
 
