@@ -154,9 +154,10 @@ def start_redis(
 ) -> tuple[str, int]:
     """A private redis-server on loopback keeping its files in ``data_dir``; with ``aof`` every write is
     fsynced to an append-only file, so a restart on the same ``data_dir`` resumes. Returns its URL and
-    PID; ``stack`` stops it. On ``port``, else on a free one (``preferred`` where it is free): redis-server
-    cannot bind port 0, and a port picked free can be taken before it binds, so a server found there that
-    is not this one (its PID) counts as taken and another port is tried."""
+    PID, once it has loaded its data; ``stack`` stops it. On ``port`` (taken: RuntimeError), else on a
+    free one, ``preferred`` where it is free. redis-server cannot bind port 0, and a port picked free can
+    be taken before it binds: then it exits ("Address already in use") and another port is picked, up to
+    PORT_TRIES times. Only a server that reports the child's PID is taken for it."""
     data_dir.mkdir(parents=True, exist_ok=True)
     args = ["redis-server"]
     if password:  # in a 0600 config file, not in argv (which `ps` shows to every user)
@@ -168,8 +169,8 @@ def start_redis(
         args += ["--appendonly", "yes", "--appendfsync", "always"]
     for attempt in range(PORT_TRIES):
         chosen = port or free_port(preferred if attempt == 0 else None)
-        child = Child("redis-server", [*args, "--port", str(chosen)], log)
         url = redis_url_with_password(f"redis://127.0.0.1:{chosen}/0", {PASSWORD_ENV: password or ""})
+        child = Child("redis-server", [*args, "--port", str(chosen)], log)
         try:
             if _answers_as(child, url):
                 break
@@ -190,19 +191,20 @@ def start_redis(
 
 
 def _answers_as(child: Child, url: str, timeout: float = 30) -> bool:
-    """Whether the redis-server ``child`` comes to answer at ``url``; False when its port was taken (it
-    exits saying so, and until then whatever answers there is another process)."""
+    """Whether the redis-server ``child`` comes to answer at ``url``, its data loaded; False when its port
+    was taken (it exits saying so, and until then whatever answers there is another process: one that
+    accepts and never replies is cut off by the socket timeout)."""
     import redis
 
-    client = redis.Redis.from_url(url)
+    client = redis.Redis.from_url(url, socket_timeout=1, socket_connect_timeout=1)
     deadline = time.monotonic() + timeout
     while True:
         if child.proc.poll() is not None:
             if b"Address already in use" in child.log_bytes():
                 return False
             child.check_alive()  # (raises, with its log)
-        try:
-            if client.info("server")["process_id"] == child.pid:
+        try:  # (INFO answers while the AOF replays; PING waits until it is done)
+            if client.info("server")["process_id"] == child.pid and client.ping():
                 return True
         except redis.RedisError:
             pass  # still starting, replaying its AOF, or another server (another password, not redis)

@@ -101,8 +101,9 @@ def bound_address(proc: subprocess.Popen, log: Path, timeout: float = 300) -> st
 
 
 def health_address(proc: subprocess.Popen, log: Path, timeout: float = 300) -> str:
-    """The host:port of a service's plaintext health probes, started with ``health_port=0``."""
-    return wait_for_line(proc, log, r"health probes \(plaintext\) on (\S+:\d+)", timeout).group(1)
+    """The host:port of a service's plaintext health probes, started with ``health_port=0`` (a trainer
+    rank > 0 prints it once its shard has loaded)."""
+    return wait_for_line(proc, log, r"health probes \(plaintext\) on (\S+:\d+)\n", timeout).group(1)
 
 
 @contextmanager

@@ -85,7 +85,7 @@ def test_the_readme_sampling_examples_run_as_printed(tmp_path: Path) -> None:
     log = tmp_path / "rollout.log"
     with child_process(argv, log, env) as proc:
         grpc_port = int(bound_address(proc, log).rsplit(":", 1)[1])
-        http_port = wait_for_line(proc, log, r"OpenAI-compatible HTTP on 127.0.0.1:(\d+)").group(1)
+        http_port = wait_for_line(proc, log, r"OpenAI-compatible HTTP on 127.0.0.1:(\d+)\n").group(1)
         wait_for_line(proc, log, r"serving on")
         answers = [grpcurl(call, grpc_port) for call in calls]
         client = subprocess.run(

@@ -1,8 +1,11 @@
-"""The coordinator's replica pool against a real replica (vLLM behind gRPC) and a dead one (nothing
-listens at its address): a replica that fails is dropped for the step and its prompts move to a healthy
-one; with none left the step fails loudly."""
+"""The coordinator's replica pool against a real replica (vLLM behind gRPC) and a dead one (its port held
+by this test, bound but never listening, so nothing answers there): a replica that fails is dropped for
+the step and its prompts move to a healthy one; with none left the step fails loudly."""
 
 from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -10,13 +13,23 @@ import pytest
 from coordinator.clients import ReplicaFailed, RolloutPool
 from fp8rl.v1 import common_pb2, rollout_pb2
 from tests.conftest import InProcessRollout
-from tests.support import free_port
 
 GREEDY = common_pb2.SamplingParams(temperature=0.0, max_tokens=3)
 
 
-def test_failed_replicas_prompts_move_to_a_healthy_one(rollout_fp8: InProcessRollout) -> None:
-    live, dead = rollout_fp8.server.address, f"127.0.0.1:{free_port()}"
+@pytest.fixture
+def dead_address() -> Iterator[str]:
+    """A loopback address that refuses connections for the whole test: its port is bound (so nothing else
+    takes it) and never listened on."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        yield f"127.0.0.1:{held.getsockname()[1]}"
+
+
+def test_failed_replicas_prompts_move_to_a_healthy_one(
+    rollout_fp8: InProcessRollout, dead_address: str
+) -> None:
+    live, dead = rollout_fp8.server.address, dead_address
     pool = RolloutPool(lambda: [dead, live])
     try:
         held = pool.held_versions()
