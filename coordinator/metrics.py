@@ -309,5 +309,9 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         "median_routing_mismatch": median("routing_mismatch"),
         "median_rollout_tokens_per_s": median("rollout_tokens_per_s"),
         "median_step_s": median("step_s"),
+        # (where a step's time goes: generation, the trainer's step, the publish to the replicas)
+        "median_generate_s": median("generate_s"),
+        "median_train_s": median("train_s"),
+        "median_publish_s": median("publish_s"),
         "median_sync_bytes": median("sync_bytes"),
     }
