@@ -74,24 +74,18 @@ class _FP8LinearFunction(torch.autograd.Function):
     def forward(
         ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale_format: ScaleFormat
     ) -> torch.Tensor:
-        device = x.device.type
-        compute = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-        x32 = x.float()
-        xq = quant.fake_quantize_activation(x32, scale_format=scale_format)
-        wq = quant.fake_quantize_weight(weight.detach().float(), scale_format=scale_format)
+        y, x32, wq = _fprop(x, weight, bias, scale_format)
         # wgrad's X: the same activations quantized along the other axis (128 tokens per feature); not
-        # made when no weight gradient is wanted (scoring under no_grad).
+        # made when no weight gradient is wanted (a frozen weight).
         x_columnwise = x.new_empty(0, dtype=torch.float32)
         if ctx.needs_input_grad[1]:
             x_columnwise = quant.fake_quantize_columnwise(
                 x32.reshape(-1, x.shape[-1]), scale_format=scale_format
             )
         ctx.save_for_backward(x_columnwise, wq)
-        ctx.has_bias, ctx.scale_format, ctx.compute = bias is not None, scale_format, compute
+        ctx.has_bias, ctx.scale_format, ctx.compute = bias is not None, scale_format, y.dtype
         ctx.nonfinite_passes = quant.nonfinite_passing()  # the backward may run on another thread
-        with torch.autocast(device, enabled=False):  # (float32 GEMM, TE's epilogue adds the bias)
-            y = F.linear(xq, wq, None if bias is None else bias.float())
-        return y.to(compute)
+        return y
 
     @staticmethod
     def backward(
@@ -122,6 +116,21 @@ class _FP8LinearFunction(torch.autograd.Function):
         return dx, dw, db, None
 
 
+def _fprop(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale_format: ScaleFormat
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward GEMM in the compute dtype (autocast's, else ``x``'s); ``x`` as float32 and the
+    dequantized weight, for the backward's operands."""
+    device = x.device.type
+    compute = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    x32 = x.float()
+    xq = quant.fake_quantize_activation(x32, scale_format=scale_format)
+    wq = quant.fake_quantize_weight(weight.detach().float(), scale_format=scale_format)
+    with torch.autocast(device, enabled=False):  # (float32 GEMM, TE's epilogue adds the bias)
+        y = F.linear(xq, wq, None if bias is None else bias.float())
+    return y.to(compute), x32, wq
+
+
 def fp8_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -129,7 +138,11 @@ def fp8_linear(
     scale_format: ScaleFormat = "fp32",
 ) -> torch.Tensor:
     """``y = dq(q(x)) · dq(q(W))ᵀ + b`` with blockwise-FP8 fake quantization, and TE's quantization of
-    every backward GEMM."""
+    every backward GEMM. Under no_grad (scoring) the forward GEMM alone: an autograd function's
+    ``needs_input_grad`` follows ``requires_grad``, not grad mode, so it would quantize wgrad's operand
+    for a backward that never runs."""
+    if not torch.is_grad_enabled():
+        return _fprop(x, weight, bias, scale_format)[0]
     return _FP8LinearFunction.apply(x, weight, bias, scale_format)
 
 

@@ -81,6 +81,31 @@ def test_scales_apply_in_float32_and_the_output_rounds_once(gen: torch.Generator
     assert w.grad.dtype == torch.float32 and torch.equal(w.grad, dw)
 
 
+def test_scoring_without_grad_is_the_same_forward_and_quantizes_no_wgrad_operand(
+    gen: torch.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The learner scores under no_grad: the same outputs, bit for bit, as the training forward (float32
+    and under bf16 autocast, partial 1x128 groups), and no columnwise quantization of X (an autograd
+    function's needs_input_grad follows requires_grad, not grad mode: a weight that requires grad asked
+    for wgrad's operand in a pass that has no backward)."""
+    columnwise = []
+    spied = quant.fake_quantize_columnwise
+    monkeypatch.setattr(
+        quant, "fake_quantize_columnwise", lambda *a, **k: columnwise.append(1) or spied(*a, **k)
+    )
+    x = torch.randn(3, 50, 320, generator=gen)
+    w = (torch.randn(256, 320, generator=gen) * 0.05).requires_grad_()
+    for autocast in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            trained = fp8_linear(x, w)
+            assert columnwise == [1] and trained.requires_grad
+            with torch.no_grad():
+                scored = fp8_linear(x, w)
+        assert columnwise == [1] and not scored.requires_grad
+        assert scored.dtype == trained.dtype and torch.equal(scored, trained.detach())
+        columnwise.clear()
+
+
 def test_wgrad_groups_follow_the_token_layout(gen: torch.Generator) -> None:
     """wgrad quantizes 128 consecutive tokens of the flattened batch per feature, padding included (TE
     sees the padded batch): the same sequences padded to 16 positions, as the learner pads for TE and for
