@@ -157,8 +157,13 @@ def exact_linear(
 ) -> torch.Tensor:
     """``x @ weightᵀ + bias`` through :func:`fp8rl.exact.linear` (FP8 in scale format ``fp8``, or high
     precision when None), in ``dtype``; differentiable in ``x``, ``weight`` and ``bias``. ``cache``:
-    where the weight's operands are kept between calls."""
-    return _ExactLinearFunction.apply(x, weight, bias, fp8, dtype, cache or WeightCache(enabled=False))
+    where the weight's operands are kept between calls. Under no_grad the forward alone (as
+    :func:`trainer_service.fp8_linear.fp8_linear`: no wgrad operand for a backward that never runs)."""
+    cache = cache or WeightCache(enabled=False)
+    if not torch.is_grad_enabled():
+        prepared, _ = cache.operands(weight, fp8, dtype)
+        return exact.linear(x.to(dtype), prepared, bias, fp8=fp8)
+    return _ExactLinearFunction.apply(x, weight, bias, fp8, dtype, cache)
 
 
 class ExactLinear(torch.nn.Linear):

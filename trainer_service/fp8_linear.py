@@ -1,8 +1,8 @@
 """FP8 linear layers for training, behind one interface (:func:`convert_linears`).
 
 * ``emulated`` (anywhere): an autograd function that computes what Transformer Engine's
-  ``Float8BlockScaling`` recipe computes, with :mod:`fp8rl.quant` in TE's arithmetic. Each GEMM
-  quantizes its operands as TE does, from high precision:
+  ``Float8BlockScaling`` recipe computes, with :mod:`fp8rl.quant` in TE's arithmetic (under no_grad its
+  forward alone). Each GEMM quantizes its operands as TE does, from high precision:
 
   ============  =====================================================================
   fprop  Y=XWᵀ  X rowwise (1x128 along K, per token), W in 128x128 blocks
@@ -119,8 +119,8 @@ class _FP8LinearFunction(torch.autograd.Function):
 def _fprop(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale_format: ScaleFormat
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The forward GEMM in the compute dtype (autocast's, else ``x``'s); ``x`` as float32 and the
-    dequantized weight, for the backward's operands."""
+    """The forward GEMM in the compute dtype (autocast's, else ``x``'s); ``x`` as float32 (wgrad's
+    columnwise X is quantized from it) and the dequantized weight (dgrad's)."""
     device = x.device.type
     compute = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
     x32 = x.float()

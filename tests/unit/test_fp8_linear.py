@@ -106,6 +106,28 @@ def test_scoring_without_grad_is_the_same_forward_and_quantizes_no_wgrad_operand
         columnwise.clear()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_exact_mode_scoring_is_the_same_forward_too(
+    dtype: torch.dtype, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same for exact mode's linear (its scoring pass runs with more than one mini-batch)."""
+    from trainer_service.exact import exact_linear
+
+    columnwise = []
+    spied = quant.fake_quantize_columnwise
+    monkeypatch.setattr(
+        quant, "fake_quantize_columnwise", lambda *a, **k: columnwise.append(1) or spied(*a, **k)
+    )
+    x = torch.randn(3, 50, 320, generator=gen)
+    w = (torch.randn(256, 320, generator=gen) * 0.05).requires_grad_()
+    b = torch.randn(256, generator=gen).requires_grad_()
+    trained = exact_linear(x, w, b, "fp32", dtype)
+    with torch.no_grad():
+        scored = exact_linear(x, w, b, "fp32", dtype)
+    assert columnwise == [1] and trained.requires_grad and not scored.requires_grad
+    assert scored.dtype == trained.dtype == dtype and torch.equal(scored, trained.detach())
+
+
 def test_wgrad_groups_follow_the_token_layout(gen: torch.Generator) -> None:
     """wgrad quantizes 128 consecutive tokens of the flattened batch per feature, padding included (TE
     sees the padded batch): the same sequences padded to 16 positions, as the learner pads for TE and for
