@@ -36,6 +36,6 @@ COPY trainer_service trainer_service
 COPY coordinator coordinator
 COPY deploy deploy
 RUN pip install --no-cache-dir --no-deps . && rm -rf build *.egg-info
-# Large mallocs in huge pages, and freed memory kept for the next step (glibc reads this at a process's
-# start; torch's tensors: each entry point sets THP_MEM_ALLOC_ENABLE; fp8rl/devices.py says why).
-ENV GLIBC_TUNABLES=glibc.malloc.hugetlb=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1099511627776
+# Large mallocs in huge pages (glibc reads this at a process's start; torch's tensors: each entry point
+# sets THP_MEM_ALLOC_ENABLE, fp8rl/devices.py).
+ENV GLIBC_TUNABLES=glibc.malloc.hugetlb=1

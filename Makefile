@@ -4,9 +4,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.setup-done
 export PYTHONUNBUFFERED := 1
-# Large allocations in huge pages in the processes make starts too, as fp8rl.devices.tune_memory asks
-# for them (glibc reads its tunables only at a process's start); a setting of your own stands. (Freed
-# memory kept for reuse only in the services the entry points start, not in pytest's own processes.)
+# Large allocations in huge pages in the processes make starts too, as fp8rl.devices.prefer_huge_pages
+# asks for them (glibc reads its tunables only at a process's start); a setting of your own stands.
 ifeq (,$(findstring glibc.malloc.hugetlb,$(GLIBC_TUNABLES)))
 GLIBC_TUNABLES := $(if $(GLIBC_TUNABLES),$(GLIBC_TUNABLES):)glibc.malloc.hugetlb=1
 endif

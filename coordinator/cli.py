@@ -14,7 +14,7 @@ from pathlib import Path
 
 from coordinator.config import FIELDS, CoordinatorConfig, public_name
 from fp8rl.config import ConfigError, add_config_flags, config_from_cli, load_config
-from fp8rl.devices import tune_memory
+from fp8rl.devices import prefer_huge_pages
 from fp8rl.recipes import RECIPE_NAMES
 
 # Flags beyond the fields users write (FIELDS, one flag each): shortcuts to a field of a section.
@@ -70,7 +70,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, st
 
 
 def main(argv: list[str] | None = None) -> None:
-    tune_memory()
+    prefer_huge_pages()
     args, flags = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.command == "start":

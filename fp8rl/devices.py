@@ -30,31 +30,16 @@ def resolve_device(requested: str = "auto") -> Literal["cpu", "cuda"]:
     return "cuda" if requested == "cuda" else "cpu"
 
 
-# glibc's malloc as a service's steps want it (read at a process's start, so set for the processes this
-# one starts): large allocations in transparent huge pages; no chunk mapped apart, which free() unmaps
-# and the next step faults in afresh, zeroed by the kernel; and the heap's free top kept, not trimmed.
-GLIBC_TUNABLES_WANTED = {
-    "glibc.malloc.hugetlb": "1",
-    "glibc.malloc.mmap_max": "0",
-    "glibc.malloc.trim_threshold": str(1 << 40),
-}
-
-
-def tune_memory() -> None:
+def prefer_huge_pages() -> None:
     """Back large allocations with transparent huge pages (2 MiB; madvise, which Linux honours by
-    default) and keep freed memory for reuse, unless told otherwise: torch's CPU tensors of 2 MiB or more
-    from now on (``$THP_MEM_ALLOC_ENABLE``, read at torch's first large allocation), and every malloc of
-    the processes this one starts (:data:`GLIBC_TUNABLES_WANTED`, each unless ``$GLIBC_TUNABLES`` names
-    it already).
+    default) unless told otherwise: torch's CPU tensors of 2 MiB or more from now on
+    (``$THP_MEM_ALLOC_ENABLE``, read at torch's first large allocation), and every malloc of the
+    processes this one starts (glibc's ``glibc.malloc.hugetlb=1`` tunable, read at a process's start).
 
-    Without huge pages every large tensor or buffer is a fresh mapping faulted in 4 KiB at a time: the
-    test suite spent about a fifth of its CPU in the kernel, and one exact-consistency case took 3.7 M
-    page faults (1.3 M with torch's alone). Without the kept memory a trainer's step, whose tensors come
-    back at the same sizes every step, spent a fifth of its time in the kernel zeroing pages it had
-    freed the step before (``clear_page_erms`` in perf, SmolLM2 under the study). A process keeps its
-    peak: what its steps touch again anyway. Call it first thing in a process."""
+    Without them every large tensor or buffer is a fresh mapping faulted in 4 KiB at a time: the test
+    suite spent about a fifth of its CPU in the kernel, and one exact-consistency case took 3.7 M page
+    faults (1.3 M with torch's alone). Call it first thing in a process."""
     os.environ.setdefault(HUGE_PAGES_ENV, "1")
-    tunables = [t for t in os.environ.get("GLIBC_TUNABLES", "").split(":") if t]
-    named = {t.split("=", 1)[0] for t in tunables}
-    tunables += [f"{name}={value}" for name, value in GLIBC_TUNABLES_WANTED.items() if name not in named]
-    os.environ["GLIBC_TUNABLES"] = ":".join(tunables)
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    if "glibc.malloc.hugetlb" not in tunables:
+        os.environ["GLIBC_TUNABLES"] = ":".join(filter(None, (tunables, "glibc.malloc.hugetlb=1")))

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable
 
 from fp8rl.config import add_config_flags, config_from_cli
-from fp8rl.devices import tune_memory
+from fp8rl.devices import prefer_huge_pages
 from rollout_service.config import RolloutConfig
 
 
@@ -29,7 +29,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, st
 
 
 def main(argv: list[str] | None = None) -> None:
-    tune_memory()
+    prefer_huge_pages()
     args, flags = parse_args(argv)
     config = config_from_cli(RolloutConfig, "rollout-service", args, flags)
     from fp8rl.credentials import PASSWORD_IN_URL, has_password

@@ -14,7 +14,7 @@ import grpc
 import pytest
 import torch
 
-from fp8rl.devices import DEVICE_ENV, tune_memory
+from fp8rl.devices import DEVICE_ENV, prefer_huge_pages
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -22,7 +22,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # `device: auto` then means CPU even on a CUDA host (fp8rl/devices.py). Tests marked gpu ask for
     # CUDA in so many words.
     os.environ.setdefault(DEVICE_ENV, "cpu")
-    tune_memory()  # (this process and those it starts: a fifth of the suite's CPU was page faults)
+    prefer_huge_pages()  # (this process and those it starts: a fifth of the suite's CPU was page faults)
     # A shell starts background jobs with SIGINT ignored, and an ignored signal stays ignored across
     # exec: the Ctrl-C tests' children would never see theirs. Give them the normal disposition.
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:

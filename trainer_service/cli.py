@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from fp8rl.config import add_config_flags, config_from_cli
-from fp8rl.devices import tune_memory
+from fp8rl.devices import prefer_huge_pages
 from fp8rl.security import refuse_exposure
 from trainer_service.config import TrainerConfig
 
@@ -44,7 +44,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, st
 
 
 def main(argv: list[str] | None = None) -> None:
-    tune_memory()
+    prefer_huge_pages()
     args, flags = parse_args(argv)
     config = config_from_cli(TrainerConfig, "trainer-service", args, flags)
     refuse_exposure("trainer-service", config.security, config.host)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp8rl.devices import DEVICE_ENV, HUGE_PAGES_ENV, resolve_device, tune_memory
+from fp8rl.devices import DEVICE_ENV, HUGE_PAGES_ENV, prefer_huge_pages, resolve_device
 
 
 @pytest.fixture
@@ -27,22 +27,16 @@ def test_the_suite_computes_on_the_cpu() -> None:
     assert os.environ[DEVICE_ENV] == "cpu"  # (tests/conftest.py, inherited by the processes it starts)
 
 
-def test_huge_pages_and_kept_memory_are_asked_for_unless_told_otherwise(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_huge_pages_are_asked_for_unless_told_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(HUGE_PAGES_ENV, raising=False)
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
-    tune_memory()
+    prefer_huge_pages()
     assert os.environ[HUGE_PAGES_ENV] == "1"
-    kept = f"glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold={1 << 40}"
-    assert os.environ["GLIBC_TUNABLES"] == f"glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1:{kept}"
+    assert os.environ["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
     monkeypatch.setenv(HUGE_PAGES_ENV, "0")
-    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=4096:glibc.malloc.hugetlb=0")
-    tune_memory()  # (a user's choice stands, tunable by tunable)
-    assert os.environ[HUGE_PAGES_ENV] == "0"
-    assert os.environ["GLIBC_TUNABLES"] == (
-        "glibc.malloc.trim_threshold=4096:glibc.malloc.hugetlb=0:glibc.malloc.mmap_max=0"
-    )
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=0")
+    prefer_huge_pages()  # (a user's choice stands)
+    assert (os.environ[HUGE_PAGES_ENV], os.environ["GLIBC_TUNABLES"]) == ("0", "glibc.malloc.hugetlb=0")
 
 
 # A child that maps 64 MiB five times over, as a tensor and as a buffer, and prints its page faults.
@@ -66,37 +60,6 @@ def test_the_processes_the_suite_starts_fault_large_allocations_in_huge_pages() 
     faults = int(subprocess.run([sys.executable, "-c", FAULTS], capture_output=True, check=True).stdout)
     small_pages = 2 * 5 * (64 << 20) // 4096  # (163840 in 4 KiB pages)
     assert faults < small_pages // 4, f"{faults} page faults for {small_pages} pages of 4 KiB"
-
-
-# A child that fills a 256 MiB tensor five times over, as a trainer's step does its largest (the logits),
-# and prints the page faults of the first time and of the four after it.
-REUSE = """
-import resource, torch
-def faults():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-counts = []
-for _ in range(5):
-    before = faults()
-    torch.empty(256 << 20, dtype=torch.uint8).fill_(1)
-    counts.append(faults() - before)
-print(counts[0], sum(counts[1:]))
-"""
-
-
-def test_the_processes_the_suite_starts_reuse_the_memory_they_freed() -> None:
-    """Without kept memory each of the five fills faults its 256 MiB in afresh (the kernel zeroes every
-    page again); with it only the first does."""
-    glibc = os.confstr("CS_GNU_LIBC_VERSION") or ""
-    if not glibc.startswith("glibc "):
-        pytest.skip(f"{glibc or 'no glibc'}: the kept memory is glibc's malloc tunables")
-    first, after = map(
-        int, subprocess.run([sys.executable, "-c", REUSE], capture_output=True, check=True).stdout.split()
-    )
-    assert first > 0 and after < first // 10, (first, after)
-    default = {**os.environ, "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}  # (what the suite had before)
-    out = subprocess.run([sys.executable, "-c", REUSE], capture_output=True, check=True, env=default).stdout
-    first, after = map(int, out.split())
-    assert after > 3 * first, (first, after)  # (the test can tell the two apart)
 
 
 def test_auto_follows_the_variable_then_the_hardware(cuda_host: pytest.MonkeyPatch) -> None:
