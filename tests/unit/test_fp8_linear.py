@@ -81,18 +81,22 @@ def test_scales_apply_in_float32_and_the_output_rounds_once(gen: torch.Generator
     assert w.grad.dtype == torch.float32 and torch.equal(w.grad, dw)
 
 
+@pytest.fixture
+def columnwise(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A 1 for every columnwise quantization (wgrad's operands) from here on."""
+    calls: list[int] = []
+    spied = quant.fake_quantize_columnwise
+    monkeypatch.setattr(quant, "fake_quantize_columnwise", lambda *a, **k: calls.append(1) or spied(*a, **k))
+    return calls
+
+
 def test_scoring_without_grad_is_the_same_forward_and_quantizes_no_wgrad_operand(
-    gen: torch.Generator, monkeypatch: pytest.MonkeyPatch
+    gen: torch.Generator, columnwise: list[int]
 ) -> None:
     """The learner scores under no_grad: the same outputs, bit for bit, as the training forward (float32
     and under bf16 autocast, partial 1x128 groups), and no columnwise quantization of X (an autograd
     function's needs_input_grad follows requires_grad, not grad mode: a weight that requires grad asked
     for wgrad's operand in a pass that has no backward)."""
-    columnwise = []
-    spied = quant.fake_quantize_columnwise
-    monkeypatch.setattr(
-        quant, "fake_quantize_columnwise", lambda *a, **k: columnwise.append(1) or spied(*a, **k)
-    )
     x = torch.randn(3, 50, 320, generator=gen)
     w = (torch.randn(256, 320, generator=gen) * 0.05).requires_grad_()
     for autocast in (False, True):
@@ -108,16 +112,11 @@ def test_scoring_without_grad_is_the_same_forward_and_quantizes_no_wgrad_operand
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_exact_mode_scoring_is_the_same_forward_too(
-    dtype: torch.dtype, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch
+    dtype: torch.dtype, gen: torch.Generator, columnwise: list[int]
 ) -> None:
     """The same for exact mode's linear (its scoring pass runs with more than one mini-batch)."""
     from trainer_service.exact import exact_linear
 
-    columnwise = []
-    spied = quant.fake_quantize_columnwise
-    monkeypatch.setattr(
-        quant, "fake_quantize_columnwise", lambda *a, **k: columnwise.append(1) or spied(*a, **k)
-    )
     x = torch.randn(3, 50, 320, generator=gen)
     w = (torch.randn(256, 320, generator=gen) * 0.05).requires_grad_()
     b = torch.randn(256, generator=gen).requires_grad_()
