@@ -21,6 +21,7 @@ from typing import Literal
 from fp8rl.credentials import PASSWORD_ENV, redis_config_string, redis_url_with_password, write_private
 from fp8rl.healthcheck import serving
 from fp8rl.security import SecurityConfig
+from fp8rl.serving import BOUND_LINE
 
 log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
@@ -76,14 +77,13 @@ class Child:
             )
 
     def bound_address(self, timeout: float = 300) -> str:
-        """The ``host:port`` the child reports it bound ("... bound to HOST:PORT"): services are started
-        on port 0 and pick a free port themselves, so no other process can take it in between."""
+        """The ``host:port`` the child reports it bound (:data:`fp8rl.serving.BOUND_LINE`)."""
         deadline = time.monotonic() + timeout
         while True:  # (looked for once at least, with a timeout of 0)
             self.check_alive()
-            found = re.search(rb"bound to ([^\s;]+):(\d+)", self.log_bytes())
+            found = re.search(BOUND_LINE, self.log_bytes().decode(errors="replace"))
             if found:
-                return f"{found.group(1).decode()}:{int(found.group(2))}"
+                return found.group(1)
             if time.monotonic() >= deadline:
                 raise TimeoutError(
                     f"{self.name} did not report its port within {timeout:.0f}s ({self.log_path})"

@@ -350,6 +350,13 @@ def start_server(
     return running
 
 
+BOUND_LINE = r"bound to (\S+:\d+);"
+"""What :func:`serve` prints once bound (group 1: HOST:PORT): a parent that started a service on port 0
+reads its port there, so no other process could take a port picked free beforehand."""
+HEALTH_LINE = r"health probes \(plaintext\) on (\S+:\d+)\n"
+"""What :func:`serve` (and a trainer rank > 0) prints for its plaintext health probes (group 1: HOST:PORT)."""
+
+
 def serve(
     prog: str,
     register: Callable[[grpc.Server], None],
@@ -371,8 +378,8 @@ def serve(
     probes = None
     if health_port is not None:
         probes, bound = health_server(running.health, host, health_port)
-        print(f"{prog} health probes (plaintext) on {host}:{bound}", flush=True)
-    print(f"{prog} bound to {host}:{running.port}; loading", flush=True)
+        print(f"{prog} health probes (plaintext) on {host}:{bound}", flush=True)  # HEALTH_LINE
+    print(f"{prog} bound to {host}:{running.port}; loading", flush=True)  # BOUND_LINE
     stop = shutdown_event()  # a signal while loading stops the process once loading is done
     try:
         detail, cleanup = load(running.port)

@@ -25,6 +25,7 @@ import yaml
 from coordinator.processes import free_port as free_port  # the one free_port, re-exported for tests
 from coordinator.processes import start_redis
 from fp8rl import quant
+from fp8rl.serving import BOUND_LINE, HEALTH_LINE
 from trainer_service.config import TrainerConfig
 
 if TYPE_CHECKING:
@@ -97,13 +98,13 @@ def bound_address(proc: subprocess.Popen, log: Path, timeout: float = 300) -> st
     """The host:port a service process bound (:func:`fp8rl.serving.serve` prints it before loading).
     Tests start services on port 0 and read this: a port picked free beforehand can be taken (by a
     connection's ephemeral port, another lane's server) before the child binds it."""
-    return wait_for_line(proc, log, r"bound to (\S+:\d+);", timeout).group(1)
+    return wait_for_line(proc, log, BOUND_LINE, timeout).group(1)
 
 
 def health_address(proc: subprocess.Popen, log: Path, timeout: float = 300) -> str:
     """The host:port of a service's plaintext health probes, started with ``health_port=0`` (a trainer
     rank > 0 prints it once its shard has loaded)."""
-    return wait_for_line(proc, log, r"health probes \(plaintext\) on (\S+:\d+)\n", timeout).group(1)
+    return wait_for_line(proc, log, HEALTH_LINE, timeout).group(1)
 
 
 @contextmanager

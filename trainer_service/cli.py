@@ -110,7 +110,7 @@ def follow_root(config: TrainerConfig, ranks: Ranks) -> None:
         print(
             f"trainer-service rank {ranks.rank} health probes (plaintext) on {config.host}:{bound}",
             flush=True,
-        )
+        )  # fp8rl.serving.HEALTH_LINE
     try:
         service.follow()
     finally:
