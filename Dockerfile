@@ -29,11 +29,6 @@ RUN mkdir fp8rl && touch fp8rl/__init__.py README.md \
     && pip install --no-cache-dir ${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"} ".[cpu]" \
     && pip uninstall -y torchvision torchaudio torchcodec \
     && pip uninstall -y fp8rl && rm -rf fp8rl README.md build *.egg-info
-# jemalloc, keeping what a process frees: a service allocates and frees the same gigabytes every step,
-# which glibc hands back to the kernel to fault in again (fp8rl.devices.with_keeping_allocator; after
-# the dependencies' layer, which stays cached).
-RUN apt-get update && apt-get install -y --no-install-recommends libjemalloc2 && rm -rf /var/lib/apt/lists/*
-ENV LD_PRELOAD=libjemalloc.so.2 MALLOC_CONF=dirty_decay_ms:-1,muzzy_decay_ms:-1
 COPY README.md ./
 COPY fp8rl fp8rl
 COPY rollout_service rollout_service

@@ -33,13 +33,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $@
 
-# jemalloc too (redis-server's package brings it): the services start with it (fp8rl.devices), as root
-# only where it is missing.
 redis-server:
 	@command -v redis-server >/dev/null || { apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
-	@/sbin/ldconfig -p | grep -q libjemalloc.so.2 || [ "$$(id -u)" != 0 ] || { apt-get update -qq && \
-		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libjemalloc2 >/dev/null; }
 
 # The network-fault tests' tools (tests/e2e/test_network_faults.py: namespaces, veth, tc, iptables). They
 # run as root only (and skip otherwise): as another user, nothing is installed.

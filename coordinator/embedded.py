@@ -185,7 +185,6 @@ class EmbeddedProcesses:
     def start_services(self, model: Path, dtype: str, me: SecurityConfig) -> tuple[str, list[str]]:
         """Start the trainer and one replica as child processes; their addresses once both are healthy."""
         from coordinator.processes import Child, python_module, wait_healthy
-        from fp8rl.devices import with_keeping_allocator
         from fp8rl.serving import PARENT_ENV
 
         run_dir, stack = self.run_dir, self.stack
@@ -195,7 +194,7 @@ class EmbeddedProcesses:
         trainer_yaml.write_text(yaml.safe_dump(trainer_config.model_dump(mode="json")))
         trainer_args = ["serve", "--config", str(trainer_yaml), *self.trainer_ranks()]
         rollout_args = self.rollout_args(model, dtype)
-        env = with_keeping_allocator({**os.environ, "PYTHONUNBUFFERED": "1", PARENT_ENV: str(os.getpid())})
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", PARENT_ENV: str(os.getpid())}
         trainer = Child(
             "trainer", python_module("trainer_service.cli", *trainer_args), logs / "trainer.log", env
         )

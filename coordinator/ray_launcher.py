@@ -36,7 +36,6 @@ from coordinator.config import CoordinatorConfig
 from coordinator.embedded import EmbeddedProcesses, RunExit, as_sets, embedded_trainer, secrets_dir
 from coordinator.processes import Child, is_serving, python_module, wait_healthy_address
 from fp8rl.credentials import write_private
-from fp8rl.devices import with_keeping_allocator
 from fp8rl.run_secrets import security_for
 from fp8rl.security import SecurityConfig
 from fp8rl.serving import PARENT_ENV
@@ -128,7 +127,7 @@ class ServiceActor:
     def start(self, command: Command, files: dict[str, str], watch: bool = True) -> None:
         for field, text in files.items():
             write_private(self.dir / field, text)
-        env = with_keeping_allocator({**os.environ, "PYTHONUNBUFFERED": "1", PARENT_ENV: str(os.getpid())})
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", PARENT_ENV: str(os.getpid())}
         self.child = Child(self.name, command(self.dir, self.node_ip), self.log, env)
         if watch:
             self.watch()

@@ -8,17 +8,13 @@ CUDA device, else ``cpu``.
 
 from __future__ import annotations
 
-import ctypes.util
 import os
-from collections.abc import Mapping
 from typing import Literal, get_args
 
 Device = Literal["auto", "cpu", "cuda"]
 DEVICES: tuple[Device, ...] = get_args(Device)
 DEVICE_ENV = "FP8RL_DEVICE"
 HUGE_PAGES_ENV = "THP_MEM_ALLOC_ENABLE"
-ALLOCATOR_ENV = "FP8RL_ALLOCATOR"
-KEEPING = "dirty_decay_ms:-1,muzzy_decay_ms:-1"  # jemalloc's MALLOC_CONF: never hand freed pages back
 
 
 def resolve_device(requested: str = "auto") -> Literal["cpu", "cuda"]:
@@ -47,25 +43,3 @@ def prefer_huge_pages() -> None:
     tunables = os.environ.get("GLIBC_TUNABLES", "")
     if "glibc.malloc.hugetlb" not in tunables:
         os.environ["GLIBC_TUNABLES"] = ":".join(filter(None, (tunables, "glibc.malloc.hugetlb=1")))
-
-
-def with_keeping_allocator(env: Mapping[str, str]) -> dict[str, str]:
-    """``env`` for starting a service process (trainer, rollout) with jemalloc preloaded, told to keep
-    what the process frees for its next allocations. A service allocates and frees the same gigabytes
-    every step; glibc hands blocks of 32 MiB or more back to the kernel when freed (and a pool thread's
-    arena, where gRPC runs each call, anything over 64 MiB), so every step faulted them in again, each
-    page zeroed by the kernel: ``bench/allocator.py`` measures it. The process's memory then stays at
-    its peak, the price of not paying for it every step.
-
-    ``env`` unchanged where it preloads a library or configures jemalloc already (a user's choice
-    stands), where ``$FP8RL_ALLOCATOR`` is ``system``, or where no jemalloc is installed
-    (``libjemalloc2``: redis-server's package brings it)."""
-    env = dict(env)
-    library = ctypes.util.find_library("jemalloc")
-    if (
-        library
-        and env.get(ALLOCATOR_ENV, "jemalloc") != "system"
-        and not {"LD_PRELOAD", "MALLOC_CONF"} & set(env)
-    ):
-        env |= {"LD_PRELOAD": library, "MALLOC_CONF": KEEPING}
-    return env

@@ -25,7 +25,6 @@ import yaml
 from coordinator.processes import free_port as free_port  # the one free_port, re-exported for tests
 from coordinator.processes import start_redis
 from fp8rl import quant
-from fp8rl.devices import with_keeping_allocator
 from fp8rl.serving import BOUND_LINE, HEALTH_LINE
 from trainer_service.config import TrainerConfig
 
@@ -225,9 +224,7 @@ def service_process(
     """``python -m <module> serve --model MODEL --port P ...`` as a child; yields it and its address once
     its log shows ``ready``. Without ``port`` it binds port 0 and the address is the one it printed."""
     args = [sys.executable, "-m", module, "serve", "--model", str(model), "--port", str(port or 0), *extra]
-    env = with_keeping_allocator(
-        {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    )  # (as a coordinator starts it)
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     with child_process(args, log, env) as proc:
         address = bound_address(proc, log)
         wait_for_line(proc, log, ready)

@@ -78,7 +78,6 @@ class ComposeRun:
     run_dir: Path  # the runs volume's run directory, copied out
     checkpoints: Path  # the checkpoints volume, copied out
     cmdlines: dict[str, bytes]  # container -> every /proc/*/cmdline in it, while the run was going
-    jemalloc: dict[str, bool]  # service container -> whether its service process has jemalloc loaded
     refused: dict[str, bool]  # what a plaintext client from the host network got
     accepted: bool  # the same trainer, with the coordinator's certificate
     killed_at: int  # steps committed when the trainer was killed
@@ -167,11 +166,6 @@ def observe(compose: Compose, password: str, up: tuple[str, ...], timings: dict,
     every_cmdline = ("sh", "-c", "cat /proc/[0-9]*/cmdline")
     cmdlines = {name: compose.engine.run("exec", name, *every_cmdline).stdout.encode() for name in running}
     assert names["coordinator"] in cmdlines and all(r in cmdlines for r in replicas), (running, names)
-    # Each service's process is PID 1 of its container (its command `exec`s it): the image preloads jemalloc.
-    jemalloc = {
-        name: "libjemalloc" in compose.engine.run("exec", name, "cat", "/proc/1/maps").stdout
-        for name in (names["trainer"], *replicas)
-    }
     shared = compose.volume("secrets", work / "secrets")
     keys = [*shared.glob("*.token"), shared / "registration.key", shared / "update-signing.key"]
     found_secrets = [p.read_bytes().strip() for p in keys if p.exists()]
@@ -243,7 +237,6 @@ def observe(compose: Compose, password: str, up: tuple[str, ...], timings: dict,
         runs / RUN_ID,
         checkpoints,
         cmdlines,
-        jemalloc,
         refused,
         accepted,
         killed_at,
@@ -296,11 +289,6 @@ def test_no_secret_in_any_command_line(run: ComposeRun) -> None:
         assert cmdlines, name
         for secret in (run.password.encode(), *run.secrets):
             assert secret not in cmdlines, f"a secret in a command line in {name}"
-
-
-def test_the_services_keep_what_they_free(run: ComposeRun) -> None:
-    """The image starts every process with jemalloc keeping freed memory (fp8rl.devices)."""
-    assert len(run.jemalloc) == 3 and all(run.jemalloc.values()), run.jemalloc
 
 
 def test_every_service_stops_on_sigterm(run: ComposeRun) -> None:

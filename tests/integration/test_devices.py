@@ -5,7 +5,6 @@ answers True."""
 
 from __future__ import annotations
 
-import ctypes.util
 import os
 import subprocess
 import sys
@@ -14,15 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp8rl.devices import (
-    ALLOCATOR_ENV,
-    DEVICE_ENV,
-    HUGE_PAGES_ENV,
-    KEEPING,
-    prefer_huge_pages,
-    resolve_device,
-    with_keeping_allocator,
-)
+from fp8rl.devices import DEVICE_ENV, HUGE_PAGES_ENV, prefer_huge_pages, resolve_device
 
 
 @pytest.fixture
@@ -69,56 +60,6 @@ def test_the_processes_the_suite_starts_fault_large_allocations_in_huge_pages() 
     faults = int(subprocess.run([sys.executable, "-c", FAULTS], capture_output=True, check=True).stdout)
     small_pages = 2 * 5 * (64 << 20) // 4096  # (163840 in 4 KiB pages)
     assert faults < small_pages // 4, f"{faults} page faults for {small_pages} pages of 4 KiB"
-
-
-# A child that, on a pool thread as a gRPC call runs, allocates 96 MiB as a tensor and as a buffer eight
-# times over; prints whether jemalloc is loaded and the page faults of each round.
-REFAULTS = """
-import resource
-from concurrent.futures import ThreadPoolExecutor
-import torch
-def rounds():
-    faults = []
-    for _ in range(8):
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        torch.empty(96 << 20, dtype=torch.uint8).fill_(1)
-        bytearray(96 << 20)[::4096] = bytes(96 << 8)
-        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-    return faults
-print("libjemalloc" in open("/proc/self/maps").read(), *ThreadPoolExecutor(2).submit(rounds).result())
-"""
-
-
-@pytest.fixture
-def jemalloc() -> str:
-    library = ctypes.util.find_library("jemalloc")
-    if library is None:  # (`make setup` installs it as root)
-        pytest.skip("no jemalloc installed here (Debian: libjemalloc2)")
-    return library
-
-
-def test_a_service_starts_with_jemalloc_unless_told_otherwise(jemalloc: str) -> None:
-    base = {"PATH": "/usr/bin"}
-    assert with_keeping_allocator(base) == base | {"LD_PRELOAD": jemalloc, "MALLOC_CONF": KEEPING}
-    for own in ({"LD_PRELOAD": "libtcmalloc.so.4"}, {"MALLOC_CONF": "narenas:1"}, {ALLOCATOR_ENV: "system"}):
-        assert with_keeping_allocator(base | own) == base | own  # (a user's choice stands)
-
-
-def test_a_service_keeps_what_it_frees_for_its_next_step(jemalloc: str) -> None:
-    plain = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "LD_PRELOAD", "MALLOC_CONF")}
-    plain[HUGE_PAGES_ENV] = "0"  # (page faults of 4 KiB in both)
-
-    def faults(env: dict[str, str]) -> tuple[bytes, list[int]]:
-        run = [sys.executable, "-c", REFAULTS]
-        loaded, *rounds = subprocess.run(run, env=env, capture_output=True, check=True).stdout.split()
-        return loaded, [int(r) for r in rounds]
-
-    pages = 2 * (96 << 20) // 4096  # one round, in 4 KiB pages
-    loaded, kept = faults(with_keeping_allocator(plain))
-    assert loaded == b"True" and kept[0] > pages // 2, kept  # (the first round faults its pages in)
-    assert max(kept[1:]) < pages // 100, f"{kept}: later rounds faulted their memory in again"
-    loaded, handed_back = faults(with_keeping_allocator(plain | {ALLOCATOR_ENV: "system"}))
-    assert loaded == b"False" and min(handed_back[1:]) > pages // 4, handed_back  # (what it saves)
 
 
 def test_auto_follows_the_variable_then_the_hardware(cuda_host: pytest.MonkeyPatch) -> None:
