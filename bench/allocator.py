@@ -10,8 +10,11 @@ environment (``LD_PRELOAD`` takes effect only at a process's start):
 - ``jemalloc``: jemalloc preloaded, never purging what is freed (where the library is installed, as
   redis-server's package installs it).
 
-(glibc told to keep its memory instead, one arena without mappings or trimming, fragmented: the same
-step's process grew past 11 GB and was killed; on smaller shapes it grew 2 to 7 times its live memory.)
+Neither keeps memory well yet. glibc told to keep it (one arena, no mappings, no trimming) fragmented:
+the same step's process grew past 11 GB and was killed; on smaller shapes it grew 2 to 7 times its live
+memory. jemalloc never purging, SmolLM2 bf16 on 2 cores (2026-12-07): 0.83x the step time (27.6 s against
+33.4; system CPU 2.6 s against 12.9) and the same weights, but resident after each step 11.3, 12.6,
+13.8 GB (glibc: 6.0, 7.2, 7.9; ``narenas:1`` changed nothing): kept growing, so it is not shipped.
 
 Each child loads the model, runs a warm-up and ``--steps`` timed GRPO steps (Learner.train, on a pool
 thread as the gRPC service runs them) on the same random batch, and reports per step: wall seconds, user
