@@ -29,6 +29,7 @@ trainer step of SmolLM2 holds several GB.
 from __future__ import annotations
 
 import argparse
+import ctypes.util
 import hashlib
 import json
 import os
@@ -41,11 +42,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-JEMALLOC = Path("/usr/lib/x86_64-linux-gnu/libjemalloc.so.2")
+JEMALLOC = ctypes.util.find_library("jemalloc")  # (its soname, which LD_PRELOAD finds; None: not installed)
 BASE_ENV = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}  # as `make` and the Dockerfile start processes
 SETTINGS: dict[str, dict[str, str]] = {
     "shipped": {},
-    "jemalloc": {"LD_PRELOAD": str(JEMALLOC), "MALLOC_CONF": "dirty_decay_ms:-1,muzzy_decay_ms:-1"},
+    "jemalloc": {"LD_PRELOAD": JEMALLOC or "", "MALLOC_CONF": "dirty_decay_ms:-1,muzzy_decay_ms:-1"},
 }
 
 
@@ -53,7 +54,6 @@ def child(args: argparse.Namespace) -> None:
     from fp8rl.devices import prefer_huge_pages
 
     prefer_huge_pages()  # first thing, as the services do
-    import torch
     from transformers import AutoConfig
 
     from fp8rl.recipes import get_recipe
@@ -98,11 +98,12 @@ def child(args: argparse.Namespace) -> None:
     weights = hashlib.sha256()
     for name, tensor in sorted(learner.model.state_dict().items()):
         weights.update(name.encode() + tensor.detach().float().contiguous().numpy().tobytes())
-    report: dict = {key: statistics.median(s[key] for s in steps) for key in steps[0]}
+    report: dict = {
+        key: statistics.median(s[key] for s in steps) for key in ("wall_s", "user_s", "sys_s", "faults")
+    }
     report["rss_gb"] = [round(s["rss_gb"], 2) for s in steps]  # after each step: does it keep growing?
     report["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     report["weights"] = weights.hexdigest()[:16]
-    report["threads"] = torch.get_num_threads()
     print("REPORT " + json.dumps(report), flush=True)
 
 
@@ -117,10 +118,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         return child(args)
-    settings = [s for s in args.settings.split(",") if s != "jemalloc" or JEMALLOC.exists()]
+    settings = [s for s in args.settings.split(",") if s != "jemalloc" or JEMALLOC]
+    unset = ("GLIBC_TUNABLES", "LD_PRELOAD", "MALLOC_CONF", "THP_MEM_ALLOC_ENABLE")
     reports = {}
     for setting in settings:
-        unset = ("GLIBC_TUNABLES", "LD_PRELOAD", "MALLOC_CONF", "THP_MEM_ALLOC_ENABLE")
         env = {k: v for k, v in os.environ.items() if k not in unset} | BASE_ENV | SETTINGS[setting]
         command = [sys.executable, __file__, "--child", "--model", str(args.model)]
         command += ["--recipe", args.recipe]
