@@ -40,6 +40,15 @@ def test_final_accuracy_is_the_mean_of_the_last_validations() -> None:
         study.final_accuracy(curve, 0)
 
 
+def test_t_quantiles_match_closed_forms_and_published_tables() -> None:
+    assert study.t_975(1) == pytest.approx(math.tan(0.475 * math.pi), rel=1e-6)  # (Cauchy)
+    assert study.t_975(2) == pytest.approx(0.95 / math.sqrt(2 * 0.975 * 0.025), rel=1e-6)
+    published = {3: 3.182, 10: 2.228, 20: 2.086, 21: 2.080, 23: 2.069, 24: 2.064, 29: 2.045, 60: 2.000}
+    for df, t in published.items():
+        assert round(study.t_975(df), 3) == t, df
+    assert 1.96 < study.t_975(1000) < 1.963 and study.t_975(0) == math.inf
+
+
 def test_seeds_needed_is_the_first_count_whose_interval_is_within_the_goal() -> None:
     gaps = [0.05, -0.06, 0.02, -0.01]
     n = study.seeds_needed(gaps)
