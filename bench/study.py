@@ -41,8 +41,7 @@ from typing import Any
 @functools.cache
 def t_975(df: int) -> float:
     """Student's t with ``df`` degrees of freedom, its 0.975 quantile (a two-sided 95% interval): the t
-    at which the density's integral from 0 (Simpson's rule) reaches 0.475, by bisection. (A table with
-    gaps rounded df 21 to 24 to df 20's 2.086, widening those intervals by up to 1%.)"""
+    at which the density's integral from 0 (Simpson's rule) reaches 0.475, by bisection."""
     if df < 1:
         return math.inf
     log_scale = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
