@@ -341,10 +341,17 @@ def attention(
     out = torch.zeros(b, kv, groups * lq, d, dtype=torch.float64, device=query.device)
     for start in range(0, lk, KEY_CHUNK):
         keys = slice(start, start + KEY_CHUNK)
-        part_scales = vs[:, :, keys]
+        part_weights, part_values, part_scales = weights[..., keys], vi[:, :, keys], vs[:, :, keys]
+        # A class's terms, the others zeroed: on the weights' side where it is the smaller (decoding:
+        # a query row or a few against D value columns), else the values'. The same exact sum.
+        on_weights = part_weights.shape[-2] < part_values.shape[-1]
         for cls in torch.unique(part_scales).tolist():
-            in_class = torch.where(part_scales == cls, vi[:, :, keys], torch.zeros_like(vi[:, :, keys]))
-            out = out + (weights[..., keys] @ in_class) * cls  # (an exact integer sum, times a power of 2)
+            in_class = part_scales == cls  # [B, KV, keys, 1]
+            if on_weights:
+                total_in_class = torch.where(in_class.transpose(-1, -2), part_weights, 0.0) @ part_values
+            else:
+                total_in_class = part_weights @ torch.where(in_class, part_values, 0.0)
+            out = out + total_in_class * cls  # (an exact integer sum, times a power of 2)
     out = torch.where(total > 0, out / total.clamp(min=1.0), torch.zeros_like(out)) + 0.0
     return out.reshape(b, h, lq, d).to(query.dtype)
 

@@ -173,7 +173,8 @@ def test_attention_is_close_to_float64_softmax_attention(dtype: torch.dtype, gen
 
 def test_attention_of_a_query_is_the_same_in_prefill_decode_batches_and_padding(gen: torch.Generator) -> None:
     """The trainer attends whole padded sequences; the rollout one new token over its cache, or a chunk
-    of a prompt, beside other requests: each query's output must be the same bits everywhere."""
+    of a prompt, beside other requests: each query's output must be the same bits everywhere. (Decoding
+    zeroes other value classes on the weights' side, the padded batch on the values': the same sums.)"""
     h, kv, d = 6, 2, 64
     lengths = (11, 40, 23)
     seqs = [
