@@ -112,6 +112,7 @@ class FinishedSample:
     top_logprobs: list[Alternatives] | None = None  # per completion token, when asked
     prompt_logprobs: list[float] | None = None  # per prompt token from the second, when asked
     prompt_top_logprobs: list[Alternatives] | None = None
+    cached_prompt_tokens: int = 0  # prompt tokens whose KV came from vLLM's prefix cache
 
 
 Alternatives = list[tuple[int, float]]  # (token id, logprob), most likely first
@@ -471,7 +472,8 @@ class VllmEngine:
                     events.append(piece)
             if output.finished:
                 whole = Progress.joined(self._streams.pop(rid)) if pieces is not None else piece
-                events.append(self._finished(whole, c, self._asked.pop(rid, None)))
+                sample = self._finished(whole, c, self._asked.pop(rid, None))
+                events.append(replace(sample, cached_prompt_tokens=output.num_cached_tokens or 0))
         finished = [e for e in events if isinstance(e, FinishedSample)]
         if self.moe_layers and finished:
             routed = {f.request_id: f for f in self._with_routing(finished)}

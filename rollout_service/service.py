@@ -193,6 +193,7 @@ class Generation:
             top_logprobs=alternatives(sample.top_logprobs),
             prompt_logprobs=sample.prompt_logprobs,
             prompt_top_logprobs=alternatives(sample.prompt_top_logprobs),
+            cached_prompt_tokens=sample.cached_prompt_tokens,
         )
 
     def _routed_experts(self, sample: FinishedSample) -> common_pb2.RoutedExperts | None:

@@ -69,7 +69,7 @@ class TokenAlternatives(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Completion(_message.Message):
-    __slots__ = ("prompt_id", "sample_index", "prompt_token_ids", "token_ids", "logprobs", "text", "finish_reason", "weight_version", "routed_experts", "top_logprobs", "prompt_logprobs", "prompt_top_logprobs")
+    __slots__ = ("prompt_id", "sample_index", "prompt_token_ids", "token_ids", "logprobs", "text", "finish_reason", "weight_version", "routed_experts", "top_logprobs", "prompt_logprobs", "prompt_top_logprobs", "cached_prompt_tokens")
     PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +82,7 @@ class Completion(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_id: str
     sample_index: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -94,7 +95,8 @@ class Completion(_message.Message):
     top_logprobs: _containers.RepeatedCompositeFieldContainer[TokenAlternatives]
     prompt_logprobs: _containers.RepeatedScalarFieldContainer[float]
     prompt_top_logprobs: _containers.RepeatedCompositeFieldContainer[TokenAlternatives]
-    def __init__(self, prompt_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., weight_version: _Optional[int] = ..., routed_experts: _Optional[_Union[_common_pb2.RoutedExperts, _Mapping]] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenAlternatives, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_top_logprobs: _Optional[_Iterable[_Union[TokenAlternatives, _Mapping]]] = ...) -> None: ...
+    cached_prompt_tokens: int
+    def __init__(self, prompt_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., weight_version: _Optional[int] = ..., routed_experts: _Optional[_Union[_common_pb2.RoutedExperts, _Mapping]] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenAlternatives, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_top_logprobs: _Optional[_Iterable[_Union[TokenAlternatives, _Mapping]]] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens")
