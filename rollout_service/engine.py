@@ -343,6 +343,8 @@ class VllmEngine:
             tensor_parallel_size=config.tensor_parallel_size,
             worker_extension_cls="rollout_service.worker_extension.WorkerExtension",
         )
+        if self.exact:
+            self._llm_args["block_size"] = vllm_exact.BLOCK_SIZE
         if config.weight_transfer:  # (registered here, and by the general plugin in worker processes)
             from rollout_service import vllm_transfer
 

@@ -40,6 +40,7 @@ from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_s
 from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 from vllm.model_executor.layers.rotary_embedding.llama3_rope import Llama3RotaryEmbedding
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, UnquantizedEmbeddingMethod
+from vllm.v1.attention.backend import MultipleOf
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
 from fp8rl import exact
@@ -52,6 +53,11 @@ from rollout_service.vllm_fp8 import (
 )
 
 NAME = "fp8rl_exact"
+BLOCK_SIZE = 16
+"""Tokens per KV cache block: the unit of vLLM's prefix cache, which shares only whole blocks. Its CPU
+default (128) is longer than most RL prompts, so the samples of one prompt each computed the whole
+prompt; at 16 they share all but its last partial block. A key and value are the same bits wherever
+they are computed (exact mode), so a prompt taken from the cache changes no logprob."""
 
 
 class ExactConfig(EmulatedBlockFP8Config):
@@ -383,6 +389,10 @@ class ExactAttentionBackend(CPUAttentionBackend):
     @staticmethod
     def get_impl_cls() -> type[CPUAttentionBackendImpl]:
         return ExactAttentionImpl
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec: Any = None) -> list[int | MultipleOf]:
+        return [MultipleOf(BLOCK_SIZE)]  # (vLLM's CPU kernels want 32; this implementation any size)
 
 
 _OOT_OPS = {

@@ -64,10 +64,12 @@ def test_every_sampled_token_matches_bit_for_bit(
 def batch_invariance(stub: rollout_pb2_grpc.RolloutStub, model: Path, recipe: str) -> None:
     """One prompt alone, then the same prompt first among 16, 4 samples each (64 requests; its first
     sample has the lone request's seed): the same tokens and the same logprob bits, which the trainer
-    (the checkpoint's weights, as the replica's) recomputes in either batch."""
+    (the checkpoint's weights, as the replica's) recomputes in either batch. The second time its samples
+    take the prompt's whole KV blocks from the prefix cache (two blocks of 16 of its 42 tokens) that the
+    lone request computed."""
     sampling = common_pb2.SamplingParams(max_tokens=12, temperature=1.0, seed=5)
     texts = [[5 + (7 * i + j) % 900 for j in range(3 + i % 11)] for i in range(15)]
-    target = [17, 401, 23, 99, 1024, 7]
+    target = [17, 401, 23, 99, 1024, 7] * 7
 
     def generate(batch: list[list[int]]) -> list[rollout_pb2.Completion]:
         reply = stub.Generate(
@@ -88,6 +90,8 @@ def batch_invariance(stub: rollout_pb2_grpc.RolloutStub, model: Path, recipe: st
     assert len(alone.token_ids) > 3
     for c in crowd:  # (every sample of a prompt draws from its own seeded stream: the same first sample)
         assert list(c.prompt_token_ids) == target
+    assert alone.cached_prompt_tokens == 0
+    assert [c.cached_prompt_tokens for c in crowd] == [32] * 4
     first = next(c for c in crowd if c.sample_index == 0)
     assert list(first.token_ids) == list(alone.token_ids)
     assert list(first.logprobs) == list(alone.logprobs)
