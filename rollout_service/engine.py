@@ -474,8 +474,7 @@ class VllmEngine:
                     events.append(piece)
             if output.finished:
                 whole = Progress.joined(self._streams.pop(rid)) if pieces is not None else piece
-                sample = self._finished(whole, c, self._asked.pop(rid, None))
-                events.append(replace(sample, cached_prompt_tokens=output.num_cached_tokens or 0))
+                events.append(self._finished(whole, output, self._asked.pop(rid, None)))
         finished = [e for e in events if isinstance(e, FinishedSample)]
         if self.moe_layers and finished:
             routed = {f.request_id: f for f in self._with_routing(finished)}
@@ -495,7 +494,8 @@ class VllmEngine:
         )
         return Progress(request_id, list(c.token_ids), logprobs, c.text, top)
 
-    def _finished(self, whole: Progress, c: Any, asked: Sampling | None) -> FinishedSample:
+    def _finished(self, whole: Progress, output: Any, asked: Sampling | None) -> FinishedSample:
+        c = output.outputs[0]
         sample = FinishedSample(
             whole.request_id,
             whole.token_ids,
@@ -504,6 +504,7 @@ class VllmEngine:
             c.finish_reason or "",
             getattr(c, "routed_experts", None),
             top_logprobs=whole.top_logprobs,
+            cached_prompt_tokens=output.num_cached_tokens or 0,
         )
         scored = self._prompt_scores.pop(whole.request_id, None)
         if asked is None or not asked.prompt_logprobs or scored is None:
